@@ -1,0 +1,172 @@
+"""Which rows of a step belong to which request, and what each request has been scored.
+
+Engine-agnostic: the runner adapter describes a step as a `StepLayout` (requests in
+row order, how many rows each got, how many of its tokens were computed before the
+step, its prompt length) and hands over the raw probe values of the step's rows;
+everything else lives here and is unit-tested without an engine.
+
+Conventions
+- Position p of a request is its p-th token (prompt first, then generated tokens).
+- A prompt row is a row whose position is < prompt length P. Rows served from the
+  prefix cache never run, so they are never scored; `tokens_scored` counts what ran.
+- The score of generated token j is the probe read at the row that sampled it, i.e.
+  position P - 1 + j: the state that decided to emit token j. Token 0 therefore shares
+  its row with the last prompt token, and every generated token has a score the moment
+  it is sampled (none waits for a later step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine_worker.tap import ProbeSlot
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    req_ids: list[str]
+    num_scheduled: np.ndarray
+    num_computed: np.ndarray
+    num_prompt: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = len(self.req_ids)
+        if not (len(self.num_scheduled) == len(self.num_computed) == len(self.num_prompt) == n):
+            raise ValueError("StepLayout: per-request arrays must have one entry per request")
+
+    @property
+    def row_starts(self) -> np.ndarray:
+        starts = np.zeros(len(self.req_ids), dtype=np.int64)
+        if len(self.req_ids) > 1:
+            np.cumsum(self.num_scheduled[:-1], out=starts[1:])
+        return starts
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.num_scheduled.sum())
+
+    def prompt_rows(self, i: int) -> tuple[int, int, int]:
+        """(first row, last row exclusive, first position) of request i's prompt rows in this step."""
+        start, c, n, p = int(self.row_starts[i]), int(self.num_computed[i]), int(self.num_scheduled[i]), int(self.num_prompt[i])
+        count = max(0, min(c + n, p) - c)
+        return start, start + count, c
+
+    def sampling_row(self, i: int) -> tuple[int, int] | None:
+        """(row, generated-token index) if this step samples a new token for request i."""
+        c, n, p = int(self.num_computed[i]), int(self.num_scheduled[i]), int(self.num_prompt[i])
+        if c + n < p:
+            return None  # a chunk of a longer prefill: nothing is sampled yet
+        return int(self.row_starts[i]) + n - 1, c + n - p
+
+
+@dataclass(frozen=True)
+class ProbeTable:
+    """The loaded probe set, in column order, with a version that changes on every swap."""
+
+    version: int
+    slots: tuple[ProbeSlot, ...]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.slots]
+
+    def columns_by_layer(self) -> dict[int, list[tuple[int, int]]]:
+        """layer -> [(slot in that layer's buffer, column in the full score row)]."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for column, slot in enumerate(self.slots):
+            out.setdefault(slot.layer, []).append((slot.slot, column))
+        return out
+
+    def describe(self) -> list[list]:
+        return [[s.name, s.read, s.slope, s.intercept, s.layer] for s in self.slots]
+
+
+@dataclass
+class _PromptAccumulator:
+    table_version: int
+    raw: np.ndarray  # [P, k], NaN where the row never ran
+    done: bool = False
+
+
+@dataclass
+class StepEvents:
+    """What one step produced, ready to be encoded and sent to the API server."""
+
+    table: ProbeTable
+    prompt: list[dict] = field(default_factory=list)
+    tokens: list[dict] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.prompt or self.tokens or self.finished)
+
+
+class ScoreBook:
+    """Per-request prompt accumulators, fed one step at a time."""
+
+    def __init__(self) -> None:
+        self._prompts: dict[str, _PromptAccumulator] = {}
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def gather(self, table: ProbeTable, step_rows: int, raw_by_layer: dict[int, np.ndarray]) -> np.ndarray:
+        """Assemble [rows, k] raw scores in probe-table column order from per-layer buffers."""
+        full = np.empty((step_rows, len(table.slots)), dtype=np.float32)
+        for layer, pairs in table.columns_by_layer().items():
+            layer_scores = raw_by_layer[layer]
+            for slot, column in pairs:
+                full[:, column] = layer_scores[:step_rows, slot]
+        return full
+
+    def record_step(self, layout: StepLayout, table: ProbeTable, raw: np.ndarray) -> StepEvents:
+        events = StepEvents(table=table)
+        if not table.slots:
+            return events
+        for i, req_id in enumerate(layout.req_ids):
+            first, stop, first_pos = layout.prompt_rows(i)
+            if stop > first:
+                acc = self._accumulator(req_id, table, int(layout.num_prompt[i]))
+                acc.raw[first_pos : first_pos + (stop - first)] = raw[first:stop]
+            sampled = layout.sampling_row(i)
+            if sampled is None:
+                continue
+            row, index = sampled
+            if index == 0:
+                acc = self._prompts.get(req_id)
+                if acc is not None and not acc.done:
+                    acc.done = True
+                    events.prompt.append(_prompt_summary(req_id, acc.raw))
+            events.tokens.append({"req": req_id, "index": index, "raw": raw[row].tolist()})
+        return events
+
+    def _accumulator(self, req_id: str, table: ProbeTable, prompt_len: int) -> _PromptAccumulator:
+        acc = self._prompts.get(req_id)
+        if acc is None or acc.table_version != table.version:
+            # A swap mid-prefill starts the aggregate afresh: mixing two probe sets' values
+            # in one mean would be wrong, and tokens_scored then says what was really scored.
+            acc = _PromptAccumulator(table.version, np.full((prompt_len, len(table.slots)), np.nan, np.float32))
+            self._prompts[req_id] = acc
+        return acc
+
+    def finish(self, req_ids: set[str] | list[str]) -> list[str]:
+        done = []
+        for req_id in req_ids:
+            if self._prompts.pop(req_id, None) is not None:
+                done.append(req_id)
+        return done
+
+
+def _prompt_summary(req_id: str, raw: np.ndarray) -> dict:
+    ran = ~np.isnan(raw[:, 0])
+    scored = raw[ran]
+    return {
+        "req": req_id,
+        "prompt_tokens": int(raw.shape[0]),
+        "tokens_scored": int(ran.sum()),
+        "last_raw": raw[-1].tolist(),
+        "mean_raw": scored.mean(axis=0).tolist(),
+        "max_raw": scored.max(axis=0).tolist(),
+    }

@@ -1,0 +1,170 @@
+"""Score events from the worker process to the API-server process, and the hub there.
+
+The worker (rank 0) pushes one small msgpack message per step over ZMQ PUSH/PULL. The
+API server's `ScoreHub` keeps, per request, what has arrived and wakes whoever is
+waiting to attach scores to a response or stream chunk. Requests are keyed by their
+external id: the engine appends "-<8 hex>" to the id the API server chose, and we strip
+that suffix so the middleware can ask by the id it put in `X-Request-Id`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+log = logging.getLogger("probex.delivery")
+
+_ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def external_request_id(engine_request_id: str) -> str:
+    return _ENGINE_SUFFIX.sub("", engine_request_id)
+
+
+class ScorePublisher:
+    """Worker side: fire-and-forget PUSH; never blocks the engine loop."""
+
+    def __init__(self, address: str, high_water_mark: int = 100_000) -> None:
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.connect(address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self.dropped_messages = 0
+
+    def publish(self, message: dict) -> None:
+        try:
+            self._socket.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            # The API server is gone or far behind; counting beats stalling generation.
+            self.dropped_messages += 1
+            if self.dropped_messages in (1, 10, 100) or self.dropped_messages % 1000 == 0:
+                log.warning("probex: %d score messages dropped (API server not draining)", self.dropped_messages)
+
+
+@dataclass
+class ProbeInfo:
+    name: str
+    read: str
+    slope: float
+    intercept: float
+    layer: int
+
+
+@dataclass
+class RequestScores:
+    """Everything that arrived for one request (one prompt of one API call)."""
+
+    prompt: dict | None = None
+    prompt_probes: list[ProbeInfo] | None = None
+    tokens: dict[int, tuple[list[float], list[ProbeInfo]]] = field(default_factory=dict)
+    finished: bool = False
+    touched: float = field(default_factory=time.monotonic)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def has_tokens_below(self, count: int) -> bool:
+        return all(j in self.tokens for j in range(count))
+
+
+class ScoreHub:
+    """API-server side: receives score messages and answers "are request X's scores here yet?"."""
+
+    def __init__(self, address: str, retention_s: float = 300.0) -> None:
+        self.address = address
+        self.retention_s = retention_s
+        self._requests: dict[str, RequestScores] = {}
+        self._tables: dict[int, list[ProbeInfo]] = {}
+        self._task: asyncio.Task | None = None
+        self._socket = None
+        self.messages_received = 0
+
+    def start(self) -> None:
+        if self._task is not None:
+            return
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context.instance()
+        self._socket = ctx.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.bind(self.address)
+        self._task = asyncio.get_running_loop().create_task(self._receive_forever())
+
+    async def _receive_forever(self) -> None:
+        decoder = msgspec.msgpack.Decoder()
+        last_sweep = time.monotonic()
+        while True:
+            frame = await self._socket.recv()
+            try:
+                self.ingest(decoder.decode(frame))
+            except Exception:  # a malformed message must not stop delivery for everyone
+                log.exception("probex: could not ingest a score message")
+            now = time.monotonic()
+            if now - last_sweep > 10:
+                self.sweep(now)
+                last_sweep = now
+
+    def ingest(self, message: dict) -> None:
+        self.messages_received += 1
+        version = message["v"]
+        probes = self._tables.get(version)
+        if probes is None:
+            probes = [ProbeInfo(*p) for p in message["probes"]]
+            self._tables[version] = probes
+        for event in message.get("prompt", ()):
+            state = self._state(external_request_id(event["req"]))
+            state.prompt, state.prompt_probes = event, probes
+            state.changed.set()
+        for event in message.get("tokens", ()):
+            state = self._state(external_request_id(event["req"]))
+            state.tokens[event["index"]] = (event["raw"], probes)
+            state.changed.set()
+        for req in message.get("finished", ()):
+            state = self._requests.get(external_request_id(req))
+            if state is not None:
+                state.finished = True
+                state.changed.set()
+
+    def _state(self, key: str) -> RequestScores:
+        state = self._requests.get(key)
+        if state is None:
+            state = self._requests[key] = RequestScores()
+        state.touched = time.monotonic()
+        return state
+
+    def get(self, key: str) -> RequestScores:
+        return self._state(key)
+
+    def release(self, key: str) -> None:
+        self._requests.pop(key, None)
+
+    def sweep(self, now: float | None = None) -> None:
+        """Forget requests nobody asked about (e.g. sent straight to the engine)."""
+        now = time.monotonic() if now is None else now
+        stale = [k for k, s in self._requests.items() if now - s.touched > self.retention_s]
+        for key in stale:
+            del self._requests[key]
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    async def wait_for(self, key: str, *, prompt: bool, tokens: int, timeout: float) -> bool:
+        """Wait until the prompt summary (if asked) and tokens [0, tokens) are in; False on timeout."""
+        state = self._state(key)
+        deadline = time.monotonic() + timeout
+        while not ((state.prompt is not None or not prompt) and state.has_tokens_below(tokens)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            state.changed.clear()
+            try:
+                await asyncio.wait_for(state.changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return False
+        return True

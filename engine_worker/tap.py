@@ -1,0 +1,79 @@
+"""Static buffers of one tapped layer and the probes loaded into them.
+
+A `LayerTap` is an nn.Module attached to a decoder layer when the model is built, so
+its buffers land on the model's device and torch.compile sees them as module state.
+Their addresses never change: a live probe swap copies new values into them between
+steps, which is what lets compiled graphs and CUDA graphs keep running unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+import engine_worker.ops  # noqa: F401  (registers torch.ops.probex.tap)
+
+
+@dataclass(frozen=True)
+class ProbeSlot:
+    """Host-side record of the probe living in one row of a layer's weight buffer."""
+
+    name: str
+    layer: int
+    slot: int
+    read: str
+    slope: float
+    intercept: float
+
+
+class LayerTap(nn.Module):
+    def __init__(
+        self,
+        layer: int,
+        hidden_size: int,
+        capacity: int,
+        max_rows: int,
+        capture_rows: int = 0,
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.hidden_size = hidden_size
+        self.capacity = capacity
+        f32 = torch.float32
+        self.register_buffer("weight", torch.zeros(capacity, hidden_size, dtype=f32), persistent=False)
+        self.register_buffer("bias", torch.zeros(capacity, dtype=f32), persistent=False)
+        self.register_buffer("scores", torch.zeros(max_rows, capacity, dtype=f32), persistent=False)
+        self.register_buffer("capture_index", torch.zeros(capture_rows, dtype=torch.long), persistent=False)
+        self.register_buffer("capture", torch.zeros(capture_rows, hidden_size, dtype=f32), persistent=False)
+
+    @property
+    def max_rows(self) -> int:
+        return self.scores.shape[0]
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        torch.ops.probex.tap(
+            hidden, residual, self.weight, self.bias, self.scores, self.capture_index, self.capture
+        )
+
+    @torch.no_grad()
+    def load(self, weights: np.ndarray, biases: np.ndarray) -> None:
+        """Copy k probes into slots 0..k-1 and zero the rest, in place (addresses kept)."""
+        k = weights.shape[0]
+        if k > self.capacity:
+            raise ValueError(f"layer {self.layer}: {k} probes exceed the {self.capacity} slots fixed at startup")
+        staged_w = torch.zeros_like(self.weight, device="cpu")
+        staged_b = torch.zeros_like(self.bias, device="cpu")
+        if k:
+            staged_w[:k] = torch.from_numpy(np.asarray(weights, dtype=np.float32))
+            staged_b[:k] = torch.from_numpy(np.asarray(biases, dtype=np.float32))
+        self.weight.copy_(staged_w)
+        self.bias.copy_(staged_b)
+
+    def set_capture_rows(self, rows: np.ndarray) -> None:
+        n = min(len(rows), self.capture_index.shape[0])
+        staged = torch.zeros(self.capture_index.shape[0], dtype=torch.long)
+        staged[:n] = torch.from_numpy(np.asarray(rows[:n], dtype=np.int64))
+        self.capture_index.copy_(staged, non_blocking=True)

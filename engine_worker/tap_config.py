@@ -1,0 +1,61 @@
+"""The tap configuration, carried to every vLLM process in `additional_config["probex"]`.
+
+vLLM hashes additional_config into its compile-cache key, so a graph compiled with a
+different tap (or none) is never reused for this one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ADDITIONAL_CONFIG_KEY = "probex"
+
+
+@dataclass(frozen=True)
+class TapConfig:
+    layers: tuple[int, ...]
+    probe_dirs: tuple[str, ...] = ()
+    # Slots per tapped layer. Live swaps copy into these, so capacity is fixed at startup.
+    probes_per_layer: int = 8
+    # Rows per step the capture buffer can hold; 0 turns capture mode off (and its cost with it).
+    capture_rows: int = 0
+    capture_dir: str | None = None
+    # ZMQ address the worker pushes score events to (the API server binds it).
+    score_address: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("probex tap: at least one layer must be tapped")
+        if any(isinstance(l, bool) or not isinstance(l, int) or l < 0 for l in self.layers):
+            raise ValueError(f"probex tap: layers must be non-negative integers, got {list(self.layers)}")
+        if self.probes_per_layer < 1:
+            raise ValueError("probex tap: probes_per_layer must be at least 1")
+        if self.capture_rows < 0:
+            raise ValueError("probex tap: capture_rows must be >= 0")
+        if self.capture_rows and not self.capture_dir:
+            raise ValueError("probex tap: capture mode needs a capture_dir")
+
+    @property
+    def capture_enabled(self) -> bool:
+        return self.capture_rows > 0
+
+    def to_additional_config(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["layers"] = list(self.layers)
+        data["probe_dirs"] = list(self.probe_dirs)
+        return {ADDITIONAL_CONFIG_KEY: data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_additional_config())
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Any) -> "TapConfig | None":
+        if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
+            return None
+        data = dict(additional_config[ADDITIONAL_CONFIG_KEY])
+        data["layers"] = tuple(sorted(set(data.get("layers", ()))))
+        data["probe_dirs"] = tuple(data.get("probe_dirs", ()))
+        return cls(**data)

@@ -1,0 +1,96 @@
+"""Decoder-layer patches: the only place ProbeX touches vLLM model classes.
+
+Each supported decoder layer gets, when its index is tapped, a `LayerTap` child module
+(built with the layer, so its buffers live on the model's device) and a forward that
+feeds the layer's output (hidden, residual) to `torch.ops.probex.tap` before returning
+it unchanged. Untapped layers and engines without a tap configuration are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+
+from engine_worker.tap import LayerTap
+from engine_worker.tap_config import TapConfig
+
+log = logging.getLogger("probex.models")
+
+# module path -> decoder-layer classes whose forward returns (hidden_states, residual)
+SUPPORTED_DECODER_LAYERS = {
+    "vllm.model_executor.models.llama": ("LlamaDecoderLayer",),
+    "vllm.model_executor.models.mistral": ("MistralDecoderLayer",),
+    "vllm.model_executor.models.qwen2": ("Qwen2DecoderLayer",),
+}
+
+_PATCHED_MARK = "_probex_patched"
+
+
+def patch_decoder_layers() -> list[str]:
+    patched = []
+    for module_name, class_names in SUPPORTED_DECODER_LAYERS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for class_name in class_names:
+            cls = getattr(module, class_name, None)
+            if cls is not None and _patch_class(cls):
+                patched.append(f"{module_name}.{class_name}")
+    return patched
+
+
+def _patch_class(cls: type) -> bool:
+    if cls.__dict__.get(_PATCHED_MARK):
+        return False
+    original_init = cls.__init__
+    init_signature = inspect.signature(original_init)
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        prefix = init_signature.bind(self, *args, **kwargs).arguments.get("prefix", "")
+        _attach_tap(self, prefix)
+
+    cls.__init__ = __init__
+    if "forward" in cls.__dict__:
+        original_forward = cls.forward
+
+        @functools.wraps(original_forward)
+        def forward(self, positions, hidden_states, residual, *args, **kwargs):
+            hidden_states, residual = original_forward(self, positions, hidden_states, residual, *args, **kwargs)
+            tap = getattr(self, "probex_tap", None)
+            if tap is not None:
+                tap(hidden_states, residual)
+            return hidden_states, residual
+
+        cls.forward = forward
+    setattr(cls, _PATCHED_MARK, True)
+    return True
+
+
+def _attach_tap(layer, prefix: str) -> None:
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None or hasattr(layer, "probex_tap"):
+        return
+    tap_config = TapConfig.from_additional_config(vllm_config.additional_config)
+    if tap_config is None or not prefix:
+        return
+    try:
+        index = extract_layer_index(prefix)
+    except (AssertionError, ValueError):
+        return
+    if index not in tap_config.layers:
+        return
+    scheduler = vllm_config.scheduler_config
+    # Room for every row a step (or a CUDA-graph capture size) can hold.
+    max_rows = scheduler.max_num_batched_tokens + scheduler.max_num_seqs
+    hidden_size = getattr(layer, "hidden_size", None) or vllm_config.model_config.get_hidden_size()
+    capture_rows = min(tap_config.capture_rows, max_rows) if tap_config.capture_enabled else 0
+    layer.probex_tap = LayerTap(index, hidden_size, tap_config.probes_per_layer, max_rows, capture_rows)
+    log.info("probex: tapping decoder layer %d (%s), %d probe slots", index, type(layer).__name__, tap_config.probes_per_layer)

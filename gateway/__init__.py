@@ -1,0 +1,1 @@
+"""ProbeX gateway: the OpenAI-compatible monitoring proxy (talks to workers over HTTP only)."""

@@ -1,0 +1,1 @@
+"""ProbeX command-line tools (the `probex` console script) and shared helpers for them."""
