@@ -127,7 +127,7 @@ class ProbexMiddleware:
         raw_config = os.environ.get(ENV_TAP_CONFIG)
         self.tap_config = tap_config or (TapConfig.from_additional_config(json.loads(raw_config)) if raw_config else None)
         address = self.tap_config.score_address if self.tap_config else None
-        self.hub = hub or (ScoreHub(address) if address else None)
+        self.hub = hub if hub is not None else (ScoreHub(address) if address else None)
         self.admin_token = os.environ.get(ENV_ADMIN_TOKEN) or None
         self.score_wait_s = float(os.environ.get(ENV_SCORE_WAIT, "10"))
         self._swap_lock = asyncio.Lock()

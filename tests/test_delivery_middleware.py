@@ -1,0 +1,131 @@
+"""Delivery logic with a fake upstream app: ordering, waiting, stripping, refusals.
+
+The real engine path is covered by tests/test_engine_*.py; this file pins the
+middleware's own rules, which are easier to break subtly than to see break.
+"""
+
+import asyncio
+import json
+
+import pytest
+
+from engine_worker.delivery import ScoreHub, external_request_id
+from engine_worker.middleware import ProbexMiddleware, RequestRefused, inspect_request
+from engine_worker.tap_config import TapConfig
+
+PROBES = [["p", "last_prompt_token", 1.0, 0.0, 3]]
+
+
+def test_engine_suffix_is_stripped():
+    assert external_request_id("chatcmpl-probex-abc-0123abcd") == "chatcmpl-probex-abc"
+    assert external_request_id("cmpl-probex-abc-1-0123abcd") == "cmpl-probex-abc-1"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"vllm_xargs": {"probex_recompute": "maybe"}}, "must be true or false"),
+        ({"vllm_xargs": {"probex_colour": 1}}, "unknown ProbeX option vllm_xargs.probex_colour"),
+        ({"vllm_xargs": "x"}, "vllm_xargs must be an object"),
+        ({"n": 2}, "n=2"),
+        ({"use_beam_search": True}, "beam search"),
+    ],
+)
+def test_bad_probex_requests_are_refused(body, message):
+    with pytest.raises(RequestRefused, match=message):
+        inspect_request("/v1/chat/completions", {"messages": [], **body})
+
+
+def test_xargs_are_normalised_and_token_ids_requested():
+    call = inspect_request("/v1/chat/completions", {"vllm_xargs": {"probex_recompute": "true", "other": 3}})
+    assert call.body["vllm_xargs"] == {"probex_recompute": 1, "other": 3}
+    assert call.body["return_token_ids"] is True and not call.wants_token_ids
+    assert call.key(0).startswith("chatcmpl-probex-")
+    completion = inspect_request("/v1/completions", {"prompt": ["a", "b"]})
+    assert completion.num_prompts == 2 and completion.key(1).endswith("-1")
+
+
+class FakeEngineApp:
+    """Streams chunks like vLLM; the test feeds the hub as the worker would."""
+
+    def __init__(self, hub, chunks, feed):
+        self.hub, self.chunks, self.feed = hub, chunks, feed
+        self.seen_request_id = None
+
+    async def __call__(self, scope, receive, send):
+        body = json.loads((await receive())["body"])
+        self.seen_request_id = dict(scope["headers"])[b"x-request-id"].decode()
+        engine_id = f"chatcmpl-{self.seen_request_id}-deadbeef"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i, chunk in enumerate(self.chunks):
+            asyncio.get_running_loop().call_later(0.05, self.feed, engine_id, i)  # scores arrive *after* the chunk
+            payload = {"choices": [{"index": 0, **chunk}], "prompt_token_ids": [1, 2] if i == 0 else None}
+            data = b"data: " + json.dumps(payload).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        assert body["return_token_ids"] is True
+
+
+def run_stream(chunks, feed):
+    async def go():
+        hub = ScoreHub("inproc://unused")
+        hub.start = lambda: None
+        app = FakeEngineApp(hub, chunks, lambda engine_id, i: feed(hub, engine_id, i))
+        middleware = ProbexMiddleware(app, hub=hub, tap_config=TapConfig(layers=(3,)))
+        sent = []
+        body = json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+        scope = {"type": "http", "path": "/v1/chat/completions", "method": "POST", "headers": []}
+        queue = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return queue.pop(0) if queue else await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append(message)
+
+        await middleware(scope, receive, send)
+        text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+        events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
+        return [json.loads(e) for e in events if e != "[DONE]"], events[-1], len(hub)
+
+    return asyncio.run(go())
+
+
+def test_each_chunk_waits_for_and_carries_its_own_token_scores():
+    chunks = [
+        {"delta": {"role": "assistant"}, "token_ids": []},
+        {"delta": {"content": "a"}, "token_ids": [7]},
+        {"delta": {"content": "bc"}, "token_ids": [8, 9]},
+        {"delta": {}, "token_ids": [], "finish_reason": "stop"},
+    ]
+    tokens_in_chunk = [0, 1, 2, 0]
+
+    def feed(hub, engine_id, i):
+        start = sum(tokens_in_chunk[:i])
+        message = {"v": 1, "probes": PROBES, "tokens": [
+            {"req": engine_id, "index": j, "raw": [float(j)]} for j in range(start, start + tokens_in_chunk[i])
+        ]}
+        if i == 0:
+            message["prompt"] = [{"req": engine_id, "prompt_tokens": 2, "tokens_scored": 2,
+                                  "last_raw": [0.0], "mean_raw": [0.0], "max_raw": [0.0]}]
+        hub.ingest(message)
+
+    out, last, remaining = run_stream(chunks, feed)
+    assert last == "[DONE]" and remaining == 0
+    # The role chunk carries no token, so it does not wait; the prompt part must then ride
+    # on the first content chunk at the latest.
+    assert "probex" not in out[0]
+    assert out[1]["probex"]["scores"]["p"]["prompt"]["prompt_tokens"] == 2
+    assert out[1]["probex"]["scores"]["p"]["generated"] == {"offset": 0, "scores": [0.5]}
+    assert out[2]["probex"]["scores"]["p"]["generated"]["offset"] == 1
+    assert len(out[2]["probex"]["scores"]["p"]["generated"]["scores"]) == 2
+    assert "probex" not in out[3]
+    assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c for c in out)
+
+
+def test_missing_scores_do_not_hang_the_stream(monkeypatch):
+    monkeypatch.setenv("PROBEX_SCORE_WAIT_S", "0.2")
+    chunks = [{"delta": {"content": "a"}, "token_ids": [7]}]
+    out, last, _ = run_stream(chunks, lambda hub, engine_id, i: None)
+    assert last == "[DONE]"
+    assert out[0].get("probex", {}).get("scores", {}) == {}
