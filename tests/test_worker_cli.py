@@ -1,0 +1,48 @@
+"""`probex worker` refuses bad probes before any engine starts, naming the file and the problem."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from probes.artifact import ProbeArtifact, ReadPoint, save_probe
+from tests.engine_harness import model_dir
+
+
+def run_worker(*args):
+    return subprocess.run([sys.executable, "-m", "probex.cli", "worker", "--model", str(model_dir()), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def probe(tmp_path, name, hidden=576, layer=3, weight=None):
+    w = np.ones(hidden, np.float32) if weight is None else weight
+    return save_probe(ProbeArtifact(name=name, layer=layer, read=ReadPoint.LAST_PROMPT_TOKEN, weight=w, bias=0.0),
+                      tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("hidden", "has hidden_size 512 but the served model has hidden_size 576"),
+        ("layer", "reads layer 30, out of range for a model with 30 decoder layers"),
+        ("nan", "non-finite values"),
+    ],
+)
+def test_bad_probe_is_a_startup_refusal(tmp_path, kind, message):
+    if kind == "hidden":
+        path = probe(tmp_path, "p", hidden=512)
+    elif kind == "layer":
+        path = probe(tmp_path, "p", layer=30)
+    else:
+        path = probe(tmp_path, "p", weight=np.full(576, np.nan, np.float32))
+    result = run_worker("--probe", str(path))
+    assert result.returncode != 0
+    assert message in result.stderr and str(path) in result.stderr
+
+
+def test_out_of_range_extra_layer_and_no_tap_are_refused(tmp_path):
+    result = run_worker("--layer", "99")
+    assert result.returncode != 0 and "--layer 99 is out of range" in result.stderr
+    result = run_worker()
+    assert result.returncode != 0 and "at least one --probe or --layer" in result.stderr
