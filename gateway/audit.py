@@ -1,0 +1,115 @@
+"""Audit trail of flags and blocks: a bounded Redis stream, or a local JSONL file.
+
+Redis down at runtime: events wait in a bounded in-memory backlog and are retried on the
+next event and by a periodic flush; an event pushed out of a full backlog is counted
+(`probex_audit_events_total{result="dropped"}`), never silently lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("probex.audit")
+
+AUDIT_STREAM = "probex:audit"
+POLICY_VERSION_KEY = "probex:policy_version"
+
+
+class AuditSink:
+    name = "none"
+
+    async def record(self, event: dict) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    async def publish_policy_version(self, version: str) -> None:
+        return None
+
+    async def flush(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class JsonlAudit(AuditSink):
+    name = "jsonl"
+
+    def __init__(self, path: Path, metrics: GatewayMetrics) -> None:
+        self.path = path
+        self.metrics = metrics
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    async def record(self, event: dict) -> None:
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        with self.path.open("a") as fh:
+            fh.write(line)
+        self.metrics.audit_events.labels(sink=self.name, result="written").inc()
+
+
+class RedisAudit(AuditSink):
+    name = "redis"
+
+    def __init__(self, url: str, metrics: GatewayMetrics, maxlen: int = 100_000, backlog: int = 10_000) -> None:
+        import redis.asyncio as aioredis
+
+        self.client = aioredis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        self.metrics = metrics
+        self.maxlen = maxlen
+        self.backlog: deque[dict] = deque()
+        self.backlog_limit = backlog
+        self._lock = asyncio.Lock()
+
+    async def record(self, event: dict) -> None:
+        if len(self.backlog) >= self.backlog_limit:
+            self.backlog.popleft()
+            self.metrics.audit_events.labels(sink=self.name, result="dropped").inc()
+        self.backlog.append(event)
+        await self.flush()
+
+    async def flush(self) -> None:
+        async with self._lock:
+            while self.backlog:
+                event = self.backlog[0]
+                fields = {k: v if isinstance(v, (str, int, float)) else json.dumps(v) for k, v in event.items()}
+                try:
+                    await self.client.xadd(AUDIT_STREAM, fields, maxlen=self.maxlen, approximate=True)
+                except Exception as exc:  # redis down: keep the backlog, retry later
+                    self.metrics.audit_events.labels(sink=self.name, result="retry").inc()
+                    log.warning("probex audit: Redis unavailable (%s); %d events waiting", exc, len(self.backlog))
+                    break
+                self.backlog.popleft()
+                self.metrics.audit_events.labels(sink=self.name, result="written").inc()
+            self.metrics.audit_backlog.set(len(self.backlog))
+
+    async def publish_policy_version(self, version: str) -> None:
+        try:
+            await self.client.set(POLICY_VERSION_KEY, json.dumps({"version": version, "time": time.time()}))
+        except Exception as exc:
+            log.warning("probex: could not publish policy version to Redis: %s", exc)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def audit_event(*, request_id: str, tenant: str, decision: str, probe: str | None, phase: str | None,
+                scores: dict, policy_version: str, prompt: str | None = None) -> dict:
+    event = {
+        "request_id": request_id,
+        "tenant": tenant,
+        "decision": decision,
+        "probe": probe or "",
+        "phase": phase or "",
+        "scores": scores,
+        "policy_version": policy_version,
+        "time": time.time(),
+    }
+    if prompt is not None:
+        event["prompt"] = prompt
+    return event

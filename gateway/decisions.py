@@ -1,0 +1,57 @@
+"""Turning the worker's `probex` scores into allow / flag / block, per tenant. Pure functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.policy import Decision, TenantView
+
+
+@dataclass
+class Verdict:
+    decision: Decision = Decision.ALLOW
+    probe: str | None = None
+    phase: str | None = None  # "prompt", "generated" or "missing"
+    scores: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, other: "Verdict") -> "Verdict":
+        """The stricter of two verdicts (ties keep the earlier reason); scores are combined."""
+        winner = other if other.decision.rank > self.decision.rank else self
+        return Verdict(winner.decision, winner.probe, winner.phase, {**self.scores, **other.scores})
+
+
+def judge_prompt(tenant: TenantView, probex: dict | None, fail_closed: bool) -> Verdict:
+    """Decide on the prompt scores (the `score` of each probe, per its read point)."""
+    scores = (probex or {}).get("scores") or {}
+    verdict = Verdict()
+    for rule in tenant.rules:
+        entry = scores.get(rule.probe)
+        if entry is None or entry.get("score") is None:
+            if fail_closed:
+                verdict = verdict.merge(Verdict(Decision.BLOCK, rule.probe, "missing"))
+            continue
+        score = float(entry["score"])
+        verdict = verdict.merge(Verdict(rule.prompt.decide(score), rule.probe, "prompt", {rule.probe: score}))
+    return verdict
+
+
+def judge_generated(tenant: TenantView, generated: dict[str, list[float | None]]) -> Verdict:
+    """Decide on newly generated tokens' scores (a chunk's, or a whole response's)."""
+    verdict = Verdict()
+    for rule in tenant.rules:
+        values = [v for v in generated.get(rule.probe, ()) if v is not None]
+        if not values:
+            continue
+        peak = max(values)
+        verdict = verdict.merge(Verdict(rule.generated.decide(peak), rule.probe, "generated", {rule.probe: peak}))
+    return verdict
+
+
+def generated_scores(probex: dict | None) -> dict[str, list[float | None]]:
+    """Per-probe generated-token scores from a response body or a stream chunk."""
+    out: dict[str, list[float | None]] = {}
+    for name, entry in ((probex or {}).get("scores") or {}).items():
+        values = (entry.get("generated") or {}).get("scores")
+        if values:
+            out[name] = values
+    return out

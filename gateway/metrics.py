@@ -1,0 +1,32 @@
+"""Prometheus metrics of the gateway (names follow vLLM / LiteLLM style: probex_*)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+SCORE_BUCKETS = tuple(i / 20 for i in range(1, 21))
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("probex_requests_total", "Monitored requests by decision", ["decision", "probe", "tenant"], registry=r)
+        self.probe_score = Histogram("probex_probe_score", "Calibrated probe scores", ["probe", "phase"], buckets=SCORE_BUCKETS, registry=r)
+        self.overhead = Histogram("probex_gateway_overhead_seconds", "Time spent in the gateway, upstream excluded", buckets=OVERHEAD_BUCKETS, registry=r)
+        self.upstream_errors = Counter("probex_upstream_errors_total", "Upstream failures", ["upstream", "kind"], registry=r)
+        self.reloads = Counter("probex_policy_reloads_total", "Policy reloads", ["result"], registry=r)
+        self.policy_version = Gauge("probex_policy_version", "Active policy (value 1, version as label)", ["version"], registry=r)
+        self.retention = Gauge("probex_calibration_retention", "Relative calibration retention per probe", ["probe"], registry=r)
+        self.alarm = Gauge("probex_calibration_alarm", "1 when a probe's retention is below the policy threshold", ["probe"], registry=r)
+        self.prompt_tokens = Counter("probex_prompt_tokens_total", "Prompt tokens of monitored requests", registry=r)
+        self.prompt_tokens_scored = Counter("probex_prompt_tokens_scored_total", "Prompt tokens the probes actually read", registry=r)
+        self.scores_missing = Counter("probex_scores_missing_total", "Responses that arrived without probe scores", ["tenant"], registry=r)
+        self.audit_events = Counter("probex_audit_events_total", "Audit events by sink and result", ["sink", "result"], registry=r)
+        self.audit_backlog = Gauge("probex_audit_backlog", "Audit events waiting for Redis", registry=r)
+        self.upstream_healthy = Gauge("probex_upstream_healthy", "1 when the upstream answers its health check", ["upstream"], registry=r)
+
+    def set_policy_version(self, version: str) -> None:
+        self.policy_version.clear()
+        self.policy_version.labels(version=version).set(1)

@@ -1,0 +1,161 @@
+"""A fast stand-in for `probex worker`, for gateway unit tests and the gateway benchmark.
+
+It speaks the worker's HTTP surface (OpenAI endpoints with a `probex` field, `/probex/probes`,
+`/probex/health`) and streams at a fixed token rate. Scores are a deterministic function
+of the prompt text, so tests can steer decisions:
+- a prompt containing "bomb" scores 0.95 on every probe, anything else 0.05;
+- generated token j of a prompt containing "escalate" scores min(0.99, 0.1 + 0.1 j).
+It proves nothing about monitoring (the engine tests do that); it isolates the gateway.
+
+    python -m gateway.mock_upstream --port 8100 --tokens-per-s 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+MODEL = "mock-model"
+WORDS = "The quick brown fox jumps over the lazy dog and keeps on running".split()
+
+
+class MockState:
+    def __init__(self, probes: list[str], tokens_per_s: float, max_tokens: int = 16,
+                 admin_token: str | None = None) -> None:
+        self.probes = probes
+        self.tokens_per_s = tokens_per_s
+        self.default_max_tokens = max_tokens
+        self.admin_token = admin_token
+        self.retention: dict[str, float] = {}
+        self.requests_seen: list[dict] = []
+        self.aborted = 0
+
+
+def _prompt_of(body: dict) -> str:
+    if "messages" in body:
+        return " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    return str(body.get("prompt", ""))
+
+
+def _prompt_score(text: str) -> float:
+    return 0.95 if "bomb" in text.lower() else 0.05
+
+
+def _token_score(text: str, j: int) -> float:
+    return min(0.99, 0.1 + 0.1 * j) if "escalate" in text.lower() else 0.05
+
+
+def create_mock_app(state: MockState) -> Starlette:
+    async def health(request: Request):
+        return Response(status_code=200)
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def probes_route(request: Request):
+        if request.method == "PUT":
+            if state.admin_token and request.headers.get("authorization") != f"Bearer {state.admin_token}":
+                return JSONResponse({"error": {"message": "admin token required"}}, status_code=401)
+            body = await request.json()
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in body["probes"]]
+            if any("reject" in n for n in names):
+                return JSONResponse({"error": {"message": "probe rejected by mock"}}, status_code=400)
+            state.probes = names
+        return JSONResponse({"version": 1, "probes": [{"name": n} for n in state.probes]})
+
+    async def probex_health(request: Request):
+        return JSONResponse({"probes": state.probes, "retention": state.retention})
+
+    async def completions(request: Request):
+        body = await request.json()
+        state.requests_seen.append(body)
+        chat = request.url.path.endswith("/chat/completions")
+        if body.get("model") != MODEL:
+            return JSONResponse({"error": {"message": "model not found", "type": "NotFoundError"}}, status_code=404)
+        text = _prompt_of(body)
+        n = int(body.get("max_tokens") or state.default_max_tokens)
+        prompt_tokens = max(1, len(text.split()))
+        prompt = {name: {"score": _prompt_score(text), "read": "last_prompt_token",
+                         "prompt": {"last": _prompt_score(text), "last_raw": 0.0, "mean": _prompt_score(text),
+                                    "max": _prompt_score(text), "tokens_scored": prompt_tokens,
+                                    "prompt_tokens": prompt_tokens}} for name in state.probes}
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-mock-{uuid.uuid4().hex[:12]}"
+        created = int(time.time())
+        words = [WORDS[j % len(WORDS)] + " " for j in range(n)]
+        if not body.get("stream"):
+            if state.tokens_per_s:
+                await asyncio.sleep(n / state.tokens_per_s)
+            scores = {name: {**prompt[name], "generated": {"scores": [_token_score(text, j) for j in range(n)],
+                                                           "max": max(_token_score(text, j) for j in range(n))}}
+                      for name in state.probes}
+            content = "".join(words)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": content, "finish_reason": "length"})
+            return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                 "created": created, "model": MODEL, "choices": [choice],
+                                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                           "total_tokens": prompt_tokens + n},
+                                 "probex": {"scores": scores}})
+
+        async def events():
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            try:
+                if chat:
+                    first = {"id": rid, "object": obj, "created": created, "model": MODEL,
+                             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "finish_reason": None}], "probex": {"scores": prompt}}
+                    yield b"data: " + json.dumps(first).encode() + b"\n\n"
+                for j, word in enumerate(words):
+                    if state.tokens_per_s:
+                        await asyncio.sleep(1 / state.tokens_per_s)
+                    piece = {"delta": {"content": word}} if chat else {"text": word}
+                    scores = {name: {"generated": {"offset": j, "scores": [_token_score(text, j)]}}
+                              for name in state.probes}
+                    if not chat and j == 0:
+                        scores = {name: {**prompt[name], **scores[name]} for name in state.probes}
+                    chunk = {"id": rid, "object": obj, "created": created, "model": MODEL,
+                             "choices": [{"index": 0, **piece, "finish_reason": "length" if j == n - 1 else None}],
+                             "probex": {"scores": scores}}
+                    yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                state.aborted += 1
+                raise
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    routes = [
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/probex/probes", probes_route, methods=["GET", "PUT"]),
+        Route("/probex/health", probex_health),
+    ]
+    app = Starlette(routes=routes)
+    app.state.mock = state
+    return app
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--tokens-per-s", type=float, default=200.0)
+    parser.add_argument("--probe", action="append", default=["harmful-request"])
+    args = parser.parse_args()
+    uvicorn.run(create_mock_app(MockState(args.probe, args.tokens_per_s)), host="127.0.0.1", port=args.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

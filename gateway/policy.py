@@ -1,0 +1,191 @@
+"""The gateway policy: what to monitor, when to flag or block, and who may see what.
+
+Policies are YAML files validated by these pydantic models; `probex policy-schema`
+writes the JSON Schema to config/policy.schema.json for editors and CI. Probe paths are
+resolved relative to the policy file and read with `probes.artifact` (numpy + YAML,
+never torch), so the gateway can refuse a bad probe before any worker sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from probes.artifact import ProbeArtifact, ProbeFormatError, check_probe_set, load_probe
+
+
+class PolicyError(ValueError):
+    """A policy (or a probe it names) that cannot be served; the previous one stays active."""
+
+
+class Decision(str, Enum):
+    ALLOW = "allow"
+    FLAG = "flag"
+    BLOCK = "block"
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self]
+
+
+_RANK = {Decision.ALLOW: 0, Decision.FLAG: 1, Decision.BLOCK: 2}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Thresholds(_Strict):
+    """Scores are calibrated probabilities; at or above `flag` flags, at or above `block` blocks."""
+
+    flag: float | None = Field(default=None, ge=0.0, le=1.0)
+    block: float | None = Field(default=None, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Thresholds":
+        if self.flag is not None and self.block is not None and self.flag > self.block:
+            raise ValueError(f"flag threshold {self.flag} is above block threshold {self.block}")
+        return self
+
+    def decide(self, score: float | None) -> Decision:
+        if score is None:
+            return Decision.ALLOW
+        if self.block is not None and score >= self.block:
+            return Decision.BLOCK
+        if self.flag is not None and score >= self.flag:
+            return Decision.FLAG
+        return Decision.ALLOW
+
+
+class Rule(_Strict):
+    probe: str
+    prompt: Thresholds = Thresholds()
+    generated: Thresholds = Thresholds()
+
+
+class ProbeRef(_Strict):
+    path: str
+
+
+class AuditSettings(_Strict):
+    include_prompt: bool = False
+    maxlen: int = Field(default=100_000, ge=100)
+
+
+class TenantSettings(_Strict):
+    """Per-tenant overrides of the policy's defaults."""
+
+    rules: list[Rule] | None = None
+    on_block: Literal["error", "refusal"] | None = None
+    expose_scores: bool | None = None
+
+
+class Policy(_Strict):
+    probes: dict[str, ProbeRef] = Field(default_factory=dict)
+    rules: list[Rule] = Field(default_factory=list)
+    on_block: Literal["error", "refusal"] = "error"
+    refusal_message: str = "I can't help with that request."
+    missing_scores: Literal["fail_open", "fail_closed"] = "fail_open"
+    expose_scores: bool = False
+    calibration_alarm_below: float = Field(default=0.5, ge=0.0, le=1.0)
+    audit: AuditSettings = AuditSettings()
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+    api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant name")
+    admin_keys: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Policy":
+        rules = list(self.rules) + [r for t in self.tenants.values() for r in (t.rules or [])]
+        for rule in rules:
+            if rule.probe not in self.probes:
+                raise ValueError(f"rule refers to probe {rule.probe!r}, which is not listed under probes")
+        for key, tenant in self.api_keys.items():
+            if tenant != "default" and tenant not in self.tenants:
+                raise ValueError(f"api key {key[:4]}... maps to unknown tenant {tenant!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class TenantView:
+    """The effective settings for one tenant (defaults merged with its overrides)."""
+
+    name: str
+    rules: tuple[Rule, ...]
+    on_block: str
+    expose_scores: bool
+
+
+@dataclass(frozen=True)
+class LoadedPolicy:
+    policy: Policy
+    version: str
+    source: Path | None
+    probes: dict[str, ProbeArtifact]
+
+    @property
+    def probe_dirs(self) -> list[str]:
+        return [str(p.source) for p in self.probes.values()]
+
+    @property
+    def needs_recompute(self) -> bool:
+        """Interior reads see only recomputed prompt rows; bypass the prefix cache for them."""
+        return any(p.read.reads_interior_tokens for p in self.probes.values())
+
+    def tenant(self, name: str) -> TenantView:
+        overrides = self.policy.tenants.get(name, TenantSettings())
+        return TenantView(
+            name=name,
+            rules=tuple(overrides.rules if overrides.rules is not None else self.policy.rules),
+            on_block=overrides.on_block or self.policy.on_block,
+            expose_scores=overrides.expose_scores if overrides.expose_scores is not None else self.policy.expose_scores,
+        )
+
+
+def parse_policy(text: str, source: Path | None = None) -> LoadedPolicy:
+    where = source or "<policy>"
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"{where}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise PolicyError(f"{where}: expected a mapping at the top level")
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
+        raise PolicyError(f"{where}: {problems}") from None
+    base = source.parent if source else Path.cwd()
+    probes: dict[str, ProbeArtifact] = {}
+    try:
+        for name, ref in policy.probes.items():
+            path = Path(ref.path)
+            probe = load_probe(path if path.is_absolute() else (base / path).resolve())
+            if probe.name != name:
+                raise PolicyError(f"{where}: probes.{name} points at a probe named {probe.name!r}; names must match")
+            probes[name] = probe
+        check_probe_set(list(probes.values()))
+    except ProbeFormatError as exc:
+        raise PolicyError(f"{where}: {exc}") from None
+    version = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return LoadedPolicy(policy=policy, version=version, source=source, probes=probes)
+
+
+def load_policy(path: str | Path) -> LoadedPolicy:
+    path = Path(path).resolve()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PolicyError(f"{path}: cannot read policy ({exc.strerror})") from None
+    return parse_policy(text, path)
+
+
+def policy_json_schema() -> dict:
+    schema = Policy.model_json_schema()
+    schema["title"] = "ProbeX gateway policy"
+    return schema

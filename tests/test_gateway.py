@@ -1,0 +1,197 @@
+"""Gateway behaviour against the mock upstream (real sockets, official openai SDK)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from gateway.mock_upstream import MODEL
+from gateway.policy import PolicyError, parse_policy, policy_json_schema
+from probes.artifact import ReadPoint
+from tests.gateway_fixtures import base_policy, start_stack
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = start_stack(tmp_path)
+    yield s
+    s.stop()
+
+
+def client(stack, key="anything"):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0)
+
+
+def chat(c, text, **kw):
+    return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=8, **kw)
+
+
+def test_allowed_requests_pass_unchanged_without_scores(stack):
+    c = client(stack)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=4)
+    assert raw.headers["x-probex-decision"] == "allow" and raw.headers["x-probex-policy-version"]
+    result = raw.parse()
+    assert result.choices[0].message.content and not (result.model_extra or {}).get("probex")
+    completion = c.completions.create(model=MODEL, prompt="hello", max_tokens=3)
+    assert completion.choices[0].text
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chat(c, "hi", stream=True) if ch.choices)
+    assert streamed.strip()
+
+
+def test_prompt_block_raises_content_filter_error(stack):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client(stack), "how to build a bomb")
+    assert err.value.code == "content_filter"
+    with pytest.raises(openai.BadRequestError) as err:
+        list(chat(client(stack), "how to build a bomb", stream=True))
+    assert err.value.code == "content_filter"
+    assert json.loads((stack.policy_path.parent / "audit.jsonl").read_text().splitlines()[0])["decision"] == "block"
+
+
+def test_refusal_action_returns_content_filter_finish(stack):
+    stack.write_policy(base_policy(on_block="refusal", refusal_message="No."))
+    assert httpx.post(stack.url + "/admin/reload", timeout=10).status_code == 200
+    result = chat(client(stack), "bomb please")
+    assert result.choices[0].finish_reason == "content_filter" and result.choices[0].message.content == "No."
+    chunks = list(chat(client(stack), "bomb please", stream=True))
+    assert chunks[-1].choices[0].finish_reason == "content_filter"
+
+
+def test_mid_stream_block_ends_cleanly_and_aborts_upstream(stack):
+    chunks = list(chat(client(stack), "please escalate", stream=True))
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == "content_filter"
+    # generated scores 0.1, 0.2, ... block at 0.6: token 5 is never relayed
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 5
+    deadline = time.monotonic() + 3
+    while stack.state.aborted == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.state.aborted == 1
+
+
+def test_flags_are_audited_and_counted(stack):
+    stack.write_policy(base_policy(rules=[{"probe": "harmful-request", "prompt": {"flag": 0.5}}]))
+    httpx.post(stack.url + "/admin/reload", timeout=10)
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "a bomb question"}], max_tokens=2)
+    assert raw.headers["x-probex-decision"] == "flag"
+    event = json.loads((stack.policy_path.parent / "audit.jsonl").read_text().splitlines()[-1])
+    assert event["decision"] == "flag" and event["probe"] == "harmful-request" and "prompt" not in event
+    metrics = httpx.get(stack.url + "/metrics").text
+    assert 'probex_requests_total{decision="flag",probe="harmful-request",tenant="default"} 1.0' in metrics
+    assert "probex_gateway_overhead_seconds_count" in metrics
+
+
+def test_api_keys_tenants_and_admin_scores(tmp_path):
+    policy = base_policy(api_keys={"k-alice": "alice"}, admin_keys=["k-admin"],
+                         tenants={"alice": {"expose_scores": False}})
+    s = start_stack(tmp_path, policy)
+    try:
+        for key in ("wrong", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            r = httpx.post(s.url + "/v1/chat/completions", headers=headers, timeout=10,
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert not (chat(client(s, "k-alice"), "hi").model_extra or {}).get("probex")
+        admin_view = chat(client(s, "k-admin"), "hi")
+        assert admin_view.model_extra["probex"]["scores"]["harmful-request"]["score"] == pytest.approx(0.05)
+        assert httpx.post(s.url + "/admin/reload", headers={"Authorization": "Bearer k-alice"}).status_code == 401
+    finally:
+        s.stop()
+
+
+def test_live_reload_from_file_changes_decisions_and_bad_files_keep_the_old_policy(stack):
+    c = client(stack)
+    assert chat(c, "hi").choices[0].finish_reason == "length"
+    stack.write_policy(base_policy(rules=[{"probe": "harmful-request", "prompt": {"block": 0.01}}]))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            chat(c, "hi")
+        except openai.BadRequestError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the edited policy never took effect")
+    version = httpx.get(stack.url + "/admin/policy").json()["policy_version"]
+    stack.policy_path.write_text("rules: [not: valid")
+    r = httpx.post(stack.url + "/admin/reload")
+    assert r.status_code == 400 and "not valid YAML" in r.json()["error"]["message"]
+    assert httpx.get(stack.url + "/admin/policy").json()["policy_version"] == version
+    assert 'probex_policy_reloads_total{result="error"}' in httpx.get(stack.url + "/metrics").text
+    # A probe the worker refuses: the old policy stays as well.
+    (stack.policy_path.parent / "probes" / "harmful-request").rename(stack.policy_path.parent / "probes" / "reject")
+    stack.write_policy(base_policy(probes={"harmful-request": {"path": "probes/reject"}}))
+    r = httpx.post(stack.url + "/admin/reload")
+    assert r.status_code == 400 and "refused the probe set" in r.json()["error"]["message"]
+    assert httpx.get(stack.url + "/admin/policy").json()["policy_version"] == version
+
+
+def test_interior_probes_route_with_recompute(tmp_path):
+    policy = base_policy(probes={"harmful-request": {"path": "probes/harmful-request"},
+                                 "mean-probe": {"path": "probes/mean-probe"}},
+                         rules=[{"probe": "mean-probe", "prompt": {"flag": 0.5}}])
+    s = start_stack(tmp_path, policy, extra_probes=(("mean-probe", ReadPoint.PROMPT_MEAN),))
+    try:
+        chat(client(s), "hi")
+        assert s.state.requests_seen[-1]["vllm_xargs"]["probex_recompute"] is True
+        s.write_policy(base_policy())
+        assert httpx.post(s.url + "/admin/reload").status_code == 200
+        chat(client(s), "hi")
+        assert "vllm_xargs" not in s.state.requests_seen[-1]
+    finally:
+        s.stop()
+
+
+def test_bad_requests_get_openai_errors(stack):
+    url = stack.url + "/v1/chat/completions"
+    big = httpx.post(url, content=b"{" + b" " * 70_000 + b"}", headers={"content-type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    assert httpx.post(url, content=b"{nope").status_code == 400
+    unknown = httpx.post(url, json={"model": "gpt-17", "messages": []})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_worker_down_fails_fast_with_502_and_ready_degrades(stack):
+    stack.mock.stop()
+    started = time.monotonic()
+    r = httpx.post(stack.url + "/v1/chat/completions", timeout=10,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code in (502, 504) and r.json()["error"]["code"] in ("upstream_unavailable", "upstream_timeout")
+    assert time.monotonic() - started < 5
+    deadline = time.monotonic() + 5
+    while httpx.get(stack.url + "/ready").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ready = httpx.get(stack.url + "/ready")
+    assert ready.status_code == 503 and ready.json()["status"] == "degraded" and ready.json()["reasons"]
+
+
+def test_retention_alarm_is_exported_and_degrades_ready(stack):
+    stack.state.retention = {"harmful-request": 0.2}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if 'probex_calibration_alarm{probe="harmful-request"} 1.0' in httpx.get(stack.url + "/metrics").text:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("alarm never raised")
+    ready = httpx.get(stack.url + "/ready").json()
+    assert ready["status"] == "degraded" and "harmful-request" in ready["reasons"][0]
+
+
+def test_policy_validation_messages(tmp_path):
+    with pytest.raises(PolicyError, match="not listed under probes"):
+        parse_policy(yaml.safe_dump({"rules": [{"probe": "x"}]}))
+    with pytest.raises(PolicyError, match="above block threshold"):
+        parse_policy("probes: {p: {path: nowhere}}\nrules: [{probe: p, prompt: {flag: 0.9, block: 0.5}}]\n")
+    with pytest.raises(PolicyError, match="unknown tenant"):
+        parse_policy("api_keys: {k1: ghost}\n")
+    with pytest.raises(PolicyError, match="probe directory not found"):
+        parse_policy("probes: {p: {path: /nonexistent}}\n")
+    assert policy_json_schema()["title"] == "ProbeX gateway policy"
