@@ -397,10 +397,7 @@ async def _whole(path, payload, body, call: _Call, upstream: Upstream, manager, 
         upstream.outstanding -= 1
         call.upstream_s += time.perf_counter() - sent
     if r.status_code != 200:
-        if r.status_code >= 500:
-            metrics.upstream_errors.labels(upstream=upstream.url, kind=f"http_{r.status_code}").inc()
-        return Response(r.content, status_code=r.status_code, media_type="application/json",
-                        headers=call.headers(Decision.ALLOW))
+        return _relay_upstream_error(r.status_code, r.content, upstream, call, metrics)
     data = r.json()
     choices = data.get("choices") or []
     probex = data.pop("probex", None)
@@ -423,6 +420,18 @@ async def _whole(path, payload, body, call: _Call, upstream: Upstream, manager, 
             for choice, scores in zip(choices, per_choice):
                 choice["probex"] = scores
     return JSONResponse(data, headers=headers)
+
+
+def _relay_upstream_error(status: int, content: bytes, upstream: Upstream, call: _Call,
+                          metrics: GatewayMetrics) -> Response:
+    """Client errors pass through as the worker wrote them; a worker's 5xx is the gateway's 502."""
+    headers = call.headers(Decision.ALLOW)
+    if status < 500:
+        return Response(content, status_code=status, media_type="application/json", headers=headers)
+    metrics.upstream_errors.labels(upstream=upstream.url, kind=f"http_{status}").inc()
+    detail = content[:300].decode(errors="replace")
+    return ApiError(502, f"upstream worker {upstream.url} failed with HTTP {status}: {detail}", kind="server_error",
+                    code="upstream_error").response(headers)
 
 
 def _judge_whole(call: _Call, probex: dict | None, manager: PolicyManager, metrics: GatewayMetrics) -> Verdict:
@@ -497,8 +506,7 @@ async def _stream(path, payload, body, call: _Call, upstream: Upstream, manager,
         content = await response.aread()
         await response.aclose()
         upstream.outstanding -= 1
-        return Response(content, status_code=response.status_code, media_type="application/json",
-                        headers=call.headers(Decision.ALLOW))
+        return _relay_upstream_error(response.status_code, content, upstream, call, metrics)
 
     lines = response.aiter_lines()
     head: list[dict | str] = []  # events read before the decision on the prompt

@@ -12,12 +12,17 @@ class Verdict:
     decision: Decision = Decision.ALLOW
     probe: str | None = None
     phase: str | None = None  # "prompt", "generated" or "missing"
-    scores: dict[str, float] = field(default_factory=dict)
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> probe -> score
 
     def merge(self, other: "Verdict") -> "Verdict":
-        """The stricter of two verdicts (ties keep the earlier reason); scores are combined."""
+        """The stricter of two verdicts (ties keep the earlier reason); scores are combined per phase."""
         winner = other if other.decision.rank > self.decision.rank else self
-        return Verdict(winner.decision, winner.probe, winner.phase, {**self.scores, **other.scores})
+        scores = {phase: dict(values) for phase, values in self.scores.items()}
+        for phase, values in other.scores.items():
+            merged = scores.setdefault(phase, {})
+            for probe, value in values.items():
+                merged[probe] = max(value, merged.get(probe, value))
+        return Verdict(winner.decision, winner.probe, winner.phase, scores)
 
 
 def judge_prompt(tenant: TenantView, probex: dict | None, fail_closed: bool) -> Verdict:
@@ -31,7 +36,7 @@ def judge_prompt(tenant: TenantView, probex: dict | None, fail_closed: bool) -> 
                 verdict = verdict.merge(Verdict(Decision.BLOCK, rule.probe, "missing"))
             continue
         score = float(entry["score"])
-        verdict = verdict.merge(Verdict(rule.prompt.decide(score), rule.probe, "prompt", {rule.probe: score}))
+        verdict = verdict.merge(Verdict(rule.prompt.decide(score), rule.probe, "prompt", {"prompt": {rule.probe: score}}))
     return verdict
 
 
@@ -43,7 +48,7 @@ def judge_generated(tenant: TenantView, generated: dict[str, list[float | None]]
         if not values:
             continue
         peak = max(values)
-        verdict = verdict.merge(Verdict(rule.generated.decide(peak), rule.probe, "generated", {rule.probe: peak}))
+        verdict = verdict.merge(Verdict(rule.generated.decide(peak), rule.probe, "generated", {"generated": {rule.probe: peak}}))
     return verdict
 
 

@@ -80,8 +80,13 @@ def create_mock_app(state: MockState) -> Starlette:
         chat = request.url.path.endswith("/chat/completions")
         if body.get("model") != MODEL:
             return JSONResponse({"error": {"message": "model not found", "type": "NotFoundError"}}, status_code=404)
+        messages, max_tokens = body.get("messages"), body.get("max_tokens")
+        if (chat and not isinstance(messages, list)) or (not chat and not isinstance(body.get("prompt"), (str, list))) \
+                or not (max_tokens is None or (isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+                                               and 0 < max_tokens <= 4096)):
+            return JSONResponse({"error": {"message": "invalid request", "type": "BadRequestError"}}, status_code=400)
         text = _prompt_of(body)
-        n = int(body.get("max_tokens") or state.default_max_tokens)
+        n = int(max_tokens or state.default_max_tokens)
         prompt_tokens = max(1, len(text.split()))
         prompt = {name: {"score": _prompt_score(text), "read": "last_prompt_token",
                          "prompt": {"last": _prompt_score(text), "last_raw": 0.0, "mean": _prompt_score(text),

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
+
+DEFAULT_POLICY = "config/policy.yaml"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,14 +22,34 @@ def main(argv: list[str] | None = None) -> None:
 
     worker = sub.add_parser(
         "worker",
-        help="serve vLLM's OpenAI API with the ProbeX tap (unknown options pass through to `vllm serve`)",
+        help="serve vLLM's OpenAI API with the ProbeX tap (unknown options pass through to vLLM)",
     )
     from engine_worker.launch import add_worker_arguments
 
     add_worker_arguments(worker)
 
+    gateway = sub.add_parser("gateway", help="run the OpenAI-compatible monitoring proxy in front of workers")
+    gateway.add_argument("--config", default=DEFAULT_POLICY, help="policy YAML (watched for live reload)")
+    gateway.add_argument("--upstream", action="append", default=[], metavar="URL", help="worker URL (repeatable)")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument("--redis", default=None, metavar="URL", help="audit + shared state in Redis (default: JSONL)")
+    gateway.add_argument("--worker-admin-token", default=None, help="token for the workers' PUT /probex/probes "
+                         "(default: $PROBEX_ADMIN_TOKEN)")
+
+    serve = sub.add_parser("serve", help="worker + gateway together (the embedded default behind `make run`)")
+    serve.add_argument("--config", default=DEFAULT_POLICY)
+    serve.add_argument("--model", default="smollm2-135m-instruct")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--worker-port", type=int, default=8100)
+    serve.add_argument("--redis", default=None, metavar="URL")
+
+    schema = sub.add_parser("policy-schema", help="write the policy JSON Schema")
+    schema.add_argument("--out", default="config/policy.schema.json")
+
     args, extra = parser.parse_known_args(argv)
-    if args.command != "worker" and extra:
+    if args.command not in ("worker", "serve") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "model":
@@ -36,6 +60,29 @@ def main(argv: list[str] | None = None) -> None:
         from engine_worker.launch import run_worker
 
         run_worker(args, extra)
+    elif args.command == "gateway":
+        import os
+
+        from gateway.app import GatewayConfig
+        from gateway.serving import run_gateway
+
+        if not args.upstream:
+            parser.error("gateway: give at least one --upstream URL")
+        config = GatewayConfig(policy_path=Path(args.config), upstreams=args.upstream, redis_url=args.redis,
+                               worker_admin_token=args.worker_admin_token or os.environ.get("PROBEX_ADMIN_TOKEN"))
+        run_gateway(config, args.host, args.port)
+    elif args.command == "serve":
+        from engine_worker.launch import resolve_model
+        from gateway.serving import run_embedded
+
+        worker_args = extra or ["--max-model-len", "4096", "--gpu-memory-utilization", "0.25"]
+        run_embedded(Path(args.config), str(resolve_model(args.model)), args.host, args.port, args.worker_port,
+                     args.redis, worker_args)
+    elif args.command == "policy-schema":
+        from gateway.policy import policy_json_schema
+
+        Path(args.out).write_text(json.dumps(policy_json_schema(), indent=2) + "\n")
+        print(args.out)
 
 
 if __name__ == "__main__":

@@ -195,3 +195,99 @@ def test_policy_validation_messages(tmp_path):
     with pytest.raises(PolicyError, match="probe directory not found"):
         parse_policy("probes: {p: {path: /nonexistent}}\n")
     assert policy_json_schema()["title"] == "ProbeX gateway policy"
+
+
+def test_flags_and_blocks_land_in_the_redis_stream(tmp_path):
+    import redis
+
+    r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    r.delete("probex:audit")
+    s = start_stack(tmp_path, redis_url="redis://127.0.0.1:6379/0")
+    try:
+        with pytest.raises(openai.BadRequestError):
+            chat(client(s), "bomb")
+        entries = r.xrange("probex:audit")
+        assert len(entries) == 1
+        fields = {k.decode(): v.decode() for k, v in entries[0][1].items()}
+        assert fields["decision"] == "block" and fields["tenant"] == "default" and fields["policy_version"]
+        assert json.loads(fields["scores"])["prompt"]["harmful-request"] == pytest.approx(0.95)
+        assert json.loads(r.get("probex:policy_version"))["version"] == fields["policy_version"]
+    finally:
+        s.stop()
+
+
+def test_redis_outage_buffers_audit_events_instead_of_dropping_them(tmp_path):
+    s = start_stack(tmp_path, redis_url="redis://127.0.0.1:1/0")  # nothing listens on port 1
+    try:
+        for _ in range(3):
+            with pytest.raises(openai.BadRequestError):
+                chat(client(s), "bomb")
+        metrics = httpx.get(s.url + "/metrics").text
+        assert "probex_audit_backlog 3.0" in metrics
+        assert 'probex_audit_events_total{result="retry",sink="redis"}' in metrics
+    finally:
+        s.stop()
+
+
+def test_reload_under_load_fails_no_stream(tmp_path):
+    import asyncio
+
+    s = start_stack(tmp_path, tokens_per_s=40)
+    try:
+        async def scenario():
+            async with httpx.AsyncClient(timeout=30) as http:
+                async def one():
+                    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
+                            "stream": True}
+                    async with http.stream("POST", s.url + "/v1/chat/completions", json=body) as r:
+                        assert r.status_code == 200
+                        return [line async for line in r.aiter_lines() if line]
+
+                streams = [asyncio.create_task(one()) for _ in range(8)]
+                await asyncio.sleep(0.05)
+                s.write_policy(base_policy(rules=[{"probe": "harmful-request", "prompt": {"block": 0.01}}]))
+                results = await asyncio.gather(*streams)
+                return results
+
+        results = asyncio.run(scenario())
+        assert all(lines[-1] == "data: [DONE]" for lines in results)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            if httpx.post(s.url + "/v1/chat/completions", timeout=10,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}).status_code == 400:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("new policy not applied")
+    finally:
+        s.stop()
+
+
+def test_fuzzed_bodies_never_cause_a_500(stack):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+        max_leaves=12,
+    )
+    bodies = st.one_of(
+        st.binary(max_size=200),
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.fixed_dictionaries({"model": st.just(MODEL) | st.text(max_size=8)},
+                              optional={"messages": json_values, "stream": json_values, "max_tokens": json_values,
+                                        "vllm_xargs": json_values, "prompt": json_values}).map(
+            lambda d: json.dumps(d).encode()),
+    )
+    http = httpx.Client(timeout=10)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+    def check(body, path):
+        r = http.post(stack.url + path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code < 500, (body, r.status_code, r.text)
+        if r.status_code >= 400:
+            assert "error" in r.json()
+
+    check()
