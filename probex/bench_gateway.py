@@ -1,0 +1,184 @@
+"""Gateway overhead benchmark: the same streams sent directly to a mock worker and through the gateway.
+
+Three processes on this machine: the in-repo mock worker (`gateway.mock_upstream`, streaming
+at a fixed token rate), the gateway (`probex gateway`, with a policy that judges every
+chunk), and this load generator. Scenarios:
+
+- sequential: one stream at a time;
+- concurrent: 128 streams in flight at once.
+
+For each request we record time to first content chunk (TTFT), total time and the gaps
+between chunks, once direct and once through the gateway; "added" is the gateway
+percentile minus the direct one. The gateway's own measurement of time spent inside it
+(`probex_gateway_overhead_seconds`, upstream waits excluded) is read from /metrics too.
+
+    .venv/bin/python -m probex.bench_gateway --out out/bench-gateway.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import yaml
+
+MODEL = "mock-model"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def _one_stream(client: httpx.AsyncClient, url: str, tokens: int) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": tokens,
+            "stream": True}
+    start = time.perf_counter()
+    stamps = []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"content": ""' not in line:
+                stamps.append(time.perf_counter())
+    return {"ttft": stamps[0] - start, "total": stamps[-1] - start, "gaps": np.diff(stamps).tolist(),
+            "chunks": len(stamps)}
+
+
+async def _scenario(url: str, concurrency: int, requests_per_client: int, tokens: int) -> list[dict]:
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        await _one_stream(client, url, tokens)  # warm the connection pool and both servers
+
+        async def worker() -> list[dict]:
+            return [await _one_stream(client, url, tokens) for _ in range(requests_per_client)]
+
+        results = await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return [r for rs in results for r in rs]
+
+
+def _summary(samples: list[dict]) -> dict:
+    ttft = np.array([s["ttft"] for s in samples]) * 1e3
+    total = np.array([s["total"] for s in samples]) * 1e3
+    gaps = np.array([g for s in samples for g in s["gaps"]]) * 1e3
+    pct = lambda a, q: float(np.percentile(a, q))  # noqa: E731
+    return {"requests": len(samples), "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
+            "total_ms_p50": pct(total, 50), "total_ms_p99": pct(total, 99),
+            "chunk_gap_ms_p50": pct(gaps, 50), "chunk_gap_ms_p99": pct(gaps, 99)}
+
+
+def _overhead_from_metrics(text: str) -> dict:
+    buckets, count, total = [], 0.0, 0.0
+    for line in text.splitlines():
+        if line.startswith("probex_gateway_overhead_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+        elif line.startswith("probex_gateway_overhead_seconds_count"):
+            count = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("probex_gateway_overhead_seconds_sum"):
+            total = float(line.rsplit(" ", 1)[1])
+
+    def quantile(q: float) -> float:
+        target = q * count
+        for le, c in buckets:
+            if c >= target:
+                return le * 1e3
+        return float("inf")
+
+    return {"requests": int(count), "mean_ms": total / count * 1e3 if count else None,
+            "p50_ms_upper_bound": quantile(0.5), "p99_ms_upper_bound": quantile(0.99)}
+
+
+def run(out: Path, tokens: int, tokens_per_s: float, sequential: int, concurrency: int, per_client: int) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="probex-bench-"))
+    from probes.artifact import ProbeArtifact, ReadPoint, save_probe
+
+    save_probe(ProbeArtifact(name="harmful-request", layer=3, read=ReadPoint.LAST_PROMPT_TOKEN,
+                             weight=np.ones(8, np.float32), bias=0.0), work / "probes" / "harmful-request")
+    policy = {"probes": {"harmful-request": {"path": "probes/harmful-request"}},
+              "rules": [{"probe": "harmful-request", "prompt": {"flag": 0.5, "block": 0.9},
+                         "generated": {"flag": 0.5, "block": 0.99}}]}
+    (work / "policy.yaml").write_text(yaml.safe_dump(policy))
+    mock_port, gw_port = _free_port(), _free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "gateway.mock_upstream", "--port", str(mock_port),
+                          "--tokens-per-s", str(tokens_per_s)], env=env),
+        subprocess.Popen([sys.executable, "-m", "probex.cli", "gateway", "--config", str(work / "policy.yaml"),
+                          "--upstream", f"http://127.0.0.1:{mock_port}", "--port", str(gw_port)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+    ]
+    direct, gateway = f"http://127.0.0.1:{mock_port}", f"http://127.0.0.1:{gw_port}"
+    try:
+        _wait(direct + "/health")
+        _wait(gateway + "/health")
+        result: dict = {
+            "setup": {"tokens_per_stream": tokens, "mock_tokens_per_s": tokens_per_s, "cpu_count": os.cpu_count(),
+                      "python": platform.python_version(), "machine": platform.machine()},
+        }
+        for name, conc, per in (("sequential", 1, sequential), ("concurrent", concurrency, per_client)):
+            d = _summary(asyncio.run(_scenario(direct, conc, per, tokens)))
+            before = httpx.get(gateway + "/metrics").text
+            g = _summary(asyncio.run(_scenario(gateway, conc, per, tokens)))
+            after = httpx.get(gateway + "/metrics").text
+            added = {k.replace("_ms_", "_added_ms_"): g[k] - d[k] for k in d if k.endswith(("p50", "p99"))}
+            result[name] = {"concurrency": conc, "direct": d, "gateway": g, "added": added,
+                            "gateway_self_reported_overhead_cumulative": _overhead_from_metrics(after),
+                            "_before": len(before)}
+            result[name].pop("_before")
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("out/bench-gateway.json"))
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--tokens-per-s", type=float, default=400.0)
+    parser.add_argument("--sequential", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--per-client", type=int, default=3)
+    args = parser.parse_args()
+    result = run(args.out, args.tokens, args.tokens_per_s, args.sequential, args.concurrency, args.per_client)
+    print(f"{'scenario':12} {'metric':10} {'direct p50':>10} {'gw p50':>8} {'added p50':>9} {'direct p99':>10} "
+          f"{'gw p99':>8} {'added p99':>9}  (ms)")
+    for name in ("sequential", "concurrent"):
+        r = result[name]
+        for metric in ("ttft", "chunk_gap", "total"):
+            d, g = r["direct"], r["gateway"]
+            print(f"{name:12} {metric:10} {d[metric + '_ms_p50']:10.3f} {g[metric + '_ms_p50']:8.3f} "
+                  f"{g[metric + '_ms_p50'] - d[metric + '_ms_p50']:9.3f} {d[metric + '_ms_p99']:10.3f} "
+                  f"{g[metric + '_ms_p99']:8.3f} {g[metric + '_ms_p99'] - d[metric + '_ms_p99']:9.3f}")
+    print(f"JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
