@@ -25,5 +25,9 @@ test-unit: setup
 test-engine: setup
 	$(PY) -m pytest -q tests -m engine
 
+# Benchmarks write JSON under out/. The engine benchmark needs a GPU (see docs/gpu.md).
+bench: setup
+	$(PY) -m probex.bench_gateway --out out/bench-gateway.json
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

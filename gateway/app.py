@@ -576,6 +576,9 @@ async def _stream(path, payload, body, call: _Call, upstream: Upstream, manager,
                 if event == "[DONE]":
                     yield _sse("[DONE]")
                     finished = True
+                    # Read the stream to its end so the connection goes back to the pool.
+                    async for _ in lines:
+                        pass
                     break
                 probex = event.pop("probex", None)
                 generated = generated_scores(probex)
