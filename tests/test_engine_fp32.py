@@ -318,3 +318,17 @@ def test_live_swap_under_load_changes_new_scores_and_fails_nothing(worker, probe
     finally:
         restored = httpx.put(worker.url + "/probex/probes", json={"probes": original}, headers=admin, timeout=60)
         assert restored.status_code == 200
+
+
+def test_tap_leaves_generation_unchanged_vs_hf_greedy(worker, hf):
+    """The op only reads: greedy tokens from the tapped engine equal HF's greedy tokens (fp32)."""
+    import torch
+
+    for prompt in PROMPTS[:5]:
+        response = ok(worker, chat_body(prompt, max_tokens=10, return_token_ids=True))
+        ids = torch.tensor([response["prompt_token_ids"]])
+        with torch.no_grad():
+            expected = hf.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                                         do_sample=False)[0, ids.shape[1]:].tolist()
+        served = response["choices"][0]["token_ids"]
+        assert served == expected[: len(served)], prompt
