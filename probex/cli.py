@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--worker-port", type=int, default=8100)
     serve.add_argument("--redis", default=None, metavar="URL")
 
+    extract = sub.add_parser("extract", help="residual activations through the serving tap (capture mode)")
+    from engine_worker.extract import add_extract_arguments
+
+    add_extract_arguments(extract)
+
     schema = sub.add_parser("policy-schema", help="write the policy JSON Schema")
     schema.add_argument("--out", default="config/policy.schema.json")
 
@@ -78,6 +83,10 @@ def main(argv: list[str] | None = None) -> None:
         worker_args = extra or ["--max-model-len", "4096", "--gpu-memory-utilization", "0.25"]
         run_embedded(Path(args.config), str(resolve_model(args.model)), args.host, args.port, args.worker_port,
                      args.redis, worker_args)
+    elif args.command == "extract":
+        from engine_worker.extract import run_extract
+
+        run_extract(args)
     elif args.command == "policy-schema":
         from gateway.policy import policy_json_schema
 

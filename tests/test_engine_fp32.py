@@ -332,3 +332,27 @@ def test_tap_leaves_generation_unchanged_vs_hf_greedy(worker, hf):
                                          do_sample=False)[0, ids.shape[1]:].tolist()
         served = response["choices"][0]["token_ids"]
         assert served == expected[: len(served)], prompt
+
+
+def test_probex_extract_collects_tap_activations_resumably(worker, hf, capture_dir, tmp_path):
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:3]) + "\n")
+    out = tmp_path / "acts"
+    cmd = [sys.executable, "-m", "probex.cli", "extract", "--worker", worker.url, "--capture-dir", str(capture_dir),
+           "--prompts", str(prompts), "--out", str(out)]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "extracted 3 prompts" in first.stdout
+    index = [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
+    assert [row["text"] for row in index] == PROMPTS[:3]
+    for row in index:
+        acts = load_file(str(out / row["file"]))["layer_18"]
+        ref = hf.hidden_states(row["prompt_token_ids"])[19]
+        cos = (acts * ref).sum(1) / (np.linalg.norm(acts, axis=1) * np.linalg.norm(ref, axis=1))
+        assert cos.min() >= 0.9999
+    prompts.write_text("\n".join(PROMPTS[:4]) + "\n")
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "extracted 1 prompts" in again.stdout
