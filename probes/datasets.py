@@ -465,3 +465,26 @@ def describe_split(examples: Sequence[LabelledPrompt]) -> dict[str, Any]:
         "sources": dict(sorted(Counter(e.source for e in examples).items())),
         "refs": refs_by_file(examples),
     }
+
+
+# --------------------------------------------------------------------------- resolving refs
+
+
+def load_all_known() -> list[LabelledPrompt]:
+    """Every labelled prompt ProbeX knows how to fetch (to resolve refs recorded in probe.yaml)."""
+    return (load_temaq() + load_advbench() + load_harmbench() + load_donotanswer(DONOTANSWER_CATEGORIES)
+            + load_own_benign())
+
+
+def resolve_refs(refs: dict[str, str], known: Sequence[LabelledPrompt] | None = None) -> list[LabelledPrompt]:
+    """Turn {"file ref": "1-3,17"} (as written by `describe_split`) back into the prompts."""
+    by_ref = {e.ref: e for e in (known if known is not None else load_all_known())}
+    out: list[LabelledPrompt] = []
+    for file_ref, rows in refs.items():
+        for row in expand_rows(rows):
+            example = by_ref.get(f"{file_ref}#{row}")
+            if example is None:
+                raise MissingDataFileError(f"ref {file_ref}#{row} does not resolve to a known prompt")
+            out.append(example)
+    require_examples(out, "resolved refs")
+    return out

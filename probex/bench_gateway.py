@@ -11,6 +11,9 @@ For each request we record time to first content chunk (TTFT), total time and th
 between chunks, once direct and once through the gateway; "added" is the gateway
 percentile minus the direct one. The gateway's own measurement of time spent inside it
 (`probex_gateway_overhead_seconds`, upstream waits excluded) is read from /metrics too.
+Last, the policy file is edited 10 times (alternating a block-everything rule and the normal
+policy) and the time from save to the first response decided under the new version is
+recorded.
 
     .venv/bin/python -m probex.bench_gateway --out out/bench-gateway.json
 """
@@ -112,6 +115,28 @@ def _overhead_from_metrics(text: str) -> dict:
             "p50_ms_upper_bound": quantile(0.5), "p99_ms_upper_bound": quantile(0.99)}
 
 
+def measure_reload(gateway: str, policy_path: Path, policy: dict, trials: int = 10) -> dict:
+    """Seconds from saving an edited policy file to the first response decided under it."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
+    timings = []
+    with httpx.Client(timeout=10) as client:
+        for trial in range(trials):
+            blocking = trial % 2 == 0  # alternate: block everything / back to the normal policy
+            edited = dict(policy, rules=[{"probe": "harmful-request", "prompt": {"block": 0.01}}]) if blocking else policy
+            time.sleep(0.3)
+            saved = time.perf_counter()
+            policy_path.write_text(yaml.safe_dump(edited))
+            while True:
+                status = client.post(gateway + "/v1/chat/completions", json=body).status_code
+                if (status == 400) == blocking:
+                    break
+                if time.perf_counter() - saved > 10:
+                    raise RuntimeError("policy edit not applied within 10 s")
+            timings.append(time.perf_counter() - saved)
+    arr = np.array(timings) * 1e3
+    return {"trials": trials, "ms_p50": float(np.percentile(arr, 50)), "ms_max": float(arr.max())}
+
+
 def run(out: Path, tokens: int, tokens_per_s: float, sequential: int, concurrency: int, per_client: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="probex-bench-"))
     from probes.artifact import ProbeArtifact, ReadPoint, save_probe
@@ -141,14 +166,12 @@ def run(out: Path, tokens: int, tokens_per_s: float, sequential: int, concurrenc
         }
         for name, conc, per in (("sequential", 1, sequential), ("concurrent", concurrency, per_client)):
             d = _summary(asyncio.run(_scenario(direct, conc, per, tokens)))
-            before = httpx.get(gateway + "/metrics").text
             g = _summary(asyncio.run(_scenario(gateway, conc, per, tokens)))
             after = httpx.get(gateway + "/metrics").text
             added = {k.replace("_ms_", "_added_ms_"): g[k] - d[k] for k in d if k.endswith(("p50", "p99"))}
             result[name] = {"concurrency": conc, "direct": d, "gateway": g, "added": added,
-                            "gateway_self_reported_overhead_cumulative": _overhead_from_metrics(after),
-                            "_before": len(before)}
-            result[name].pop("_before")
+                            "gateway_self_reported_overhead_cumulative": _overhead_from_metrics(after)}
+        result["reload_save_to_decision"] = measure_reload(gateway, work / "policy.yaml", policy)
     finally:
         for p in procs:
             p.terminate()
@@ -177,6 +200,9 @@ def main() -> None:
             print(f"{name:12} {metric:10} {d[metric + '_ms_p50']:10.3f} {g[metric + '_ms_p50']:8.3f} "
                   f"{g[metric + '_ms_p50'] - d[metric + '_ms_p50']:9.3f} {d[metric + '_ms_p99']:10.3f} "
                   f"{g[metric + '_ms_p99']:8.3f} {g[metric + '_ms_p99'] - d[metric + '_ms_p99']:9.3f}")
+    reload = result["reload_save_to_decision"]
+    print(f"policy file save -> first decision under it: p50 {reload['ms_p50']:.0f} ms, max {reload['ms_max']:.0f} ms"
+          f" ({reload['trials']} edits)")
     print(f"JSON: {args.out}")
 
 

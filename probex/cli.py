@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> None:
 
     add_extract_arguments(extract)
 
+    evaluate = sub.add_parser("eval", help="a probe's AUROC from served scores vs offline activations")
+    from probex.eval_served import add_eval_arguments
+
+    add_eval_arguments(evaluate)
+
     schema = sub.add_parser("policy-schema", help="write the policy JSON Schema")
     schema.add_argument("--out", default="config/policy.schema.json")
 
@@ -87,6 +92,10 @@ def main(argv: list[str] | None = None) -> None:
         from engine_worker.extract import run_extract
 
         run_extract(args)
+    elif args.command == "eval":
+        from probex.eval_served import run_eval
+
+        run_eval(args)
     elif args.command == "policy-schema":
         from gateway.policy import policy_json_schema
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -22,6 +23,7 @@ from tests.engine_harness import PROMPTS, HFReference, Worker, chat_body, make_t
 pytestmark = pytest.mark.engine
 
 TAPPED = (18, 24)
+DEMO_PROBE = Path(__file__).resolve().parent.parent / "config" / "probes" / "harmful-request"
 MAX_BATCHED = 256
 
 
@@ -39,7 +41,7 @@ def capture_dir(tmp_path_factory):
 def worker(probes, capture_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "worker-fp32.log"
     args = [f"--probe={p}" for p in probes.values()] + [
-        "--capture-dir", str(capture_dir), "--dtype", "float32", "--max-model-len", "2048",
+        "--layer", "22", "--capture-dir", str(capture_dir), "--dtype", "float32", "--max-model-len", "2048",
         "--max-num-batched-tokens", str(MAX_BATCHED), "--max-num-seqs", "16", "--gpu-memory-utilization", "0.25",
     ]
     w = Worker(args, log)
@@ -303,7 +305,7 @@ def test_live_swap_under_load_changes_new_scores_and_fails_nothing(worker, probe
                                            weight=np.full(576, np.nan, np.float32), bias=0.0), tmp_path / "nan")
         untapped = save_probe(ProbeArtifact(name="l5", layer=5, read=ReadPoint.LAST_PROMPT_TOKEN,
                                             weight=np.ones(576, np.float32), bias=0.0), tmp_path / "l5")
-        for bad, message in [(nan_dir, "non-finite"), (untapped, "taps only layers [18, 24]"),
+        for bad, message in [(nan_dir, "non-finite"), (untapped, "taps only layers [18, 22, 24]"),
                              (tmp_path / "missing", "not found")]:
             r = httpx.put(worker.url + "/probex/probes", json={"probes": [str(bad)]}, headers=admin, timeout=60)
             assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
@@ -356,3 +358,21 @@ def test_probex_extract_collects_tap_activations_resumably(worker, hf, capture_d
     prompts.write_text("\n".join(PROMPTS[:4]) + "\n")
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "extracted 1 prompts" in again.stdout
+
+
+def test_demo_probe_auroc_from_served_scores_equals_offline(worker, probes):
+    """The issue's served-vs-offline check: fp32 engine, the demo probe, its recorded test split."""
+    from probex.eval_served import compare
+
+    admin = {"Authorization": f"Bearer {worker.admin_token}"}
+    swapped = httpx.put(worker.url + "/probex/probes", json={"probes": [str(DEMO_PROBE)]}, headers=admin, timeout=60)
+    assert swapped.status_code == 200, swapped.text
+    try:
+        report = compare(DEMO_PROBE, worker.url, ["test"], model_dir())["splits"]["test"]
+        assert report["prompts"] >= 100
+        assert report["auroc_abs_diff"] <= 0.002, report
+        assert report["raw_max_rel_diff"] <= 1e-3, report
+    finally:
+        restored = httpx.put(worker.url + "/probex/probes", json={"probes": [str(p) for p in probes.values()]},
+                             headers=admin, timeout=60)
+        assert restored.status_code == 200

@@ -1,0 +1,85 @@
+"""`probex eval`: a probe's metrics from scores the worker served vs from offline activations, side by side.
+
+The offline side is HF transformers on the same weights (float32, chat template as the
+chat endpoint renders it); the served side is `prompt.last_raw` returned by a running
+`probex worker` for the same prompts. Splits come from the refs recorded in probe.yaml.
+
+    probex eval --probe config/probes/harmful-request --worker http://127.0.0.1:8100 --out out/eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from probes.artifact import ReadPoint, load_probe
+from probes.datasets import LabelledPrompt, load_all_known, resolve_refs
+from probes.evaluate import evaluate_scores
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--probe", required=True, type=Path)
+    parser.add_argument("--worker", required=True, help="URL of a probex worker serving this probe")
+    parser.add_argument("--split", action="append", default=[], help="splits from probe.yaml (default: test, held_out)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="HF directory for the offline side")
+    parser.add_argument("--out", type=Path, default=Path("out/eval-served.json"))
+
+
+def served_raw(worker: str, texts: list[str], probe_name: str) -> np.ndarray:
+    with httpx.Client(timeout=300) as client:
+        model = client.get(worker + "/v1/models").json()["data"][0]["id"]
+        values = []
+        for text in texts:
+            r = client.post(worker + "/v1/chat/completions", json={
+                "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0})
+            r.raise_for_status()
+            values.append(r.json()["probex"]["scores"][probe_name]["prompt"]["last_raw"])
+    return np.asarray(values, dtype=np.float64)
+
+
+def compare(probe_dir: Path, worker: str, splits: list[str], model_dir: Path) -> dict:
+    from probes.extract_hf import extract_activations
+
+    probe = load_probe(probe_dir)
+    if probe.read is not ReadPoint.LAST_PROMPT_TOKEN:
+        raise SystemExit("probex eval: served-vs-offline comparison is implemented for last_prompt_token probes")
+    recorded = probe.extra.get("splits") or {}
+    known = load_all_known()
+    report: dict = {"probe": probe.name, "layer": probe.layer, "splits": {}}
+    for split in splits:
+        if split not in recorded:
+            raise SystemExit(f"probex eval: {probe_dir}/probe.yaml records no split {split!r}")
+        examples: list[LabelledPrompt] = resolve_refs(recorded[split]["refs"], known)
+        texts, labels = [e.text for e in examples], np.asarray([e.label for e in examples])
+        offline = probe.raw_score(extract_activations(texts, model_dir, [probe.layer], show_progress=False)[probe.layer].last)
+        served = served_raw(worker, texts, probe.name)
+        rel = np.abs(served - offline) / np.maximum(np.abs(offline), 1e-3)
+        off_eval, srv_eval = evaluate_scores(offline, labels), evaluate_scores(served, labels)
+        report["splits"][split] = {
+            "prompts": len(texts),
+            "offline": off_eval.as_dict(),
+            "served": srv_eval.as_dict(),
+            "auroc_abs_diff": abs(off_eval.auroc - srv_eval.auroc),
+            "raw_max_rel_diff": float(rel.max()),
+            "raw_max_abs_diff": float(np.abs(served - offline).max()),
+        }
+    return report
+
+
+def run_eval(args: argparse.Namespace) -> None:
+    from probex.models import fetch_model
+
+    model_dir = args.model_dir or fetch_model("smollm2-135m-instruct")
+    report = compare(args.probe, args.worker, args.split or ["test", "held_out"], model_dir)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"| split | prompts | AUROC offline | AUROC served | abs diff | max raw rel diff |")
+    print(f"|---|---:|---:|---:|---:|---:|")
+    for split, r in report["splits"].items():
+        print(f"| {split} | {r['prompts']} | {r['offline']['auroc']:.4f} | {r['served']['auroc']:.4f} "
+              f"| {r['auroc_abs_diff']:.1e} | {r['raw_max_rel_diff']:.1e} |")
+    print(f"JSON: {args.out}")
