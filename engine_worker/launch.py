@@ -76,6 +76,7 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     ]
     env = dict(os.environ)
     env["PROBEX_TAP_CONFIG"] = json.dumps(tap.to_additional_config())
+    env["PROBEX_MODEL_DIR"] = str(model_dir)
     if args.admin_token:
         env["PROBEX_ADMIN_TOKEN"] = args.admin_token
     else:

@@ -34,6 +34,8 @@ Send = Callable[[dict], Awaitable[None]]
 ENV_TAP_CONFIG = "PROBEX_TAP_CONFIG"
 ENV_ADMIN_TOKEN = "PROBEX_ADMIN_TOKEN"
 ENV_SCORE_WAIT = "PROBEX_SCORE_WAIT_S"
+ENV_MODEL_DIR = "PROBEX_MODEL_DIR"
+ENV_RETENTION = "PROBEX_RETENTION"
 
 MONITORED_PATHS = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
 BOOLEAN_XARGS = ("probex_recompute", "probex_capture")
@@ -131,10 +133,17 @@ class ProbexMiddleware:
         self.admin_token = os.environ.get(ENV_ADMIN_TOKEN) or None
         self.score_wait_s = float(os.environ.get(ENV_SCORE_WAIT, "10"))
         self._swap_lock = asyncio.Lock()
+        self.retention = RetentionTracker(os.environ.get(ENV_MODEL_DIR))
+        self._retention_enabled = os.environ.get(ENV_RETENTION, "1") != "0"
+        self._started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.hub is not None and scope["type"] in ("lifespan", "http"):
             self.hub.start()
+            if not self._started:
+                self._started = True
+                if self._retention_enabled and self.tap_config is not None:
+                    self.retention.schedule(list(self.tap_config.probe_dirs))
         if scope["type"] != "http" or self.hub is None:
             return await self.app(scope, receive, send)
         path, method = scope["path"], scope["method"]
@@ -208,12 +217,56 @@ class ProbexMiddleware:
             result = (await engine.collective_rpc("probex_load_probes", args=(dirs,)))[0]
         if not result.get("ok"):
             return await _send_json(send, 400, openai_error(result["error"], status=400, param="probes", code="probe_rejected"))
+        if self._retention_enabled:
+            self.retention.schedule(dirs)
         return await _send_json(send, 200, result)
 
     async def _health(self, scope: Scope, send: Send) -> None:
         listing = (await _engine_client(scope).collective_rpc("probex_list_probes"))[0]
         listing["score_messages_received"] = self.hub.messages_received
+        listing["retention"] = self.retention.values
+        listing["retention_status"] = self.retention.status
         return await _send_json(send, 200, listing)
+
+
+class RetentionTracker:
+    """Relative calibration retention of the loaded probes, recomputed at startup and after each swap.
+
+    The work (HF forward passes over each probe's retention set, on the model directory the
+    engine serves) runs in a thread so requests keep flowing; a newer swap supersedes an
+    older computation.
+    """
+
+    def __init__(self, model_dir: str | None) -> None:
+        self.model_dir = model_dir
+        self.values: dict[str, float | None] = {}
+        self.status = "not computed"
+        self._generation = 0
+
+    def schedule(self, probe_dirs: list[str]) -> None:
+        if not self.model_dir:
+            self.status = "unavailable: the worker was started without PROBEX_MODEL_DIR"
+            return
+        self._generation += 1
+        generation = self._generation
+        self.status = "computing"
+
+        async def job() -> None:
+            from probes.retention import compute_retention
+
+            try:
+                results = await asyncio.to_thread(compute_retention, self.model_dir, probe_dirs)
+            except Exception as exc:  # no datasets offline, odd artifact...: say so, keep serving
+                if generation == self._generation:
+                    self.status = f"unavailable: {type(exc).__name__}: {exc}"
+                log.warning("probex: retention not computed: %s", exc)
+                return
+            if generation == self._generation:
+                self.values = {name: r["retention"] for name, r in results.items()}
+                self.status = "ready"
+                log.info("probex: calibration retention %s", self.values)
+
+        asyncio.get_running_loop().create_task(job())
 
 
 class BodyRelay:

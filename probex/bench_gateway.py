@@ -71,7 +71,58 @@ async def _one_stream(client: httpx.AsyncClient, url: str, tokens: int) -> dict:
             "chunks": len(stamps)}
 
 
-async def _scenario(url: str, concurrency: int, requests_per_client: int, tokens: int) -> list[dict]:
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds all cores spent busy since boot (everything on the machine, not just ours)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return (sum(values[:8]) - idle) / _TICK
+
+
+class _CpuMeter:
+    """CPU time of the mock, the gateway, this load generator and the rest of the machine over a run."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+
+    def _read(self) -> dict[str, float]:
+        out = {name: _proc_cpu_s(pid) for name, pid in self.pids.items()}
+        out["load_generator"] = time.process_time()
+        out["machine"] = _machine_busy_s()
+        out["wall"] = time.perf_counter()
+        return out
+
+    def __enter__(self) -> "_CpuMeter":
+        self.start = self._read()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = self._read()
+        self.delta = {k: end[k] - self.start[k] for k in end}
+
+    def summary(self, streams: int, chunks_per_stream: int) -> dict:
+        d = self.delta
+        ours = sum(v for k, v in d.items() if k not in ("machine", "wall"))
+        out = {"wall_s": d["wall"], "streams": streams}
+        for name in [*self.pids, "load_generator"]:
+            out[f"{name}_cpu_ms_per_stream"] = d[name] / streams * 1e3
+        if "gateway" in self.pids:
+            out["gateway_cpu_ms_per_chunk"] = d["gateway"] / (streams * chunks_per_stream) * 1e3
+        out["busy_cores_ours"] = ours / d["wall"]  # of cpu_count cores
+        out["busy_cores_other_processes"] = max(0.0, d["machine"] - ours) / d["wall"]
+        return out
+
+
+async def _scenario(url: str, concurrency: int, requests_per_client: int, tokens: int,
+                    meter: _CpuMeter | None = None) -> list[dict]:
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         await _one_stream(client, url, tokens)  # warm the connection pool and both servers
@@ -79,7 +130,11 @@ async def _scenario(url: str, concurrency: int, requests_per_client: int, tokens
         async def worker() -> list[dict]:
             return [await _one_stream(client, url, tokens) for _ in range(requests_per_client)]
 
-        results = await asyncio.gather(*(worker() for _ in range(concurrency)))
+        if meter is None:
+            results = await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            with meter:
+                results = await asyncio.gather(*(worker() for _ in range(concurrency)))
     return [r for rs in results for r in rs]
 
 
@@ -164,13 +219,18 @@ def run(out: Path, tokens: int, tokens_per_s: float, sequential: int, concurrenc
             "setup": {"tokens_per_stream": tokens, "mock_tokens_per_s": tokens_per_s, "cpu_count": os.cpu_count(),
                       "python": platform.python_version(), "machine": platform.machine()},
         }
+        chunks = tokens + 2  # role chunk, content chunks, [DONE]
         for name, conc, per in (("sequential", 1, sequential), ("concurrent", concurrency, per_client)):
-            d = _summary(asyncio.run(_scenario(direct, conc, per, tokens)))
-            g = _summary(asyncio.run(_scenario(gateway, conc, per, tokens)))
+            d_meter = _CpuMeter({"mock": procs[0].pid})
+            g_meter = _CpuMeter({"mock": procs[0].pid, "gateway": procs[1].pid})
+            d = _summary(asyncio.run(_scenario(direct, conc, per, tokens, d_meter)))
+            g = _summary(asyncio.run(_scenario(gateway, conc, per, tokens, g_meter)))
             after = httpx.get(gateway + "/metrics").text
             added = {k.replace("_ms_", "_added_ms_"): g[k] - d[k] for k in d if k.endswith(("p50", "p99"))}
             result[name] = {"concurrency": conc, "direct": d, "gateway": g, "added": added,
-                            "gateway_self_reported_overhead_cumulative": _overhead_from_metrics(after)}
+                            "gateway_self_reported_overhead_cumulative": _overhead_from_metrics(after),
+                            "cpu": {"direct": d_meter.summary(conc * per, chunks),
+                                    "gateway": g_meter.summary(conc * per, chunks)}}
         result["reload_save_to_decision"] = measure_reload(gateway, work / "policy.yaml", policy)
     finally:
         for p in procs:
@@ -200,6 +260,14 @@ def main() -> None:
             print(f"{name:12} {metric:10} {d[metric + '_ms_p50']:10.3f} {g[metric + '_ms_p50']:8.3f} "
                   f"{g[metric + '_ms_p50'] - d[metric + '_ms_p50']:9.3f} {d[metric + '_ms_p99']:10.3f} "
                   f"{g[metric + '_ms_p99']:8.3f} {g[metric + '_ms_p99'] - d[metric + '_ms_p99']:9.3f}")
+    print("CPU per stream (ms): mock / gateway / load generator; busy cores ours + other processes "
+          f"(of {result['setup']['cpu_count']})")
+    for name in ("sequential", "concurrent"):
+        for run_name, c in result[name]["cpu"].items():
+            gw = f"{c['gateway_cpu_ms_per_stream']:6.2f}" if "gateway_cpu_ms_per_stream" in c else "     -"
+            print(f"{name:12} {run_name:8} {c['mock_cpu_ms_per_stream']:6.2f} / {gw} / "
+                  f"{c['load_generator_cpu_ms_per_stream']:6.2f}   busy {c['busy_cores_ours']:.2f} + "
+                  f"{c['busy_cores_other_processes']:.2f} over {c['wall_s']:.1f} s")
     reload = result["reload_save_to_decision"]
     print(f"policy file save -> first decision under it: p50 {reload['ms_p50']:.0f} ms, max {reload['ms_max']:.0f} ms"
           f" ({reload['trials']} edits)")

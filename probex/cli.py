@@ -55,6 +55,16 @@ def main(argv: list[str] | None = None) -> None:
 
     add_eval_arguments(evaluate)
 
+    quantize = sub.add_parser("quantize", help="write a fake-quantized (RTN) copy of a model")
+    from probex.quantize import add_quantize_arguments
+
+    add_quantize_arguments(quantize)
+
+    calibrate = sub.add_parser("calibrate", help="relative calibration retention of probes on a model")
+    from probex.calibrate import add_calibrate_arguments
+
+    add_calibrate_arguments(calibrate)
+
     schema = sub.add_parser("policy-schema", help="write the policy JSON Schema")
     schema.add_argument("--out", default="config/policy.schema.json")
 
@@ -96,6 +106,14 @@ def main(argv: list[str] | None = None) -> None:
         from probex.eval_served import run_eval
 
         run_eval(args)
+    elif args.command == "quantize":
+        from probex.quantize import run_quantize
+
+        run_quantize(args)
+    elif args.command == "calibrate":
+        from probex.calibrate import run_calibrate
+
+        run_calibrate(args)
     elif args.command == "policy-schema":
         from gateway.policy import policy_json_schema
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -372,6 +373,13 @@ def test_demo_probe_auroc_from_served_scores_equals_offline(worker, probes):
         assert report["prompts"] >= 100
         assert report["auroc_abs_diff"] <= 0.002, report
         assert report["raw_max_rel_diff"] <= 1e-3, report
+        # The swap also triggered the worker's retention check; on the unchanged model it is ~1.
+        deadline = time.monotonic() + 300
+        while (health := httpx.get(worker.url + "/probex/health", timeout=30).json())["retention_status"] != "ready":
+            assert not health["retention_status"].startswith("unavailable"), health
+            assert time.monotonic() < deadline, health
+            time.sleep(1)
+        assert health["retention"]["harmful-request"] == pytest.approx(1.0, abs=0.02)
     finally:
         restored = httpx.put(worker.url + "/probex/probes", json={"probes": [str(p) for p in probes.values()]},
                              headers=admin, timeout=60)

@@ -1,0 +1,79 @@
+"""Relative calibration retention: one label-free scalar per probe that says whether the model moved.
+
+retention = cos(frozen w, fresh difference of means over the probe's retention set) / reference cosine
+
+The retention set (refs to labelled prompts) and the reference cosine are recorded in
+probe.yaml at training time (`retention: {reference_cosine, set}`); the fresh difference of
+means is taken on the model being served now. Near 1: the direction still points where the
+classes separate. Far below 1: the model changed under the probe (e.g. a broken quantization).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from probes.artifact import ProbeArtifact, load_probe
+from probes.datasets import load_all_known, resolve_refs
+
+
+class NoRetentionReference(ValueError):
+    """The probe was not saved with a retention reference, so retention cannot be computed."""
+
+
+def retention_set(probe: ProbeArtifact, known=None) -> tuple[list[str], np.ndarray]:
+    info = probe.extra.get("retention") or {}
+    refs = info.get("set")
+    if not refs or "reference_cosine" not in info:
+        raise NoRetentionReference(f"{probe.source}/probe.yaml has no retention reference "
+                                   "(retention.reference_cosine and retention.set)")
+    grouped: dict[str, list[str]] = {}
+    for ref in refs:
+        file_ref, _, row = ref.rpartition("#")
+        grouped.setdefault(file_ref, []).append(row)
+    examples = resolve_refs({k: ",".join(v) for k, v in grouped.items()},
+                            known if known is not None else load_all_known())
+    return [e.text for e in examples], np.asarray([e.label for e in examples])
+
+
+def relative_retention(weight: np.ndarray, features: np.ndarray, labels: np.ndarray, reference: float) -> float:
+    diff = features[labels == 1].mean(axis=0) - features[labels == 0].mean(axis=0)
+    cos = float(weight @ diff / (np.linalg.norm(weight) * np.linalg.norm(diff)))
+    return cos / reference
+
+
+def compute_retention(model_dir: Path, probe_dirs: list[Path | str], eval_split: str | None = None) -> dict:
+    """{probe name: {"retention": r, "retention_prompts": n[, "auroc_<split>": {...}]}} on `model_dir`.
+
+    Activations come from HF transformers on the model directory the engine serves (the tap
+    equals HF at cosine >= 0.9999 in float32, tests/test_engine_fp32.py). Probes without a
+    retention reference get {"retention": None, "reason": ...}.
+    """
+    from probes.evaluate import evaluate_scores
+    from probes.extract_hf import extract_activations
+
+    known: list | None = None  # fetched only if some probe needs it (it may download wheels)
+    results: dict = {}
+    for probe_dir in probe_dirs:
+        probe = load_probe(probe_dir)
+        if not (probe.extra.get("retention") or {}).get("set"):
+            results[probe.name] = {"retention": None, "reason": f"{probe.source}/probe.yaml has no retention reference"}
+            continue
+        known = known if known is not None else load_all_known()
+        try:
+            texts, labels = retention_set(probe, known)
+        except NoRetentionReference as exc:
+            results[probe.name] = {"retention": None, "reason": str(exc)}
+            continue
+        acts = extract_activations(texts, model_dir, [probe.layer], show_progress=False)[probe.layer].last
+        entry = {"retention": relative_retention(probe.weight, acts, labels,
+                                                 float(probe.extra["retention"]["reference_cosine"])),
+                 "retention_prompts": len(texts)}
+        if eval_split:
+            examples = resolve_refs(probe.extra["splits"][eval_split]["refs"], known)
+            x = extract_activations([e.text for e in examples], model_dir, [probe.layer], show_progress=False)
+            ev = evaluate_scores(probe.raw_score(x[probe.layer].last), np.asarray([e.label for e in examples]))
+            entry[f"auroc_{eval_split}"] = ev.as_dict()
+        results[probe.name] = entry
+    return results
