@@ -161,13 +161,13 @@ def _save(path: Path, last: np.ndarray, user_mean: np.ndarray, all_mean: np.ndar
 # --------------------------------------------------------------------------- extraction
 
 
-def _load_model(model_dir: Path) -> Any:
+def _load_model(model_dir: Path, dtype: str = "float32") -> Any:
     import torch
     from transformers import AutoModel
 
     # AutoModel gives the decoder without the LM head: we only need hidden states, and the
     # head is a 49k x 576 matmul per token for nothing.
-    return AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return AutoModel.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
 
 
 def _num_layers(model_dir: Path) -> int:
@@ -246,6 +246,7 @@ def extract_activations(
     *,
     max_batch_tokens: int = 4096,
     show_progress: bool = True,
+    dtype: str = "float32",
 ) -> dict[int, LayerActivations]:
     """Activations of `texts` (user messages) at probe layers `layers`, computed once and cached on disk.
 
@@ -263,13 +264,13 @@ def extract_activations(
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = [template_prompt(tokenizer, t) for t in texts]
-    model_key = model_cache_key(model_dir)
+    model_key = model_cache_key(model_dir) + ("" if dtype == "float32" else f"-{dtype}")
 
     # Forward only prompts that miss some layer; identical prompts are run once.
     unique = {p.key: p for p in prompts}
     todo = [p for p in unique.values() if not all(_cache_path(model_key, l, p.key).is_file() for l in layers)]
     if todo:
-        model = _load_model(model_dir)
+        model = _load_model(model_dir, dtype)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         _run_batches(model, todo, layers, model_key, pad_id, max_batch_tokens, show_progress)
 

@@ -43,7 +43,8 @@ def relative_retention(weight: np.ndarray, features: np.ndarray, labels: np.ndar
     return cos / reference
 
 
-def compute_retention(model_dir: Path, probe_dirs: list[Path | str], eval_split: str | None = None) -> dict:
+def compute_retention(model_dir: Path, probe_dirs: list[Path | str], eval_split: str | None = None,
+                      dtype: str = "float32") -> dict:
     """{probe name: {"retention": r, "retention_prompts": n[, "auroc_<split>": {...}]}} on `model_dir`.
 
     Activations come from HF transformers on the model directory the engine serves (the tap
@@ -66,13 +67,14 @@ def compute_retention(model_dir: Path, probe_dirs: list[Path | str], eval_split:
         except NoRetentionReference as exc:
             results[probe.name] = {"retention": None, "reason": str(exc)}
             continue
-        acts = extract_activations(texts, model_dir, [probe.layer], show_progress=False)[probe.layer].last
+        acts = extract_activations(texts, model_dir, [probe.layer], show_progress=False, dtype=dtype)[probe.layer].last
         entry = {"retention": relative_retention(probe.weight, acts, labels,
                                                  float(probe.extra["retention"]["reference_cosine"])),
                  "retention_prompts": len(texts)}
         if eval_split:
             examples = resolve_refs(probe.extra["splits"][eval_split]["refs"], known)
-            x = extract_activations([e.text for e in examples], model_dir, [probe.layer], show_progress=False)
+            x = extract_activations([e.text for e in examples], model_dir, [probe.layer], show_progress=False,
+                                    dtype=dtype)
             ev = evaluate_scores(probe.raw_score(x[probe.layer].last), np.asarray([e.label for e in examples]))
             entry[f"auroc_{eval_split}"] = ev.as_dict()
         results[probe.name] = entry

@@ -57,6 +57,11 @@ def _wait(url: str, timeout: float = 30) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def _has_content(line: str) -> bool:
+    """Not the role-only first chunk (`"content": ""`), whether or not the JSON has spaces after colons."""
+    return '"content": ""' not in line and '"content":""' not in line
+
+
 async def _one_stream(client: httpx.AsyncClient, url: str, tokens: int) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": tokens,
             "stream": True}
@@ -65,7 +70,7 @@ async def _one_stream(client: httpx.AsyncClient, url: str, tokens: int) -> dict:
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"content": ""' not in line:
+            if line.startswith("data: {") and _has_content(line):
                 stamps.append(time.perf_counter())
     return {"ttft": stamps[0] - start, "total": stamps[-1] - start, "gaps": np.diff(stamps).tolist(),
             "chunks": len(stamps)}

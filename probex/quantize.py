@@ -1,7 +1,8 @@
 """`probex quantize`: a fake-quantized copy of a model (weights quantized, then de-quantized).
 
 Round-to-nearest, symmetric, per output channel and per group of `group_size` input
-columns (group size 0 = one scale per whole output row, the crudest). Only the decoder's
+columns (group size 0 = one scale per whole output row; -1 = one scale per matrix, the
+crudest). Only the decoder's
 linear layers are quantized (attention and MLP projections); embeddings, norms and the
 head stay as they are. The result is a normal HF directory that vLLM serves unchanged,
 so the retention check can be run on "what a quantized deployment computes".
@@ -22,7 +23,8 @@ LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--method", required=True, choices=sorted(METHODS))
-    parser.add_argument("--group-size", type=int, default=128, help="input columns per scale; 0 = whole row")
+    parser.add_argument("--group-size", type=int, default=64,
+                        help="input columns per scale; 0 = one per row; -1 = one per matrix")
     parser.add_argument("--out", required=True, type=Path)
 
 
@@ -32,7 +34,10 @@ def fake_quantize(weight, bits: int, group_size: int):
 
     w = weight.float()
     rows, cols = w.shape
-    group = cols if group_size <= 0 else group_size
+    if group_size < 0:  # one scale for the whole matrix
+        w = w.reshape(1, rows * cols)
+        return fake_quantize(w, bits, 0).reshape(rows, cols).to(weight.dtype)
+    group = cols if group_size == 0 else group_size
     if cols % group:
         raise SystemExit(f"probex quantize: group size {group} does not divide {cols} input columns")
     grouped = w.reshape(rows, cols // group, group)

@@ -18,8 +18,13 @@ from probes.retention import compute_retention
 from probex.models import fetch_model
 from probex.quantize import quantize_model
 
-VARIANTS = [("original (bf16 weights, fp32 compute)", None, None), ("int8-rtn, groups of 64", "int8-rtn", 64),
-            ("int4-rtn, groups of 64", "int4-rtn", 64), ("int4-rtn, one scale per row", "int4-rtn", 0)]
+# (label, method, group size, compute dtype)
+VARIANTS = [("original, fp32 compute", None, None, "float32"),
+            ("original, bf16 compute", None, None, "bfloat16"),
+            ("int8-rtn, groups of 64", "int8-rtn", 64, "float32"),
+            ("int4-rtn, groups of 64", "int4-rtn", 64, "float32"),
+            ("int4-rtn, one scale per row", "int4-rtn", 0, "float32"),
+            ("int4-rtn, one scale per matrix", "int4-rtn", -1, "float32")]
 PROBE = Path("config/probes/harmful-request")
 
 
@@ -30,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     base = fetch_model("smollm2-135m-instruct")
     rows = []
-    for label, method, group in VARIANTS:
+    for label, method, group, dtype in VARIANTS:
         model = base
         summary = {}
         if method:
@@ -38,8 +43,8 @@ def main() -> None:
             if not (model / "probex-quantization.json").exists():
                 quantize_model(base, method, group, model)
             summary = json.loads((model / "probex-quantization.json").read_text())
-        result = compute_retention(model, [PROBE], eval_split="held_out")["harmful-request"]
-        rows.append({"variant": label, "method": method, "group_size": group,
+        result = compute_retention(model, [PROBE], eval_split="held_out", dtype=dtype)["harmful-request"]
+        rows.append({"variant": label, "method": method, "group_size": group, "dtype": dtype,
                      "relative_weight_error": summary.get("relative_weight_error", 0.0), **result})
         print(json.dumps(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
