@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> None:
 
     add_eval_arguments(evaluate)
 
+    train = sub.add_parser("train", help="fit a probe on labelled prompts and write a probe artifact")
+    from probex.train_cli import add_train_arguments
+
+    add_train_arguments(train)
+
     quantize = sub.add_parser("quantize", help="write a fake-quantized (RTN) copy of a model")
     from probex.quantize import add_quantize_arguments
 
@@ -106,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
         from probex.eval_served import run_eval
 
         run_eval(args)
+    elif args.command == "train":
+        from probex.train_cli import run_train
+
+        run_train(args)
     elif args.command == "quantize":
         from probex.quantize import run_quantize
 
