@@ -86,7 +86,8 @@ class ProbeTable:
 @dataclass
 class _PromptAccumulator:
     table_version: int
-    raw: np.ndarray  # [P, k], NaN where the row never ran
+    raw: np.ndarray  # [P, k] raw scores by position
+    ran: np.ndarray  # [P] bool: the row was computed (not served from the prefix cache)
     done: bool = False
 
 
@@ -122,14 +123,14 @@ class ScoreBook:
         return full
 
     def record_step(self, layout: StepLayout, table: ProbeTable, raw: np.ndarray) -> StepEvents:
+        # Runs with an empty probe set too: capture mode still needs to know when prompts end.
         events = StepEvents(table=table)
-        if not table.slots:
-            return events
         for i, req_id in enumerate(layout.req_ids):
             first, stop, first_pos = layout.prompt_rows(i)
             if stop > first:
                 acc = self._accumulator(req_id, table, int(layout.num_prompt[i]))
                 acc.raw[first_pos : first_pos + (stop - first)] = raw[first:stop]
+                acc.ran[first_pos : first_pos + (stop - first)] = True
             sampled = layout.sampling_row(i)
             if sampled is None:
                 continue
@@ -138,7 +139,7 @@ class ScoreBook:
                 acc = self._prompts.get(req_id)
                 if acc is not None and not acc.done:
                     acc.done = True
-                    events.prompt.append(_prompt_summary(req_id, acc.raw))
+                    events.prompt.append(_prompt_summary(req_id, acc))
             events.tokens.append({"req": req_id, "index": index, "raw": raw[row].tolist()})
         return events
 
@@ -147,7 +148,8 @@ class ScoreBook:
         if acc is None or acc.table_version != table.version:
             # A swap mid-prefill starts the aggregate afresh: mixing two probe sets' values
             # in one mean would be wrong, and tokens_scored then says what was really scored.
-            acc = _PromptAccumulator(table.version, np.full((prompt_len, len(table.slots)), np.nan, np.float32))
+            acc = _PromptAccumulator(table.version, np.zeros((prompt_len, len(table.slots)), np.float32),
+                                     np.zeros(prompt_len, dtype=bool))
             self._prompts[req_id] = acc
         return acc
 
@@ -159,14 +161,13 @@ class ScoreBook:
         return done
 
 
-def _prompt_summary(req_id: str, raw: np.ndarray) -> dict:
-    ran = ~np.isnan(raw[:, 0])
-    scored = raw[ran]
+def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
+    scored = acc.raw[acc.ran]  # the last prompt row always ran, so this is never empty
     return {
         "req": req_id,
-        "prompt_tokens": int(raw.shape[0]),
-        "tokens_scored": int(ran.sum()),
-        "last_raw": raw[-1].tolist(),
+        "prompt_tokens": int(acc.raw.shape[0]),
+        "tokens_scored": int(acc.ran.sum()),
+        "last_raw": acc.raw[-1].tolist(),
         "mean_raw": scored.mean(axis=0).tolist(),
         "max_raw": scored.max(axis=0).tolist(),
     }

@@ -84,3 +84,12 @@ def test_gather_orders_columns_by_table():
     )
     raw = ScoreBook().gather(table, 2, {5: np.array([[0, 10], [0, 11], [9, 9]]), 2: np.array([[20], [21], [9]])})
     np.testing.assert_array_equal(raw, [[10, 20], [11, 21]])
+
+
+def test_an_empty_probe_set_still_reports_prompt_completion():
+    """Capture mode and the response path both rely on knowing when a prompt finished."""
+    empty = ProbeTable(version=3, slots=())
+    book = ScoreBook()
+    events = book.record_step(layout([("r", 3, 0, 3)]), empty, np.zeros((3, 0), np.float32))
+    assert [p["req"] for p in events.prompt] == ["r"] and events.prompt[0]["last_raw"] == []
+    assert events.tokens == [{"req": "r", "index": 0, "raw": []}]
