@@ -5,7 +5,8 @@ at a fixed token rate), the gateway (`probex gateway`, with a policy that judges
 chunk), and this load generator. Scenarios:
 
 - sequential: one stream at a time;
-- concurrent: 128 streams in flight at once.
+- light: 4 streams in flight at once (below what the 2-core machine can serve);
+- concurrent: 128 streams in flight at once (far above it: every process queues for CPU).
 
 For each request we record time to first content chunk (TTFT), total time and the gaps
 between chunks, once direct and once through the gateway; "added" is the gateway
@@ -153,7 +154,8 @@ def _summary(samples: list[dict]) -> dict:
             "chunk_gap_ms_p50": pct(gaps, 50), "chunk_gap_ms_p99": pct(gaps, 99)}
 
 
-def _overhead_from_metrics(text: str) -> dict:
+def _parse_overhead(text: str) -> tuple[list[tuple[float, float]], float, float]:
+    """(cumulative buckets, count, sum) of probex_gateway_overhead_seconds from a /metrics scrape."""
     buckets, count, total = [], 0.0, 0.0
     for line in text.splitlines():
         if line.startswith("probex_gateway_overhead_seconds_bucket"):
@@ -163,7 +165,20 @@ def _overhead_from_metrics(text: str) -> dict:
             count = float(line.rsplit(" ", 1)[1])
         elif line.startswith("probex_gateway_overhead_seconds_sum"):
             total = float(line.rsplit(" ", 1)[1])
+    return buckets, count, total
 
+
+def _overhead_from_metrics(text: str, before: str | None = None) -> dict:
+    """The gateway's overhead histogram: requests since `before` (an earlier scrape) when given."""
+    buckets, count, total = _parse_overhead(text)
+    if before is not None:
+        buckets0, count0, total0 = _parse_overhead(before)
+        buckets = [(le, c - c0) for (le, c), (_, c0) in zip(buckets, buckets0)]
+        count, total = count - count0, total - total0
+    return _overhead_summary(buckets, count, total)
+
+
+def _overhead_summary(buckets: list[tuple[float, float]], count: float, total: float) -> dict:
     def quantile(q: float) -> float:
         target = q * count
         for le, c in buckets:
@@ -197,7 +212,8 @@ def measure_reload(gateway: str, policy_path: Path, policy: dict, trials: int = 
     return {"trials": trials, "ms_p50": float(np.percentile(arr, 50)), "ms_max": float(arr.max())}
 
 
-def run(out: Path, tokens: int, tokens_per_s: float, sequential: int, concurrency: int, per_client: int) -> dict:
+def run(out: Path, tokens: int, tokens_per_s: float, sequential: int, concurrency: int, per_client: int,
+        light: int = 4, light_per_client: int = 50) -> dict:
     work = Path(tempfile.mkdtemp(prefix="probex-bench-"))
     from probes.artifact import ProbeArtifact, ReadPoint, save_probe
 
@@ -225,15 +241,18 @@ def run(out: Path, tokens: int, tokens_per_s: float, sequential: int, concurrenc
                       "python": platform.python_version(), "machine": platform.machine()},
         }
         chunks = tokens + 2  # role chunk, content chunks, [DONE]
-        for name, conc, per in (("sequential", 1, sequential), ("concurrent", concurrency, per_client)):
+        scenarios = (("sequential", 1, sequential), ("light", light, light_per_client),
+                     ("concurrent", concurrency, per_client))
+        for name, conc, per in scenarios:
             d_meter = _CpuMeter({"mock": procs[0].pid})
             g_meter = _CpuMeter({"mock": procs[0].pid, "gateway": procs[1].pid})
             d = _summary(asyncio.run(_scenario(direct, conc, per, tokens, d_meter)))
+            before = httpx.get(gateway + "/metrics").text
             g = _summary(asyncio.run(_scenario(gateway, conc, per, tokens, g_meter)))
             after = httpx.get(gateway + "/metrics").text
             added = {k.replace("_ms_", "_added_ms_"): g[k] - d[k] for k in d if k.endswith(("p50", "p99"))}
             result[name] = {"concurrency": conc, "direct": d, "gateway": g, "added": added,
-                            "gateway_self_reported_overhead_cumulative": _overhead_from_metrics(after),
+                            "gateway_self_reported_overhead": _overhead_from_metrics(after, before),
                             "cpu": {"direct": d_meter.summary(conc * per, chunks),
                                     "gateway": g_meter.summary(conc * per, chunks)}}
         result["reload_save_to_decision"] = measure_reload(gateway, work / "policy.yaml", policy)
@@ -254,11 +273,15 @@ def main() -> None:
     parser.add_argument("--sequential", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--per-client", type=int, default=3)
+    parser.add_argument("--light", type=int, default=4, help="streams in flight in the light scenario")
+    parser.add_argument("--light-per-client", type=int, default=50)
     args = parser.parse_args()
-    result = run(args.out, args.tokens, args.tokens_per_s, args.sequential, args.concurrency, args.per_client)
+    result = run(args.out, args.tokens, args.tokens_per_s, args.sequential, args.concurrency, args.per_client,
+                 args.light, args.light_per_client)
     print(f"{'scenario':12} {'metric':10} {'direct p50':>10} {'gw p50':>8} {'added p50':>9} {'direct p99':>10} "
           f"{'gw p99':>8} {'added p99':>9}  (ms)")
-    for name in ("sequential", "concurrent"):
+    names = [n for n in ("sequential", "light", "concurrent") if n in result]
+    for name in names:
         r = result[name]
         for metric in ("ttft", "chunk_gap", "total"):
             d, g = r["direct"], r["gateway"]
@@ -267,12 +290,14 @@ def main() -> None:
                   f"{g[metric + '_ms_p99']:8.3f} {g[metric + '_ms_p99'] - d[metric + '_ms_p99']:9.3f}")
     print("CPU per stream (ms): mock / gateway / load generator; busy cores ours + other processes "
           f"(of {result['setup']['cpu_count']})")
-    for name in ("sequential", "concurrent"):
+    for name in names:
         for run_name, c in result[name]["cpu"].items():
             gw = f"{c['gateway_cpu_ms_per_stream']:6.2f}" if "gateway_cpu_ms_per_stream" in c else "     -"
             print(f"{name:12} {run_name:8} {c['mock_cpu_ms_per_stream']:6.2f} / {gw} / "
                   f"{c['load_generator_cpu_ms_per_stream']:6.2f}   busy {c['busy_cores_ours']:.2f} + "
                   f"{c['busy_cores_other_processes']:.2f} over {c['wall_s']:.1f} s")
+    print("gateway's own overhead per stream (probex_gateway_overhead_seconds, upstream waits excluded): " + ", ".join(
+        f"{n} mean {result[n]['gateway_self_reported_overhead']['mean_ms']:.2f} ms" for n in names))
     reload = result["reload_save_to_decision"]
     print(f"policy file save -> first decision under it: p50 {reload['ms_p50']:.0f} ms, max {reload['ms_max']:.0f} ms"
           f" ({reload['trials']} edits)")

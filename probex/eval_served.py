@@ -27,6 +27,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", action="append", default=[], help="splits from probe.yaml (default: test, held_out)")
     parser.add_argument("--model-dir", type=Path, default=None, help="HF directory for the offline side")
     parser.add_argument("--out", type=Path, default=Path("out/eval-served.json"))
+    parser.add_argument("--plots", type=Path, default=None,
+                        help="write ROC curves and score histograms per class (PNG) into this directory")
 
 
 def served_raw(worker: str, texts: list[str], probe_name: str) -> np.ndarray:
@@ -59,6 +61,7 @@ def compare(probe_dir: Path, worker: str, splits: list[str], model_dir: Path) ->
         served = served_raw(worker, texts, probe.name)
         rel = np.abs(served - offline) / np.maximum(np.abs(offline), 1e-3)
         off_eval, srv_eval = evaluate_scores(offline, labels), evaluate_scores(served, labels)
+        report.setdefault("_scores", {})[split] = (offline, served, labels)
         report["splits"][split] = {
             "prompts": len(texts),
             "offline": off_eval.as_dict(),
@@ -70,11 +73,52 @@ def compare(probe_dir: Path, worker: str, splits: list[str], model_dir: Path) ->
     return report
 
 
+def plot(report: dict, probe_dir: Path, out_dir: Path) -> list[Path]:
+    """Per split: ROC curves (served and offline) and histograms of served scores per class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from probes.evaluate import roc_curve
+    from probes.scoring import calibrate
+
+    probe = load_probe(probe_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for split, (offline, served, labels) in report["_scores"].items():
+        fig, (roc, hist) = plt.subplots(1, 2, figsize=(11, 4.5), constrained_layout=True)
+        for name, raw, style in (("offline (HF)", offline, "-"), ("served (worker)", served, "--")):
+            fpr, tpr = roc_curve(raw, labels)
+            roc.plot(fpr, tpr, style, lw=1.6, label=f"{name} AUROC {report['splits'][split][name.split()[0]]['auroc']:.4f}")
+        roc.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":")
+        roc.set_xlabel("false positive rate")
+        roc.set_ylabel("true positive rate")
+        roc.legend(fontsize=8, loc="lower right")
+        scores = np.array([calibrate(r, probe.slope, probe.intercept) for r in served])
+        bins = np.linspace(0, 1, 26)
+        hist.hist(scores[labels == 0], bins=bins, alpha=0.6, label=f"benign ({(labels == 0).sum()})")
+        hist.hist(scores[labels == 1], bins=bins, alpha=0.6, label=f"harmful ({(labels == 1).sum()})")
+        hist.set_xlabel("served calibrated score")
+        hist.set_ylabel("prompts")
+        hist.legend(fontsize=8)
+        fig.suptitle(f"{probe.name}: {split} split", fontsize=10)
+        path = out_dir / f"eval-{probe.name}-{split}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
 def run_eval(args: argparse.Namespace) -> None:
     from probex.models import fetch_model
 
     model_dir = args.model_dir or fetch_model("smollm2-135m-instruct")
     report = compare(args.probe, args.worker, args.split or ["test", "held_out"], model_dir)
+    if args.plots:
+        for path in plot(report, args.probe, args.plots):
+            print(f"plot: {path}")
+    report.pop("_scores")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"| split | prompts | AUROC offline | AUROC served | abs diff | max raw rel diff |")

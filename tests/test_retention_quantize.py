@@ -54,3 +54,18 @@ def test_rtn_error_grows_as_scales_get_coarser_and_int8_is_tight():
     assert torch.allclose(q / scale, torch.round(q / scale), atol=1e-3)  # values sit on the int4 grid
     with pytest.raises(SystemExit, match="does not divide"):
         fake_quantize(w, 4, 48)
+
+
+def test_eval_plots_are_written(tmp_path):
+    from pathlib import Path
+
+    from probex.eval_served import plot
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat([1, 0], 20)
+    raw = labels * 2 + rng.standard_normal(40)
+    report = {"splits": {"test": {"offline": {"auroc": 0.9}, "served": {"auroc": 0.9}}},
+              "_scores": {"test": (raw, raw + 1e-5, labels)}}
+    demo = Path(__file__).resolve().parent.parent / "config" / "probes" / "harmful-request"
+    (path,) = plot(report, demo, tmp_path)
+    assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
