@@ -12,7 +12,7 @@ chunk that can carry it.
 from __future__ import annotations
 
 from probes.scoring import calibrate
-from engine_worker.delivery import ProbeInfo, RequestScores
+from engine_worker.delivery import RequestScores
 
 _HEADLINE = {"last_prompt_token": "last", "prompt_mean": "mean", "prompt_max": "max"}
 

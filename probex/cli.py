@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--redis", default=None, metavar="URL")
 
     extract = sub.add_parser("extract", help="residual activations through the serving tap (capture mode)")
-    from engine_worker.extract import add_extract_arguments
+    from probex.extract import add_extract_arguments
 
     add_extract_arguments(extract)
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         run_embedded(Path(args.config), str(resolve_model(args.model)), args.host, args.port, args.worker_port,
                      args.redis, worker_args)
     elif args.command == "extract":
-        from engine_worker.extract import run_extract
+        from probex.extract import run_extract
 
         run_extract(args)
     elif args.command == "eval":

@@ -121,8 +121,8 @@ def run_eval(args: argparse.Namespace) -> None:
     report.pop("_scores")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    print(f"| split | prompts | AUROC offline | AUROC served | abs diff | max raw rel diff |")
-    print(f"|---|---:|---:|---:|---:|---:|")
+    print("| split | prompts | AUROC offline | AUROC served | abs diff | max raw rel diff |")
+    print("|---|---:|---:|---:|---:|---:|")
     for split, r in report["splits"].items():
         print(f"| {split} | {r['prompts']} | {r['offline']['auroc']:.4f} | {r['served']['auroc']:.4f} "
               f"| {r['auroc_abs_diff']:.1e} | {r['raw_max_rel_diff']:.1e} |")

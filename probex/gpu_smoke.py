@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from probex.processes import WorkerExited, wait_until_healthy
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",
@@ -90,8 +92,6 @@ MODES = {
 
 def run_mode(name: str, model: Path, probes: list[Path], out: Path, extra: list[str],
              attention_backend: str = "FLASH_ATTN") -> tuple[list[dict], dict]:
-    import httpx
-
     port = 8100 + list(MODES).index(name)
     capture = out / f"capture-{name}"
     log_path = out / f"worker-{name}.log"
@@ -106,15 +106,10 @@ def run_mode(name: str, model: Path, probes: list[Path], out: Path, extra: list[
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} worker exited: " + log_path.read_text()[-3000:])
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(2)
+            try:
+                wait_until_healthy(proc, url)
+            except WorkerExited as exc:
+                raise RuntimeError(f"{name} {exc}: " + log_path.read_text()[-3000:]) from None
             ready_s = time.monotonic() - started
             responses = asyncio.run(query(url, str(model)))
         finally:

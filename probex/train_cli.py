@@ -90,7 +90,7 @@ def features_tap(texts: list[str], model: str, layers: list[int], read: ReadPoin
     """Through a real worker in capture mode: the rows the engine computed, per prompt."""
     from safetensors.numpy import load_file
 
-    from engine_worker.extract import prompt_key, run_extract
+    from probex.extract import prompt_key, run_extract
 
     with tempfile.TemporaryDirectory(prefix="probex-train-") as tmp:
         prompts = Path(tmp) / "prompts.jsonl"

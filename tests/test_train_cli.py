@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from probes.artifact import ServedModel, load_probe
 

@@ -16,10 +16,11 @@ import hashlib
 import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
+
+from probex.processes import WorkerExited, wait_until_healthy
 
 INDEX = "index.jsonl"
 
@@ -111,15 +112,10 @@ def run_extract(args: argparse.Namespace) -> None:
     worker = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if worker.poll() is not None:
-                raise SystemExit(f"probex extract: worker exited with {worker.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
+        try:
+            wait_until_healthy(worker, url)
+        except WorkerExited as exc:
+            raise SystemExit(f"probex extract: {exc}") from None
         count = extract(prompts, args.out, url, capture, model)
         print(f"extracted {count} prompts into {args.out}")
     finally:
