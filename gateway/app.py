@@ -5,6 +5,10 @@ Requests go to a worker (`probex worker`) which returns per-request probe scores
 policy, relays streams chunk by chunk (blocking mid-stream when generated tokens cross
 a threshold), strips scores unless the caller may see them, and records metrics and
 audit events. It speaks to workers over HTTP only.
+
+The two completion routes are the hot path: one plain ASGI application (no FastAPI request
+machinery, no Starlette response classes) relaying over one pooled aiohttp session. Health
+checks, probe pushes and the admin routes use FastAPI and httpx.
 """
 
 from __future__ import annotations
@@ -17,15 +21,17 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
 
+import aiohttp
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import Route
 
 from gateway.audit import POLICY_VERSION_KEY, AuditSink, JsonlAudit, RedisAudit, audit_event
-from gateway.decisions import Verdict, generated_scores, judge_generated, judge_prompt
+from gateway.decisions import StreamJudge, Verdict, generated_scores, judge_generated, judge_prompt
+from gateway.jsoncodec import dumps, loads, loads_strict
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Decision, LoadedPolicy, PolicyError, TenantView, load_policy
 from gateway.upstreams import NoHealthyUpstream, Upstream, UpstreamPool
@@ -55,9 +61,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self, headers: dict | None = None) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 class PolicyManager:
@@ -163,9 +171,28 @@ def _probe_files_changed(a: LoadedPolicy, b: LoadedPolicy) -> bool:
     )
 
 
+class GatewayApp(FastAPI):
+    """FastAPI, except that POSTs to the completion routes go straight to their ASGI endpoint.
+
+    That skips the middleware stack and the router: about 50 us off time-to-first-token on the
+    2-core benchmark machine. The routes are registered with the router too (other methods get
+    405). Middleware added to this app does not see completion POSTs.
+    """
+
+    fast_routes: dict[str, "_CompletionRoute"] = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.fast_routes.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> FastAPI:
     metrics = metrics or GatewayMetrics()
-    client = httpx.AsyncClient(
+    client = httpx.AsyncClient(  # control plane: health checks, probe pushes, /v1/models
         timeout=httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s),
         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
     )
@@ -175,10 +202,12 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     if isinstance(audit, RedisAudit):
         audit.maxlen = manager.current.policy.audit.maxlen
     metrics.set_policy_version(manager.current.version)
+    completions = Completions(config, manager, pool, metrics, audit)
     tasks: list[asyncio.Task] = []
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        completions.open()
         await pool.check_all()
         pool.start(config.health_interval_s)
         await audit.publish_policy_version(manager.current.version)
@@ -193,9 +222,10 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
             task.cancel()
         await pool.stop()
         await audit.close()
+        await completions.close()
         await client.aclose()
 
-    app = FastAPI(title="ProbeX gateway", lifespan=lifespan)
+    app = GatewayApp(title="ProbeX gateway", lifespan=lifespan)
     app.state.manager, app.state.pool, app.state.metrics, app.state.audit = manager, pool, metrics, audit
 
     @app.exception_handler(ApiError)
@@ -253,8 +283,9 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
         return {"policy_version": manager.current.version, "probes": list(manager.current.probes),
                 "needs_recompute": manager.current.needs_recompute, "last_reload_error": manager.last_error}
 
-    for path in COMPLETION_PATHS:
-        app.add_api_route(path, _completion_handler(path, config, manager, pool, metrics, audit), methods=["POST"])
+    app.fast_routes = {path: _CompletionRoute(completions, path) for path in COMPLETION_PATHS}
+    for path, endpoint in app.fast_routes.items():  # an ASGI app as endpoint: Starlette hands it the raw scope
+        app.router.routes.append(Route(path, endpoint, methods=["POST"]))
     return app
 
 
@@ -267,8 +298,7 @@ async def _periodic(fn, interval_s: float) -> None:
             log.exception("probex: periodic task %s failed", getattr(fn, "__name__", fn))
 
 
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization")
+def _bearer(auth: str | None) -> str | None:
     if auth and auth.lower().startswith("bearer "):
         return auth[7:].strip() or None
     return None
@@ -276,8 +306,11 @@ def _bearer(request: Request) -> str | None:
 
 def authenticate(request: Request, policy: LoadedPolicy) -> tuple[str, bool]:
     """(tenant, is_admin). Without configured keys (embedded default) everyone is the default tenant."""
-    token = _bearer(request)
-    keys, admins = policy.policy.api_keys, set(policy.policy.admin_keys)
+    return authenticate_token(_bearer(request.headers.get("authorization")), policy)
+
+
+def authenticate_token(token: str | None, policy: LoadedPolicy) -> tuple[str, bool]:
+    keys, admins = policy.policy.api_keys, policy.policy.admin_keys
     if token is not None and token in admins:
         return "default", True
     if not keys:
@@ -297,23 +330,56 @@ def require_admin(request: Request, policy: LoadedPolicy) -> None:
         raise ApiError(401, "admin key required", kind="authentication_error", code="invalid_api_key")
 
 
-async def _read_json_body(request: Request, limit: int) -> dict:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+# -- the completion routes: plain ASGI ----------------------------------------------------------
+
+_JSON = b"application/json"
+_SSE = b"text/event-stream; charset=utf-8"
+_UPSTREAM_HEADERS = {"content-type": "application/json"}
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+_DONE = b"data: [DONE]\n\n"
+
+
+class _ClientGone(Exception):
+    """The caller went away before a response could be sent."""
+
+
+async def _respond(send, status: int, body: bytes, headers: list[tuple[bytes, bytes]],
+                   content_type: bytes = _JSON) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), (b"content-length", b"%d" % len(body)), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive, limit: int, declared: bytes | None) -> bytes:
+    if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise _ClientGone()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _parse_body(raw: bytes) -> tuple[dict, bool]:
+    """The body, and whether it is plain UTF-8 JSON that can be forwarded as it came."""
     try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "request body is not valid JSON") from None
+        body, plain = loads_strict(raw), True
+    except ValueError:
+        try:  # NaN / Infinity, lone surrogates, UTF-16: what the standard library accepts
+            body, plain = json.loads(raw), False
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
-    return body
+    return body, plain
 
 
 @dataclass
@@ -324,7 +390,7 @@ class _Call:
     tenant: TenantView
     policy: LoadedPolicy
     is_admin: bool
-    prompt_text: str | None
+    raw_body: bytes | None  # kept only when the audit records prompts
     started: float = field(default_factory=time.perf_counter)
     upstream_s: float = 0.0
 
@@ -332,40 +398,389 @@ class _Call:
     def expose_scores(self) -> bool:
         return self.is_admin or self.tenant.expose_scores
 
-    def headers(self, decision: Decision) -> dict[str, str]:
-        return {"x-probex-decision": decision.value, "x-probex-policy-version": self.policy.version,
-                "x-request-id": self.request_id}
+    @property
+    def prompt_text(self) -> str | None:
+        return None if self.raw_body is None else _prompt_text(json.loads(self.raw_body))
+
+    def headers(self, decision: Decision) -> list[tuple[bytes, bytes]]:
+        return [(b"x-probex-decision", decision.value.encode()),
+                (b"x-probex-policy-version", self.policy.version.encode("latin-1")),
+                (b"x-request-id", self.request_id.encode())]
 
 
-def _completion_handler(path, config: GatewayConfig, manager: PolicyManager, pool: UpstreamPool,
-                        metrics: GatewayMetrics, audit: AuditSink):
-    async def handler(request: Request):
-        policy = manager.current
-        tenant_name, is_admin = authenticate(request, policy)
-        body = await _read_json_body(request, config.max_body_bytes)
+class Completions:
+    """POST /v1/chat/completions and /v1/completions: the hot path, in plain ASGI."""
+
+    def __init__(self, config: GatewayConfig, manager: PolicyManager, pool: UpstreamPool, metrics: GatewayMetrics,
+                 audit: AuditSink) -> None:
+        self.config, self.manager, self.pool, self.metrics, self.audit = config, manager, pool, metrics, audit
+        self.session: aiohttp.ClientSession | None = None
+
+    def open(self) -> None:
+        """The pooled upstream session; made inside the server's event loop (from the lifespan)."""
+        connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0,
+                                         keepalive_timeout=4.0)  # below the 5 s keep-alive of uvicorn-based workers
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.upstream_timeout_s,
+                                        sock_connect=self.config.connect_timeout_s,
+                                        sock_read=self.config.upstream_timeout_s)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                             cookie_jar=aiohttp.DummyCookieJar())
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def __call__(self, path: str, scope, receive, send) -> None:
+        try:
+            await self.handle(path, scope["headers"], receive, send)
+        except _ClientGone:
+            return
+        except ApiError as exc:
+            headers = [(b"x-probex-policy-version", self.manager.current.version.encode("latin-1"))]
+            await _respond(send, exc.status, dumps(exc.body()), headers)
+        except Exception:
+            log.exception("probex gateway: unexpected error")
+            await _respond(send, 500, dumps(ApiError(500, "internal gateway error", kind="server_error").body()), [])
+
+    async def handle(self, path: str, raw_headers, receive, send) -> None:
+        auth = declared = None
+        for name, value in raw_headers:
+            if name == b"authorization" and auth is None:
+                auth = value.decode("latin-1")
+            elif name == b"content-length" and declared is None:
+                declared = value
+        policy = self.manager.current
+        tenant_name, is_admin = authenticate_token(_bearer(auth), policy)
+        raw = await _read_body(receive, self.config.max_body_bytes, declared)
+        body, plain = _parse_body(raw)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' is required", param="model")
-        known = pool.models
+        known = self.pool.models
         if known and model not in known:
             raise ApiError(404, f"model {model!r} does not exist; available: {sorted(known)}", code="model_not_found",
                            param="model")
+        if self.session is None:  # served without the lifespan (a test client, say)
+            self.open()
+        # The body goes to the worker byte for byte unless the gateway has to add to it.
+        payload = raw if plain else json.dumps(body).encode()
         if policy.needs_recompute and policy.policy.rules:
             xargs = body.get("vllm_xargs")
             if xargs is None or isinstance(xargs, dict):
-                body["vllm_xargs"] = {**(xargs or {}), "probex_recompute": True}
+                exact = json.loads(raw)  # the standard library keeps every number exactly as sent
+                exact["vllm_xargs"] = {**(exact.get("vllm_xargs") or {}), "probex_recompute": True}
+                payload = json.dumps(exact).encode()
         call = _Call(request_id=f"probex-gw-{uuid.uuid4().hex}", tenant=policy.tenant(tenant_name), policy=policy,
-                     is_admin=is_admin, prompt_text=_prompt_text(body) if policy.policy.audit.include_prompt else None)
+                     is_admin=is_admin, raw_body=raw if policy.policy.audit.include_prompt else None)
         try:
-            upstream = pool.pick()
+            upstream = self.pool.pick()
         except NoHealthyUpstream as exc:
             raise ApiError(502, f"{exc}; see /ready", kind="server_error", code="upstream_unavailable") from None
-        payload = json.dumps(body).encode()
         if body.get("stream"):
-            return await _stream(path, payload, body, call, upstream, manager, metrics, audit)
-        return await _whole(path, payload, body, call, upstream, manager, metrics, audit)
+            await self.stream(path, payload, call, upstream, receive, send)
+        else:
+            await self.whole(path, payload, call, upstream, send)
 
-    return handler
+    # -- whole responses
+
+    async def whole(self, path: str, payload: bytes, call: _Call, upstream: Upstream, send) -> None:
+        metrics = self.metrics
+        upstream.outstanding += 1
+        sent = time.perf_counter()
+        try:
+            async with self.session.post(upstream.url + path, data=payload, headers=_UPSTREAM_HEADERS) as r:
+                status, content = r.status, await r.read()
+        except _UPSTREAM_ERRORS as exc:
+            raise _upstream_failure(exc, upstream, metrics) from None
+        finally:
+            upstream.outstanding -= 1
+            call.upstream_s += time.perf_counter() - sent
+        if status != 200:
+            await _relay_upstream_error(send, status, content, upstream, call, metrics)
+            return
+        try:
+            data = loads(content)
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+            choices = data.get("choices") or []
+            probex = data.pop("probex", None)
+            if probex is None and len(choices) > 1:  # batched completions carry scores per choice
+                per_choice = [c.pop("probex", None) for c in choices]
+            else:
+                per_choice = [probex]
+        except (ValueError, AttributeError, TypeError):
+            raise ApiError(502, "upstream sent a malformed response", kind="server_error") from None
+        verdict = Verdict()
+        try:
+            for scores in per_choice:
+                verdict = verdict.merge(_judge_whole(call, scores, metrics))
+        except (ValueError, AttributeError, TypeError):
+            raise ApiError(502, "upstream sent malformed probe scores", kind="server_error") from None
+        await _account(call, verdict, metrics, self.audit)
+        headers = call.headers(verdict.decision)
+        _observe_overhead(call, metrics)
+        if verdict.decision is Decision.BLOCK:
+            if call.tenant.on_block == "error":
+                blocked = ApiError(400, "request blocked by content policy", code="content_filter")
+                await _respond(send, 400, dumps(blocked.body()), headers)
+                return
+            _refuse_whole(call, data, path)
+        elif call.expose_scores:
+            if probex is not None:
+                data["probex"] = probex
+            elif len(choices) > 1:
+                for choice, scores in zip(choices, per_choice):
+                    choice["probex"] = scores
+        await _respond(send, 200, dumps(data), headers)
+
+    # -- streams
+
+    async def stream(self, path: str, payload: bytes, call: _Call, upstream: Upstream, receive, send) -> None:
+        metrics = self.metrics
+        upstream.outstanding += 1
+        sent = time.perf_counter()
+        try:
+            response = await self.session.post(upstream.url + path, data=payload, headers=_UPSTREAM_HEADERS)
+        except _UPSTREAM_ERRORS as exc:
+            upstream.outstanding -= 1
+            raise _upstream_failure(exc, upstream, metrics) from None
+        call.upstream_s += time.perf_counter() - sent
+        if response.status != 200:
+            try:
+                content = await response.read()
+            except _UPSTREAM_ERRORS as exc:
+                raise _upstream_failure(exc, upstream, metrics) from None
+            finally:
+                response.release()
+                upstream.outstanding -= 1
+            await _relay_upstream_error(send, response.status, content, upstream, call, metrics)
+            return
+        relay = _Relay(call, response, path, metrics)
+        # The caller hanging up closes the upstream response, which aborts the request in the worker.
+        watch = asyncio.ensure_future(receive())
+        watch.add_done_callback(relay.caller_gone)
+        try:
+            await self._relay(relay, upstream, send)
+        finally:
+            watch.cancel()
+            if not relay.released:
+                response.close()
+            upstream.outstanding -= 1
+            await _account(call, relay.verdict, metrics, self.audit)
+            _observe_overhead(call, metrics)
+            if not relay.finished:
+                log.info("probex: stream %s ended early (client or upstream closed)", call.request_id)
+
+    async def _relay(self, relay: "_Relay", upstream: Upstream, send) -> None:
+        call, metrics = relay.call, self.metrics
+        # Read up to the chunk carrying the prompt scores (or the first tokens), then decide on the prompt.
+        try:
+            lines = await relay.read_head()
+        except (*_UPSTREAM_ERRORS, ValueError, AttributeError, TypeError) as exc:
+            if relay.gone:
+                return
+            if isinstance(exc, _UPSTREAM_ERRORS):
+                raise _upstream_failure(exc, upstream, metrics) from None
+            raise ApiError(502, "upstream sent a malformed stream", kind="server_error") from None
+        if relay.gone:
+            return
+        fail_closed = call.policy.policy.missing_scores == "fail_closed"
+        if relay.prompt_probex is None:
+            metrics.child(metrics.scores_missing, call.tenant.name).inc()
+        try:
+            _record_scores(relay.prompt_probex, metrics)
+            verdict = judge_prompt(call.tenant, relay.prompt_probex, fail_closed)
+        except (ValueError, AttributeError, TypeError):
+            raise ApiError(502, "upstream sent malformed probe scores", kind="server_error") from None
+        relay.judge = StreamJudge(call.tenant, verdict)
+        headers = call.headers(verdict.decision)
+        if verdict.decision is Decision.BLOCK:
+            relay.close()  # closing the connection aborts the request in the worker
+            relay.finished = relay.done_sending = True
+            if call.tenant.on_block == "error":
+                blocked = ApiError(400, "request blocked by content policy", code="content_filter")
+                await _respond(send, 400, dumps(blocked.body()), headers)
+                return
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", _SSE), *headers]})
+            await send({"type": "http.response.body", "body": _refusal_events(call, relay.path, relay.head)})
+            return
+
+        out: list[bytes] = []
+        try:
+            for event in relay.head:
+                if relay.relay_event(event, out):
+                    break
+            else:
+                relay.relay_lines(lines, out)
+        except (ValueError, AttributeError, TypeError):
+            raise ApiError(502, "upstream sent a malformed stream", kind="server_error") from None
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", _SSE), *headers]})
+        try:
+            while not relay.finished:
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                    out = []
+                lines = await relay.read_lines()
+                if relay.gone:
+                    return
+                if lines is None:  # the upstream ended without [DONE]
+                    break
+                relay.relay_lines(lines, out)
+        except (*_UPSTREAM_ERRORS, ValueError, AttributeError, TypeError) as exc:
+            if not relay.gone:
+                # Returning without completing the response makes the server drop the connection,
+                # so the caller sees a broken stream rather than a clean end.
+                log.warning("probex: upstream %s failed mid-stream (%s: %s); dropping stream %s", upstream.url,
+                            type(exc).__name__, exc, call.request_id)
+            return
+        except Exception:  # the response has started: no error response is possible any more
+            log.exception("probex gateway: unexpected error mid-stream; dropping stream %s", call.request_id)
+            return
+        relay.done_sending = True
+        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+        if relay.blocked:
+            relay.close()
+        elif relay.finished:
+            await relay.drain()
+
+
+class _CompletionRoute:
+    """The ASGI endpoint of one completion path (the worker's path, whatever prefix the gateway is served under)."""
+
+    __slots__ = ("completions", "path")
+
+    def __init__(self, completions: Completions, path: str) -> None:
+        self.completions, self.path = completions, path
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.completions(self.path, scope, receive, send)
+
+
+class _Relay:
+    """One relayed stream: reads SSE lines from the worker, judges chunks, writes SSE bytes."""
+
+    __slots__ = ("call", "response", "content", "path", "metrics", "buffer", "head", "prompt_probex", "judge",
+                 "finished", "blocked", "gone", "done_sending", "released", "expose")
+
+    def __init__(self, call: _Call, response: aiohttp.ClientResponse, path: str, metrics: GatewayMetrics) -> None:
+        self.call, self.response, self.content = call, response, response.content
+        self.path, self.metrics = path, metrics
+        self.buffer = b""
+        self.head: list[dict | None] = []  # events read before the decision on the prompt; None is [DONE]
+        self.prompt_probex: dict | None = None
+        self.judge: StreamJudge | None = None  # from the decision on the prompt on
+        self.finished = False  # [DONE] relayed, or the stream was cut by a block
+        self.blocked = False
+        self.gone = False  # the caller hung up
+        self.done_sending = False
+        self.released = False  # the upstream connection went back to the pool
+        self.expose = call.expose_scores
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.judge.verdict if self.judge is not None else Verdict()
+
+    def caller_gone(self, task: asyncio.Future) -> None:
+        if self.done_sending or task.cancelled():
+            return
+        self.gone = True
+        self.close()
+
+    def close(self) -> None:
+        self.response.close()
+        self.released = True
+
+    async def drain(self) -> None:
+        """Read the rest of the upstream stream so the connection goes back to the pool."""
+        try:
+            while await self.content.readany():
+                pass
+        except _UPSTREAM_ERRORS:
+            return
+        self.response.release()
+        self.released = True
+
+    async def read_lines(self) -> list[bytes] | None:
+        """The next complete lines from the worker (without line ends); None once the stream has ended."""
+        call = self.call
+        while True:
+            waited = time.perf_counter()
+            data = await self.content.readany()
+            call.upstream_s += time.perf_counter() - waited
+            if not data:
+                if self.buffer:
+                    last, self.buffer = self.buffer, b""
+                    return [last]
+                return None
+            if b"\n" not in data:
+                self.buffer += data
+                continue
+            if self.buffer:
+                data, self.buffer = self.buffer + data, b""
+            lines = data.split(b"\n")
+            self.buffer = lines.pop()
+            return lines
+
+    async def read_head(self) -> list[bytes]:
+        """Events up to the prompt decision point into `head`; returns the lines read past it."""
+        head = self.head
+        while True:
+            lines = await self.read_lines()
+            if lines is None:
+                return []
+            for i, line in enumerate(lines):
+                if not line.startswith(b"data: "):
+                    continue
+                if line[-1:] == b"\r":
+                    line = line[:-1]
+                if line == b"data: [DONE]":
+                    head.append(None)
+                    return lines[i + 1:]
+                chunk = loads(line[6:])
+                head.append(chunk)
+                probex = chunk.get("probex")
+                scores = (probex or {}).get("scores") or {}
+                if any("prompt" in s for s in scores.values()):
+                    self.prompt_probex = probex
+                    return lines[i + 1:]
+                if any(_chunk_has_tokens(c) for c in chunk.get("choices") or ()):
+                    return lines[i + 1:]  # prompt scores, if any, would have been on or before this chunk
+
+    def relay_lines(self, lines: list[bytes], out: list[bytes]) -> None:
+        for line in lines:
+            if not line.startswith(b"data: "):
+                continue
+            if line[-1:] == b"\r":
+                line = line[:-1]
+            if line == b"data: [DONE]":
+                self.relay_event(None, out)
+                return
+            if b'"probex"' not in line:  # nothing to judge or strip: pass the worker's bytes through
+                out.append(line + b"\n\n")
+                continue
+            if self.relay_event(loads(line[6:]), out):
+                return
+
+    def relay_event(self, event: dict | None, out: list[bytes]) -> bool:
+        """Append the SSE bytes for one event; True when the stream ends here."""
+        if event is None:
+            out.append(_DONE)
+            self.finished = True
+            return True
+        probex = event.pop("probex", None)
+        generated = generated_scores(probex)
+        if generated:
+            _record_generated(generated, self.metrics)
+            if self.judge.step(generated) is Decision.BLOCK:
+                out.append(b"data: " + dumps(_content_filter_chunk(event, self.path)) + b"\n\n")
+                out.append(_DONE)
+                self.finished = self.blocked = True
+                return True
+        if self.expose and probex is not None:
+            event["probex"] = probex
+        out.append(b"data: " + dumps(event) + b"\n\n")
+        return False
 
 
 def _prompt_text(body: dict) -> str:
@@ -374,9 +789,9 @@ def _prompt_text(body: dict) -> str:
     return str(body.get("prompt"))[:4000]
 
 
-async def _upstream_failure(exc: Exception, upstream: Upstream, metrics: GatewayMetrics) -> ApiError:
-    kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connect"
-    metrics.upstream_errors.labels(upstream=upstream.url, kind=kind).inc()
+def _upstream_failure(exc: Exception, upstream: Upstream, metrics: GatewayMetrics) -> ApiError:
+    kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"
+    metrics.child(metrics.upstream_errors, upstream.url, kind).inc()
     if kind == "connect":
         upstream.healthy = False
         upstream.last_error = str(exc)
@@ -385,59 +800,24 @@ async def _upstream_failure(exc: Exception, upstream: Upstream, metrics: Gateway
     return ApiError(504, f"upstream worker {upstream.url} timed out", kind="server_error", code="upstream_timeout")
 
 
-async def _whole(path, payload, body, call: _Call, upstream: Upstream, manager, metrics, audit) -> Response:
-    upstream.outstanding += 1
-    sent = time.perf_counter()
-    try:
-        r = await manager.pool.client.post(upstream.url + path, content=payload,
-                                           headers={"content-type": "application/json"})
-    except httpx.HTTPError as exc:
-        raise await _upstream_failure(exc, upstream, metrics) from None
-    finally:
-        upstream.outstanding -= 1
-        call.upstream_s += time.perf_counter() - sent
-    if r.status_code != 200:
-        return _relay_upstream_error(r.status_code, r.content, upstream, call, metrics)
-    data = r.json()
-    choices = data.get("choices") or []
-    probex = data.pop("probex", None)
-    if probex is None and len(choices) > 1:  # batched completions carry scores per choice
-        per_choice = [c.pop("probex", None) for c in choices]
-    else:
-        per_choice = [probex]
-    verdict = Verdict()
-    for scores in per_choice:
-        verdict = verdict.merge(_judge_whole(call, scores, manager, metrics))
-    await _account(call, verdict, metrics, audit)
-    headers = call.headers(verdict.decision)
-    _observe_overhead(call, metrics)
-    if verdict.decision is Decision.BLOCK:
-        return _blocked_response(call, data, path, headers)
-    if call.expose_scores:
-        if probex is not None:
-            data["probex"] = probex
-        elif len(choices) > 1:
-            for choice, scores in zip(choices, per_choice):
-                choice["probex"] = scores
-    return JSONResponse(data, headers=headers)
-
-
-def _relay_upstream_error(status: int, content: bytes, upstream: Upstream, call: _Call,
-                          metrics: GatewayMetrics) -> Response:
+async def _relay_upstream_error(send, status: int, content: bytes, upstream: Upstream, call: _Call,
+                                metrics: GatewayMetrics) -> None:
     """Client errors pass through as the worker wrote them; a worker's 5xx is the gateway's 502."""
     headers = call.headers(Decision.ALLOW)
     if status < 500:
-        return Response(content, status_code=status, media_type="application/json", headers=headers)
-    metrics.upstream_errors.labels(upstream=upstream.url, kind=f"http_{status}").inc()
+        await _respond(send, status, content, headers)
+        return
+    metrics.child(metrics.upstream_errors, upstream.url, f"http_{status}").inc()
     detail = content[:300].decode(errors="replace")
-    return ApiError(502, f"upstream worker {upstream.url} failed with HTTP {status}: {detail}", kind="server_error",
-                    code="upstream_error").response(headers)
+    error = ApiError(502, f"upstream worker {upstream.url} failed with HTTP {status}: {detail}", kind="server_error",
+                     code="upstream_error")
+    await _respond(send, 502, dumps(error.body()), headers)
 
 
-def _judge_whole(call: _Call, probex: dict | None, manager: PolicyManager, metrics: GatewayMetrics) -> Verdict:
+def _judge_whole(call: _Call, probex: dict | None, metrics: GatewayMetrics) -> Verdict:
     fail_closed = call.policy.policy.missing_scores == "fail_closed"
     if not probex or not probex.get("scores"):
-        metrics.scores_missing.labels(tenant=call.tenant.name).inc()
+        metrics.child(metrics.scores_missing, call.tenant.name).inc()
     _record_scores(probex, metrics)
     return judge_prompt(call.tenant, probex, fail_closed).merge(judge_generated(call.tenant, generated_scores(probex)))
 
@@ -445,7 +825,7 @@ def _judge_whole(call: _Call, probex: dict | None, manager: PolicyManager, metri
 def _record_scores(probex: dict | None, metrics: GatewayMetrics) -> None:
     for name, entry in ((probex or {}).get("scores") or {}).items():
         if entry.get("score") is not None:
-            metrics.probe_score.labels(probe=name, phase="prompt").observe(entry["score"])
+            metrics.child(metrics.probe_score, name, "prompt").observe(entry["score"])
         prompt = entry.get("prompt")
         if prompt:
             metrics.prompt_tokens.inc(prompt.get("prompt_tokens", 0))
@@ -454,11 +834,11 @@ def _record_scores(probex: dict | None, metrics: GatewayMetrics) -> None:
     for name, entry in ((probex or {}).get("scores") or {}).items():
         values = [v for v in (entry.get("generated") or {}).get("scores") or () if v is not None]
         if values:
-            metrics.probe_score.labels(probe=name, phase="generated").observe(max(values))
+            metrics.child(metrics.probe_score, name, "generated").observe(max(values))
 
 
 async def _account(call: _Call, verdict: Verdict, metrics: GatewayMetrics, audit: AuditSink) -> None:
-    metrics.requests.labels(decision=verdict.decision.value, probe=verdict.probe or "", tenant=call.tenant.name).inc()
+    metrics.child(metrics.requests, verdict.decision.value, verdict.probe or "", call.tenant.name).inc()
     if verdict.decision is not Decision.ALLOW:
         await audit.record(audit_event(request_id=call.request_id, tenant=call.tenant.name,
                                        decision=verdict.decision.value, probe=verdict.probe, phase=verdict.phase,
@@ -470,9 +850,7 @@ def _observe_overhead(call: _Call, metrics: GatewayMetrics) -> None:
     metrics.overhead.observe(max(0.0, time.perf_counter() - call.started - call.upstream_s))
 
 
-def _blocked_response(call: _Call, data: dict, path: str, headers: dict) -> Response:
-    if call.tenant.on_block == "error":
-        return ApiError(400, "request blocked by content policy", code="content_filter").response(headers)
+def _refuse_whole(call: _Call, data: dict, path: str) -> None:
     message = call.policy.policy.refusal_message
     for choice in data.get("choices") or []:
         if path == "/v1/chat/completions":
@@ -480,129 +858,13 @@ def _blocked_response(call: _Call, data: dict, path: str, headers: dict) -> Resp
         else:
             choice["text"] = message
         choice["finish_reason"] = "content_filter"
-    return JSONResponse(data, headers=headers)
 
 
-# -- streaming ------------------------------------------------------------------------------
+# -- stream helpers ---------------------------------------------------------------------------
 
 
-def _sse(obj: dict | str) -> bytes:
-    return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"
-
-
-async def _stream(path, payload, body, call: _Call, upstream: Upstream, manager, metrics, audit) -> Response:
-    client = manager.pool.client
-    upstream.outstanding += 1
-    sent = time.perf_counter()
-    try:
-        request = client.build_request("POST", upstream.url + path, content=payload,
-                                       headers={"content-type": "application/json"})
-        response = await client.send(request, stream=True)
-    except httpx.HTTPError as exc:
-        upstream.outstanding -= 1
-        raise await _upstream_failure(exc, upstream, metrics) from None
-    call.upstream_s += time.perf_counter() - sent
-    if response.status_code != 200:
-        content = await response.aread()
-        await response.aclose()
-        upstream.outstanding -= 1
-        return _relay_upstream_error(response.status_code, content, upstream, call, metrics)
-
-    lines = response.aiter_lines()
-    head: list[dict | str] = []  # events read before the decision on the prompt
-    prompt_probex: dict | None = None
-    try:
-        while True:
-            waited = time.perf_counter()
-            try:
-                line = await lines.__anext__()
-            except StopAsyncIteration:
-                break
-            call.upstream_s += time.perf_counter() - waited
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                head.append("[DONE]")
-                break
-            chunk = json.loads(line[6:])
-            head.append(chunk)
-            scores = (chunk.get("probex") or {}).get("scores") or {}
-            if any("prompt" in s for s in scores.values()):
-                prompt_probex = chunk["probex"]
-                break
-            if any(_chunk_has_tokens(c) for c in chunk.get("choices") or ()):
-                break  # prompt scores, if any, would have been on or before this chunk
-    except (httpx.HTTPError, ValueError) as exc:
-        await response.aclose()
-        upstream.outstanding -= 1
-        if isinstance(exc, httpx.HTTPError):
-            raise await _upstream_failure(exc, upstream, metrics) from None
-        raise ApiError(502, "upstream sent a malformed stream", kind="server_error") from None
-
-    fail_closed = call.policy.policy.missing_scores == "fail_closed"
-    if prompt_probex is None:
-        metrics.scores_missing.labels(tenant=call.tenant.name).inc()
-    _record_scores(prompt_probex, metrics)
-    verdict = judge_prompt(call.tenant, prompt_probex, fail_closed)
-    if verdict.decision is Decision.BLOCK:
-        await response.aclose()  # closing the connection aborts the request in the worker
-        upstream.outstanding -= 1
-        await _account(call, verdict, metrics, audit)
-        _observe_overhead(call, metrics)
-        headers = call.headers(verdict.decision)
-        if call.tenant.on_block == "error":
-            return ApiError(400, "request blocked by content policy", code="content_filter").response(headers)
-        return StreamingResponse(_refusal_stream(call, path, head, body), media_type="text/event-stream",
-                                 headers=headers)
-
-    async def relay() -> AsyncIterator[bytes]:
-        nonlocal verdict
-        finished = False
-        try:
-            pending = list(head)
-            while True:
-                if pending:
-                    event = pending.pop(0)
-                else:
-                    waited = time.perf_counter()
-                    try:
-                        line = await lines.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    call.upstream_s += time.perf_counter() - waited
-                    if not line.startswith("data: "):
-                        continue
-                    event = "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
-                if event == "[DONE]":
-                    yield _sse("[DONE]")
-                    finished = True
-                    # Read the stream to its end so the connection goes back to the pool.
-                    async for _ in lines:
-                        pass
-                    break
-                probex = event.pop("probex", None)
-                generated = generated_scores(probex)
-                if generated:
-                    _record_generated(generated, metrics)
-                    step = judge_generated(call.tenant, generated)
-                    verdict = verdict.merge(step)
-                    if step.decision is Decision.BLOCK:
-                        yield _sse(_content_filter_chunk(event, path))
-                        yield _sse("[DONE]")
-                        finished = True
-                        break
-                if call.expose_scores and probex is not None:
-                    event["probex"] = probex
-                yield _sse(event)
-        finally:
-            await response.aclose()
-            upstream.outstanding -= 1
-            await _account(call, verdict, metrics, audit)
-            _observe_overhead(call, metrics)
-            if not finished:
-                log.info("probex: stream %s ended early (client or upstream closed)", call.request_id)
-
-    return StreamingResponse(relay(), media_type="text/event-stream", headers=call.headers(verdict.decision))
+def _sse(obj: dict) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 def _chunk_has_tokens(choice: dict) -> bool:
@@ -612,9 +874,10 @@ def _chunk_has_tokens(choice: dict) -> bool:
 
 def _record_generated(generated: dict, metrics: GatewayMetrics) -> None:
     for name, values in generated.items():
+        child = metrics.child(metrics.probe_score, name, "generated")
         for v in values:
             if v is not None:
-                metrics.probe_score.labels(probe=name, phase="generated").observe(v)
+                child.observe(v)
 
 
 def _content_filter_chunk(template: dict, path: str) -> dict:
@@ -626,7 +889,7 @@ def _content_filter_chunk(template: dict, path: str) -> dict:
     return chunk
 
 
-async def _refusal_stream(call: _Call, path: str, head: list, body: dict) -> AsyncIterator[bytes]:
+def _refusal_events(call: _Call, path: str, head: list) -> bytes:
     template = next((e for e in head if isinstance(e, dict)), {"object": "chat.completion.chunk"})
     base = {k: template[k] for k in ("id", "object", "created", "model") if k in template}
     message = call.policy.policy.refusal_message
@@ -634,6 +897,4 @@ async def _refusal_stream(call: _Call, path: str, head: list, body: dict) -> Asy
         first = {"index": 0, "delta": {"role": "assistant", "content": message}, "finish_reason": None}
     else:
         first = {"index": 0, "text": message, "finish_reason": None}
-    yield _sse({**base, "choices": [first]})
-    yield _sse(_content_filter_chunk(base, path))
-    yield _sse("[DONE]")
+    return _sse({**base, "choices": [first]}) + _sse(_content_filter_chunk(base, path)) + _DONE

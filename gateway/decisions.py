@@ -60,3 +60,48 @@ def generated_scores(probex: dict | None) -> dict[str, list[float | None]]:
         if values:
             out[name] = values
     return out
+
+
+class StreamJudge:
+    """Judges a stream chunk by chunk, starting from the prompt's verdict.
+
+    Gives the same verdict as `verdict.merge(judge_generated(tenant, chunk_scores))` over every
+    chunk, without building and merging a `Verdict` per rule and per chunk.
+    """
+
+    __slots__ = ("rules", "decision", "probe", "phase", "rank", "scores")
+
+    def __init__(self, tenant: TenantView, start: Verdict) -> None:
+        self.rules = [(rule.probe, rule.generated) for rule in tenant.rules]
+        self.decision, self.probe, self.phase = start.decision, start.probe, start.phase
+        self.rank = start.decision.rank
+        self.scores = {phase: dict(values) for phase, values in start.scores.items()}
+
+    def step(self, generated: dict[str, list[float | None]]) -> Decision:
+        """Take one chunk's generated scores; returns the decision on this chunk alone."""
+        decision, probe, rank = Decision.ALLOW, None, 0
+        peaks = None
+        for name, thresholds in self.rules:
+            values = generated.get(name)
+            if not values:
+                continue
+            peak = None
+            for v in values:
+                if v is not None and (peak is None or v > peak):
+                    peak = v
+            if peak is None:
+                continue
+            if peaks is None:
+                peaks = self.scores.setdefault("generated", {})
+            if name not in peaks or peak > peaks[name]:
+                peaks[name] = peak
+            d = thresholds.decide(peak)
+            if d.rank > rank:
+                decision, probe, rank = d, name, d.rank
+        if rank > self.rank:
+            self.decision, self.probe, self.phase, self.rank = decision, probe, "generated", rank
+        return decision
+
+    @property
+    def verdict(self) -> Verdict:
+        return Verdict(self.decision, self.probe, self.phase, self.scores)

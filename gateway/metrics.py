@@ -27,6 +27,17 @@ class GatewayMetrics:
         self.audit_backlog = Gauge("probex_audit_backlog", "Audit events waiting for Redis", registry=r)
         self.upstream_healthy = Gauge("probex_upstream_healthy", "1 when the upstream answers its health check", ["upstream"], registry=r)
 
+        # Labelled children, looked up once: `.labels()` validates and locks on every call.
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *values: str):
+        """`metric.labels(*values)`, cached (label values here come from the policy: a bounded set)."""
+        key = (id(metric), *values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
     def set_policy_version(self, version: str) -> None:
         self.policy_version.clear()
         self.policy_version.labels(version=version).set(1)

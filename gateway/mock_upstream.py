@@ -36,6 +36,7 @@ class MockState:
         self.admin_token = admin_token
         self.retention: dict[str, float] = {}
         self.requests_seen: list[dict] = []
+        self.client_ports: list[int | None] = []  # per completion request: which connection it came on
         self.aborted = 0
 
 
@@ -77,6 +78,7 @@ def create_mock_app(state: MockState) -> Starlette:
     async def completions(request: Request):
         body = await request.json()
         state.requests_seen.append(body)
+        state.client_ports.append(request.client.port if request.client else None)
         chat = request.url.path.endswith("/chat/completions")
         if body.get("model") != MODEL:
             return JSONResponse({"error": {"message": "model not found", "type": "NotFoundError"}}, status_code=404)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -132,12 +133,23 @@ class LoadedPolicy:
     def probe_dirs(self) -> list[str]:
         return [str(p.source) for p in self.probes.values()]
 
-    @property
+    @cached_property
     def needs_recompute(self) -> bool:
         """Interior reads see only recomputed prompt rows; bypass the prefix cache for them."""
         return any(p.read.reads_interior_tokens for p in self.probes.values())
 
+    @cached_property
+    def _tenant_views(self) -> dict[str, TenantView]:
+        return {}
+
     def tenant(self, name: str) -> TenantView:
+        """The effective settings of a tenant (built once per policy and tenant: this is on every request)."""
+        view = self._tenant_views.get(name)
+        if view is None:
+            view = self._tenant_views[name] = self._build_tenant(name)
+        return view
+
+    def _build_tenant(self, name: str) -> TenantView:
         overrides = self.policy.tenants.get(name, TenantSettings())
         return TenantView(
             name=name,

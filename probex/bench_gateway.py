@@ -5,8 +5,9 @@ at a fixed token rate), the gateway (`probex gateway`, with a policy that judges
 chunk), and this load generator. Scenarios:
 
 - sequential: one stream at a time;
-- light: 4 streams in flight at once (below what the 2-core machine can serve);
-- concurrent: 128 streams in flight at once (far above it: every process queues for CPU).
+- light: 4 streams in flight at once (below what a 2-core machine can serve);
+- concurrent: 128 streams in flight at once (far above it: the single-threaded load
+  generator runs flat out and the streams queue for CPU).
 
 For each request we record time to first content chunk (TTFT), total time and the gaps
 between chunks, once direct and once through the gateway; "added" is the gateway
@@ -14,7 +15,8 @@ percentile minus the direct one. The gateway's own measurement of time spent ins
 (`probex_gateway_overhead_seconds`, upstream waits excluded) is read from /metrics too.
 Last, the policy file is edited 10 times (alternating a block-everything rule and the normal
 policy) and the time from save to the first response decided under the new version is
-recorded.
+recorded. CPU time of each process (and of everything else on the machine) is recorded per
+scenario, to tell the gateway's cost from contention.
 
     .venv/bin/python -m probex.bench_gateway --out out/bench-gateway.json
 """
@@ -120,6 +122,7 @@ class _CpuMeter:
         out = {"wall_s": d["wall"], "streams": streams}
         for name in [*self.pids, "load_generator"]:
             out[f"{name}_cpu_ms_per_stream"] = d[name] / streams * 1e3
+            out[f"{name}_busy_cores"] = d[name] / d["wall"]  # 1.0: one core flat out (the load generator's limit)
         if "gateway" in self.pids:
             out["gateway_cpu_ms_per_chunk"] = d["gateway"] / (streams * chunks_per_stream) * 1e3
         out["busy_cores_ours"] = ours / d["wall"]  # of cpu_count cores
@@ -295,7 +298,8 @@ def main() -> None:
             gw = f"{c['gateway_cpu_ms_per_stream']:6.2f}" if "gateway_cpu_ms_per_stream" in c else "     -"
             print(f"{name:12} {run_name:8} {c['mock_cpu_ms_per_stream']:6.2f} / {gw} / "
                   f"{c['load_generator_cpu_ms_per_stream']:6.2f}   busy {c['busy_cores_ours']:.2f} + "
-                  f"{c['busy_cores_other_processes']:.2f} over {c['wall_s']:.1f} s")
+                  f"{c['busy_cores_other_processes']:.2f} over {c['wall_s']:.1f} s "
+                  f"(load generator alone {c['load_generator_busy_cores']:.2f})")
     print("gateway's own overhead per stream (probex_gateway_overhead_seconds, upstream waits excluded): " + ", ".join(
         f"{n} mean {result[n]['gateway_self_reported_overhead']['mean_ms']:.2f} ms" for n in names))
     reload = result["reload_save_to_decision"]

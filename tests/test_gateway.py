@@ -291,3 +291,142 @@ def test_fuzzed_bodies_never_cause_a_500(stack):
             assert "error" in r.json()
 
     check()
+
+
+def _stack_in_front_of(tmp_path, upstream_app, **config):
+    """A gateway in front of an arbitrary upstream ASGI app (same policy as the mock stack)."""
+    from gateway.app import GatewayConfig, create_app
+    from gateway.metrics import GatewayMetrics
+    from gateway.serving import ServerThread
+    from tests.gateway_fixtures import write_probe
+
+    write_probe(tmp_path / "probes", "harmful-request")
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(base_policy()))
+    upstream = ServerThread(upstream_app).start()
+    settings = dict(policy_path=tmp_path / "policy.yaml", upstreams=[upstream.url], audit_path=tmp_path / "audit.jsonl",
+                    upstream_timeout_s=5, connect_timeout_s=1, health_interval_s=0.5)
+    settings.update(config)
+    gateway = ServerThread(create_app(GatewayConfig(**settings), GatewayMetrics())).start()
+    return gateway, upstream
+
+
+def test_client_disconnect_mid_stream_aborts_upstream_and_accounts(tmp_path):
+    s = start_stack(tmp_path, tokens_per_s=10)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True}
+        with httpx.Client(timeout=10) as http:
+            with http.stream("POST", s.url + "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"content":""' not in line.replace(" ", ""):
+                        break  # first content chunk: hang up
+        deadline = time.monotonic() + 5
+        while s.state.aborted == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.state.aborted == 1
+        while time.monotonic() < deadline:
+            metrics = httpx.get(s.url + "/metrics").text
+            if 'probex_requests_total{decision="allow",probe="",tenant="default"} 1.0' in metrics:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the abandoned stream was never accounted")
+    finally:
+        s.stop()
+
+
+def test_finished_streams_reuse_the_upstream_connection(tmp_path):
+    s = start_stack(tmp_path, tokens_per_s=0)
+    try:
+        c = client(s)
+        for _ in range(5):
+            assert "".join(ch.choices[0].delta.content or "" for ch in chat(c, "hi", stream=True) if ch.choices)
+        chat(c, "hi")
+        ports = s.state.client_ports
+        assert len(ports) == 6 and len(set(ports)) == 1, ports
+    finally:
+        s.stop()
+
+
+def test_worker_5xx_is_502_client_errors_pass_through_and_timeouts_are_504(tmp_path):
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    async def completions(request):
+        body = await request.json()
+        if body["max_tokens"] == 1:
+            return JSONResponse({"error": {"message": "worker exploded"}}, status_code=500)
+        if body["max_tokens"] == 2:
+            return JSONResponse({"error": {"message": "bad max_tokens", "type": "BadRequestError"}}, status_code=400)
+        await asyncio.sleep(2)
+        return Response(status_code=200)
+
+    app = Starlette(routes=[Route("/health", lambda r: Response()),
+                            Route("/v1/models", lambda r: JSONResponse({"data": [{"id": MODEL}]})),
+                            Route("/v1/chat/completions", completions, methods=["POST"])])
+    gateway, upstream = _stack_in_front_of(tmp_path, app, upstream_timeout_s=0.3)
+    try:
+        for stream in (False, True):
+            def post(max_tokens):
+                return httpx.post(gateway.url + "/v1/chat/completions", timeout=10,
+                                  json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                        "max_tokens": max_tokens, "stream": stream})
+
+            r = post(1)
+            assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+            assert "worker exploded" in r.json()["error"]["message"]
+            r = post(2)
+            assert r.status_code == 400 and r.json()["error"]["message"] == "bad max_tokens"
+            assert r.headers["x-probex-decision"] == "allow"
+            r = post(3)
+            assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert 'kind="http_500"' in metrics and 'kind="timeout"' in metrics
+    finally:
+        gateway.stop()
+        upstream.stop()
+
+
+def test_request_bodies_reach_the_worker_exactly(stack):
+    big = 123456789012345678901234567890
+    raw = ('{"model": "%s", "messages": [{"role": "user", "content": "caf\\u00e9 \\ud83d\\ude00"}], "max_tokens": 2, '
+           '"seed": %d, "temperature": 0.1000000000000000055511151231257827}' % (MODEL, big)).encode()
+    r = httpx.post(stack.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200
+    seen = stack.state.requests_seen[-1]
+    assert seen["seed"] == big and seen["messages"][0]["content"] == "caf\u00e9 \U0001F600"
+    # What only the standard library parses (a NaN literal) is still accepted and forwarded.
+    with_nan = raw.replace(b"0.1000000000000000055511151231257827", b"NaN")
+    r = httpx.post(stack.url + "/v1/chat/completions", content=with_nan, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and stack.state.requests_seen[-1]["seed"] == big
+
+
+def test_stream_judge_matches_merging_per_chunk_verdicts():
+    import random
+
+    from gateway.decisions import StreamJudge, judge_generated, judge_prompt
+    from gateway.policy import Rule, TenantView, Thresholds
+
+    rng = random.Random(7)
+    probes = ["a", "b", "c"]
+    for _ in range(2000):
+        rules = []
+        for _ in range(rng.randint(0, 4)):
+            flag, block = sorted(rng.random() for _ in range(2))
+            rules.append(Rule(probe=rng.choice(probes), prompt=Thresholds(flag=0.5),
+                              generated=Thresholds(flag=rng.choice([None, flag]), block=rng.choice([None, block]))))
+        tenant = TenantView("t", tuple(rules), "error", False)
+        prompt = {"scores": {p: {"score": rng.random()} for p in probes if rng.random() < 0.7}}
+        reference = start = judge_prompt(tenant, prompt, fail_closed=rng.random() < 0.3)
+        judge = StreamJudge(tenant, start)
+        for _ in range(rng.randint(0, 6)):
+            chunk = {p: [rng.choice([None, rng.random()]) for _ in range(rng.randint(1, 3))]
+                     for p in probes if rng.random() < 0.8}
+            step = judge_generated(tenant, chunk)
+            reference = reference.merge(step)
+            assert judge.step(chunk) is step.decision
+            got = judge.verdict
+            assert (got.decision, got.probe, got.phase, got.scores) == \
+                (reference.decision, reference.probe, reference.phase, reference.scores)
