@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         run_gateway(config, args.host, args.port)
     elif args.command == "serve":
         from engine_worker.launch import resolve_model
-        from gateway.serving import run_embedded
+        from probex.serve import run_embedded
 
         worker_args = extra or ["--max-model-len", "4096", "--gpu-memory-utilization", "0.25"]
         run_embedded(Path(args.config), str(resolve_model(args.model)), args.host, args.port, args.worker_port,

@@ -1,0 +1,46 @@
+"""`probex serve`: a worker and the gateway on one machine — the embedded default behind `make run`."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from gateway.app import GatewayConfig
+from gateway.policy import PolicyError, load_policy
+from gateway.serving import run_gateway
+from probex.processes import WorkerExited, wait_until_healthy
+
+
+def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_port: int, redis_url: str | None,
+                 worker_args: list[str]) -> None:
+    try:
+        policy = load_policy(policy_path)
+    except PolicyError as exc:
+        raise SystemExit(f"probex serve: {exc}") from None
+    # The worker's live-swap endpoint needs a token; the gateway is the only one told it.
+    token = os.environ.get("PROBEX_ADMIN_TOKEN") or secrets.token_urlsafe(24)
+    cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", model, "--port", str(worker_port),
+           "--admin-token", token, *[f"--probe={d}" for d in policy.probe_dirs], *worker_args]
+    print(f"probex serve: starting worker on :{worker_port} ({len(policy.probes)} probes); first start compiles, "
+          "allow a minute or two", flush=True)
+    worker = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{worker_port}"
+        try:
+            wait_until_healthy(worker, url)
+        except WorkerExited as exc:
+            raise SystemExit(f"probex serve: {exc}") from None
+        print(f"probex serve: worker ready; gateway on http://{host}:{port}/v1 (OpenAI-compatible)", flush=True)
+        config = GatewayConfig(policy_path=policy_path, upstreams=[url], worker_admin_token=token, redis_url=redis_url)
+        run_gateway(config, host, port)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
