@@ -5,10 +5,12 @@ Module map (engine internals are touched only by the `vllm_*` modules):
 - tap.py            static buffers per tapped layer and the probe slots they hold
 - tap_config.py     the tap configuration carried in vLLM's additional_config
 - bookkeeping.py    rows of a step -> requests; per-request score accumulation (engine-agnostic)
+- controller.py     loads probe sets into the taps, turns each step into score events, capture files
 - delivery.py       score events from the worker process to the API server (ZMQ) and the hub there
 - responses.py      attaching scores to OpenAI response bodies and stream chunks
 - middleware.py     the ASGI middleware inside vLLM's API server (xargs checks, delivery, /probex routes)
 - vllm_models.py    decoder-layer patches (Llama, Mistral, Qwen2) that call the op
 - vllm_v1_runner.py the one adapter for vLLM's V1 model runner (rows, probes, capture, recompute)
 - plugin.py         the vllm.general_plugins entry point (registration only)
+- launch.py         `probex worker`: validates probes, then starts vLLM's OpenAI server with all of the above
 """
