@@ -16,6 +16,7 @@ import numpy as np
 
 from probes.artifact import ProbeArtifact, load_probe
 from probes.datasets import load_all_known, resolve_refs
+from probes.train import retention_reference
 
 
 class NoRetentionReference(ValueError):
@@ -38,9 +39,8 @@ def retention_set(probe: ProbeArtifact, known=None) -> tuple[list[str], np.ndarr
 
 
 def relative_retention(weight: np.ndarray, features: np.ndarray, labels: np.ndarray, reference: float) -> float:
-    diff = features[labels == 1].mean(axis=0) - features[labels == 0].mean(axis=0)
-    cos = float(weight @ diff / (np.linalg.norm(weight) * np.linalg.norm(diff)))
-    return cos / reference
+    """The training-time measurement (retention_reference) repeated now, relative to its recorded value."""
+    return retention_reference(weight, features, labels) / reference
 
 
 def compute_retention(model_dir: Path, probe_dirs: list[Path | str], eval_split: str | None = None,

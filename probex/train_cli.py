@@ -41,8 +41,17 @@ from probes.datasets import (
     require_examples,
     split_examples,
 )
-from probes.evaluate import evaluate_scores
-from probes.train import ProbeKind, fit_platt, fit_probe, retention_reference, separation, to_artifact
+from probes.evaluate import auroc, evaluate_scores
+from probes.train import (
+    ProbeKind,
+    SweepCell,
+    choose_best,
+    fit_platt,
+    fit_probe,
+    retention_reference,
+    separation,
+    to_artifact,
+)
 
 BUILTIN = {
     "temaq": load_temaq,
@@ -140,17 +149,15 @@ def run_train(args: argparse.Namespace) -> None:
     feats = (features_hf(texts, model_dir, layers, read) if args.extract == "hf"
              else features_tap(texts, str(model_dir), layers, read))
 
-    best = None
-    sweep = []
+    cells = []
+    y_val = labels[idx["validation"]]
     for layer in layers:
         probe = fit_probe(kind, feats[layer][idx["train"]], labels[idx["train"]])
         raw_val = probe.raw(feats[layer][idx["validation"]])
-        ev = evaluate_scores(raw_val, labels[idx["validation"]], n_resamples=200)
-        key = (round(ev.auroc, 12), separation(raw_val, labels[idx["validation"]]))
-        sweep.append({"layer": layer, "validation_auroc": ev.auroc})
-        if best is None or key > best[0]:
-            best = (key, layer, probe)
-    _, layer, probe = best
+        cells.append(SweepCell(layer, read, kind, probe, auroc(raw_val, y_val), separation(raw_val, y_val)))
+    sweep = [{"layer": c.layer, "validation_auroc": c.validation_auroc} for c in cells]
+    chosen = choose_best(cells)
+    layer, probe = chosen.layer, chosen.probe
     calibration = fit_platt(probe.raw(feats[layer][idx["validation"]]), labels[idx["validation"]])
     test_eval = evaluate_scores(probe.raw(feats[layer][idx["test"]]), labels[idx["test"]], seed=args.seed)
     reference = retention_reference(probe.weight, feats[layer][idx["test"]], labels[idx["test"]])

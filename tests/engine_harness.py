@@ -6,14 +6,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from probes.artifact import ProbeArtifact, ReadPoint, save_probe
 from probex.models import fetch_model
+from probex.processes import WorkerExited, wait_until_healthy
 
 MODEL_NAME = "smollm2-135m-instruct"
 HIDDEN = 576
@@ -84,17 +83,12 @@ class Worker:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait_ready(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"worker not ready after {timeout}s:\n{self.log_tail()}")
+        try:
+            wait_until_healthy(self.proc, self.url, timeout_s=timeout)
+        except WorkerExited as exc:
+            raise RuntimeError(f"{exc}:\n{self.log_tail()}") from None
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}:\n{self.log_tail()}") from None
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
