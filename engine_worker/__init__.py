@@ -6,11 +6,14 @@ Module map (engine internals are touched only by the `vllm_*` modules):
 - tap_config.py     the tap configuration carried in vLLM's additional_config
 - bookkeeping.py    rows of a step -> requests; per-request score accumulation (engine-agnostic)
 - controller.py     loads probe sets into the taps, turns each step into score events, capture files
+- score_transfer.py device->host copy of each step's scores off the engine thread (pinned buffers + event)
 - delivery.py       score events from the worker process to the API server (ZMQ) and the hub there
 - responses.py      attaching scores to OpenAI response bodies and stream chunks
 - middleware.py     the ASGI middleware inside vLLM's API server (xargs checks, delivery, /probex routes)
 - vllm_models.py    decoder-layer patches (Llama, Mistral, Qwen2) that call the op
-- vllm_v1_runner.py the one adapter for vLLM's V1 model runner (rows, probes, capture, recompute)
+- vllm_worker.py    vLLM glue shared by both runners: controller set-up, worker extension, recompute
+- vllm_v1_runner.py the adapter for vLLM's V1 model runner (GPU and CPU): step layout, forward hook
+- vllm_v2_runner.py the adapter for vLLM's model runner V2 (CUDA): step layout, forward hook
 - plugin.py         the vllm.general_plugins entry point (registration only)
 - launch.py         `probex worker`: validates probes, then starts vLLM's OpenAI server with all of the above
 """

@@ -36,6 +36,11 @@ class StepLayout:
         if not (len(self.num_scheduled) == len(self.num_computed) == len(self.num_prompt) == n):
             raise ValueError("StepLayout: per-request arrays must have one entry per request")
 
+    @classmethod
+    def empty(cls) -> "StepLayout":
+        none = np.zeros(0, dtype=np.int64)
+        return cls(req_ids=[], num_scheduled=none, num_computed=none, num_prompt=none)
+
     @property
     def row_starts(self) -> np.ndarray:
         starts = np.zeros(len(self.req_ids), dtype=np.int64)

@@ -4,6 +4,10 @@ A runner adapter owns one `TapController`; it describes each step as a `StepLayo
 and calls `before_forward` / `after_forward`. The controller loads probe sets into the
 layer taps' static buffers, turns the step's raw scores into events, publishes them and,
 in capture mode, saves residual rows for extraction.
+
+Threads: `load`, `before_forward` and `after_forward` run on the engine thread;
+everything that reads scores (bookkeeping, capture files, publishing) runs on the
+`ScoreTransfer` thread, in step order, so the engine never waits for the device.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 
 from probes.artifact import ProbeArtifact, ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout
+from engine_worker.score_transfer import ScoreTransfer, StagedStep
 from engine_worker.tap import LayerTap, ProbeSlot
 
 log = logging.getLogger("probex.controller")
@@ -33,6 +38,7 @@ class TapController:
         served: ServedModel,
         publish: Callable[[dict], None] | None = None,
         capture_dir: str | None = None,
+        threaded: bool = True,
     ) -> None:
         if not taps:
             raise ValueError("TapController needs at least one tapped layer")
@@ -46,6 +52,8 @@ class TapController:
         self.steps = 0
         self._capture_requests: dict[str, dict[int, np.ndarray]] = {}
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
+        self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
+                                      self._consume_step, threaded=threaded)
 
     # -- probe sets ------------------------------------------------------------------------
 
@@ -124,32 +132,47 @@ class TapController:
             tap.set_capture_rows(index)
 
     def after_forward(self, layout: StepLayout, finished: set[str] | list[str] = ()) -> None:
+        """Hand the step to the transfer thread; returns without waiting for the device."""
         self.steps += 1
-        rows = layout.num_rows
-        raw_by_layer = {layer: tap.scores[:rows].cpu().numpy() for layer, tap in self.taps.items()}
-        raw = self.book.gather(self.table, rows, raw_by_layer)
-        events = self.book.record_step(layout, self.table, raw)
+        captured = None
         if self._capture_plan:
-            self._collect_capture(layout, events)
+            # Capture is an offline extraction mode: a synchronous read is fine there.
+            captured = {layer: tap.capture.cpu().numpy() for layer, tap in self.taps.items()}
+        context = (layout, self.table, list(finished), self._capture_plan, captured)
+        self.transfer.submit(layout.num_rows, context)
+
+    def after_idle_step(self, finished: set[str] | list[str]) -> None:
+        """A step that ran no forward still ends requests; their bookkeeping must be released."""
+        self.transfer.submit(0, (StepLayout.empty(), self.table, list(finished), [], None))
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every submitted step has been processed and published."""
+        return self.transfer.flush(timeout)
+
+    def _consume_step(self, step: StagedStep) -> None:
+        layout, table, finished, capture_plan, captured = step.context
+        raw = self.book.gather(table, step.rows, step.scores())
+        events = self.book.record_step(layout, table, raw)
+        if captured is not None:
+            self._collect_capture(layout, events, capture_plan, captured)
         events.finished = self.book.finish(finished)
         for req_id in finished:
             self._capture_requests.pop(req_id, None)
         if events and self.publish is not None:
             self.publish(
                 {
-                    "v": self.table.version,
-                    "probes": self.table.describe(),
+                    "v": table.version,
+                    "probes": table.describe(),
                     "prompt": events.prompt,
                     "tokens": events.tokens,
                     "finished": events.finished,
                 }
             )
 
-    def _collect_capture(self, layout: StepLayout, events) -> None:
-        captured = {layer: tap.capture.cpu().numpy() for layer, tap in self.taps.items()}
+    def _collect_capture(self, layout: StepLayout, events, capture_plan, captured: dict[int, np.ndarray]) -> None:
         prompt_len = dict(zip(layout.req_ids, layout.num_prompt.tolist()))
         offset = 0
-        for req_id, first_pos, count in self._capture_plan:
+        for req_id, first_pos, count in capture_plan:
             store = self._capture_requests.get(req_id)
             if store is None:
                 store = self._capture_requests[req_id] = {

@@ -14,7 +14,7 @@ from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, c
 from engine_worker.tap_config import TapConfig
 
 MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
-WORKER_EXTENSION = "engine_worker.vllm_v1_runner.ProbexWorkerExtension"
+WORKER_EXTENSION = "engine_worker.vllm_worker.ProbexWorkerExtension"
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:

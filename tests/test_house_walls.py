@@ -21,3 +21,22 @@ def test_module_does_not_pull_in(module, forbidden):
             "assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-500:]
+
+
+def test_only_the_vllm_modules_of_engine_worker_touch_vllm():
+    """Engine internals live behind `engine_worker/vllm_*.py` (one adapter per model runner)."""
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted(Path(__file__).resolve().parents[1].joinpath("engine_worker").glob("*.py")):
+        if path.name.startswith("vllm_"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{path.name}: {n}" for n in names if n == "vllm" or n.startswith("vllm.")]
+    assert not offenders, offenders

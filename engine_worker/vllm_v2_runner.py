@@ -1,0 +1,117 @@
+"""Adapter for vLLM's model runner V2 (`vllm/v1/worker/gpu/model_runner.py`).
+
+The only module that reads V2 runner internals. vLLM 0.25 picks V2 for dense Llama /
+Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared with V1:
+
+- V2 orders a step's requests itself (decodes first) in `prepare_inputs`, which returns
+  an `InputBatch` with the batch-order request ids, rows per request and tokens computed
+  before the step; prompt lengths live in `req_states`. We read the layout there, right
+  before the forward, and set capture rows from it.
+- The forward happens inside `execute_model` (sampling is a separate `sample_tokens`
+  call), so the step is handed to the controller when `execute_model` returns: the
+  forward is enqueued by then and the controller only enqueues a copy behind it.
+- V2 keeps no `SamplingParams` per request after `add_requests`, so the per-request
+  capture flag is read there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+
+from engine_worker.bookkeeping import StepLayout
+from engine_worker.vllm_worker import controller_of, install_controller, wants_capture
+
+log = logging.getLogger("probex.vllm_v2")
+
+_PATCHED_MARK = "_probex_v2_patched"
+
+
+def patch_v2_runner() -> bool:
+    """Patch the V2 runner class if this vLLM has one; False where it cannot be imported (e.g. CPU)."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except Exception:  # no Triton / no CUDA build: V2 is not available, V1 is used
+        return False
+    if GPUModelRunner.__dict__.get(_PATCHED_MARK):
+        return True
+    GPUModelRunner.load_model = _after_load_model(GPUModelRunner.load_model)
+    GPUModelRunner.add_requests = _remember_capture_flags(GPUModelRunner.add_requests)
+    GPUModelRunner.prepare_inputs = _layout_before_forward(GPUModelRunner.prepare_inputs)
+    GPUModelRunner.execute_model = _scores_after_forward(GPUModelRunner.execute_model)
+    setattr(GPUModelRunner, _PATCHED_MARK, True)
+    return True
+
+
+def _after_load_model(load_model):
+    @functools.wraps(load_model)
+    def wrapper(self, *args, **kwargs):
+        result = load_model(self, *args, **kwargs)
+        if install_controller(self) is not None:
+            self._probex_capture_flags = {}
+            self._probex_layout = None
+            log.info("probex: tap attached to vLLM model runner V2")
+        return result
+
+    return wrapper
+
+
+def _remember_capture_flags(add_requests):
+    @functools.wraps(add_requests)
+    def wrapper(self, scheduler_output, *args, **kwargs):
+        if controller_of(self) is not None:
+            for new_req in scheduler_output.scheduled_new_reqs:
+                params = new_req.sampling_params
+                self._probex_capture_flags[new_req.req_id] = wants_capture(params.extra_args if params else None)
+        return add_requests(self, scheduler_output, *args, **kwargs)
+
+    return wrapper
+
+
+def _layout_before_forward(prepare_inputs):
+    # Only real steps call prepare_inputs (dummy, profile and capture runs build a dummy
+    # batch instead), so a layout recorded here always belongs to the next forward.
+    @functools.wraps(prepare_inputs)
+    def wrapper(self, scheduler_output, *args, **kwargs):
+        batch = prepare_inputs(self, scheduler_output, *args, **kwargs)
+        controller = controller_of(self)
+        if controller is not None:
+            layout = _step_layout(self, batch)
+            flags = self._probex_capture_flags
+            controller.before_forward(layout, {r for r in layout.req_ids if flags.get(r)})
+            self._probex_layout = layout
+        return batch
+
+    return wrapper
+
+
+def _scores_after_forward(execute_model):
+    @functools.wraps(execute_model)
+    def wrapper(self, scheduler_output, *args, **kwargs):
+        output = execute_model(self, scheduler_output, *args, **kwargs)
+        controller = controller_of(self)
+        if controller is None:
+            return output
+        layout, self._probex_layout = self._probex_layout, None
+        finished = list(scheduler_output.finished_req_ids or ())
+        for req_id in finished:
+            self._probex_capture_flags.pop(req_id, None)
+        if layout is not None:
+            controller.after_forward(layout, finished)
+        elif finished:
+            controller.after_idle_step(finished)  # nothing ran, but requests ended
+        return output
+
+    return wrapper
+
+
+def _step_layout(runner, batch) -> StepLayout:
+    n = batch.num_reqs
+    return StepLayout(
+        req_ids=list(batch.req_ids[:n]),
+        num_scheduled=np.asarray(batch.num_scheduled_tokens[:n], dtype=np.int64),
+        num_computed=np.asarray(batch.num_computed_tokens_np[:n], dtype=np.int64),
+        num_prompt=runner.req_states.prompt_len.np[batch.idx_mapping_np[:n]].astype(np.int64),
+    )

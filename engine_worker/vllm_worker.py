@@ -1,0 +1,119 @@
+"""vLLM glue shared by the runner adapters: controller set-up, the worker extension, recompute.
+
+Both model runners (V1 in `vllm_v1_runner.py`, V2 in `vllm_v2_runner.py`) expose the
+loaded model as `runner.model` and the engine configuration as `runner.vllm_config`;
+that is all this module reads from a runner. Everything a runner does differently —
+how a step's rows map to requests, where the forward is — stays in its own adapter.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from probes.artifact import ServedModel
+from engine_worker.controller import ProbeSetRejected, TapController
+from engine_worker.tap import LayerTap
+from engine_worker.tap_config import TapConfig
+
+log = logging.getLogger("probex.vllm")
+
+CONTROLLER_ATTR = "probex_controller"
+
+
+def controller_of(runner) -> TapController | None:
+    return getattr(runner, CONTROLLER_ATTR, None)
+
+
+def install_controller(runner) -> TapController | None:
+    """After the model is loaded: find its taps, load the startup probe set, attach a controller."""
+    tap_config = TapConfig.from_additional_config(runner.vllm_config.additional_config)
+    if tap_config is None:
+        return None
+    existing = controller_of(runner)
+    if existing is not None:
+        return existing
+    taps = {m.layer: m for m in runner.model.modules() if isinstance(m, LayerTap)}
+    missing = sorted(set(tap_config.layers) - set(taps))
+    if missing:
+        raise RuntimeError(
+            f"probex: layers {missing} were asked to be tapped but the model has no tap there: either the layer"
+            f" index is out of range or {type(runner.model).__name__} uses a decoder layer ProbeX does not patch"
+            " (supported: Llama, Mistral, Qwen2)"
+        )
+    hf_config = runner.vllm_config.model_config.hf_config.to_dict()
+    served = ServedModel.from_hf_config(hf_config, name=runner.vllm_config.model_config.model)
+    capture_dir = tap_config.capture_dir if tap_config.capture_enabled else None
+    controller = TapController(taps, served, _publisher(tap_config), capture_dir)
+    try:
+        controller.load(list(tap_config.probe_dirs))
+    except ProbeSetRejected as exc:
+        raise RuntimeError(f"probex: refusing to start: {exc}") from None
+    setattr(runner, CONTROLLER_ATTR, controller)
+    return controller
+
+
+def _publisher(tap_config: TapConfig):
+    if not tap_config.score_address or not _is_delivering_rank():
+        return None
+    from engine_worker.delivery import ScorePublisher
+
+    return ScorePublisher(tap_config.score_address).publish
+
+
+def _is_delivering_rank() -> bool:
+    """Tensor-parallel ranks compute identical scores; only one of them may deliver."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank
+    except (AssertionError, ImportError):
+        return True
+
+
+def wants_capture(extra_args: dict | None) -> bool:
+    return bool((extra_args or {}).get("probex_capture"))
+
+
+def patch_prefix_cache_bypass() -> None:
+    """`vllm_xargs: {"probex_recompute": true}` -> skip prefix-cache reads for that request only.
+
+    Scheduler side, so it is the same whichever model runner executes the request.
+    """
+    from vllm.v1.request import Request
+
+    if Request.__dict__.get("_probex_patched"):
+        return
+    original = Request.get_skip_reading_prefix_cache
+
+    @functools.wraps(original)
+    def get_skip_reading_prefix_cache(self) -> bool:
+        params = self.sampling_params
+        if params is not None and params.extra_args and params.extra_args.get("probex_recompute"):
+            return True
+        return original(self)
+
+    Request.get_skip_reading_prefix_cache = get_skip_reading_prefix_cache
+    Request._probex_patched = True
+
+
+class ProbexWorkerExtension:
+    """Mixed into vLLM's worker (`--worker-extension-cls`); methods run between engine steps."""
+
+    def _probex_controller(self) -> TapController:
+        controller = controller_of(self.model_runner)
+        if controller is None:
+            raise RuntimeError("probex: this worker has no tap configured")
+        return controller
+
+    def probex_list_probes(self) -> dict:
+        return self._probex_controller().listing()
+
+    def probex_load_probes(self, probe_dirs: list[str]) -> dict:
+        controller = self._probex_controller()
+        try:
+            controller.load(list(probe_dirs))
+        except ProbeSetRejected as exc:
+            log.warning("probex: probe set rejected, keeping version %d: %s", controller.table.version, exc)
+            return {"ok": False, "error": str(exc), "version": controller.table.version}
+        return {"ok": True, **controller.listing()}

@@ -1,0 +1,158 @@
+"""TapController and ScoreTransfer without an engine: LayerTaps on the CPU, steps described by hand."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine_worker.bookkeeping import StepLayout
+from engine_worker.controller import TapController
+from engine_worker.score_transfer import ScoreTransfer
+from engine_worker.tap import LayerTap
+from probes.artifact import ProbeArtifact, ReadPoint, ServedModel, save_probe
+
+HIDDEN = 16
+
+
+def served() -> ServedModel:
+    return ServedModel.from_hf_config(
+        {"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": 4, "architectures": ["LlamaForCausalLM"]},
+        name="toy",
+    )
+
+
+def make_probe(root: Path, name: str, layer: int, read: ReadPoint, seed: int) -> Path:
+    weight = np.random.default_rng(seed).standard_normal(HIDDEN).astype(np.float32)
+    artifact = ProbeArtifact(name=name, layer=layer, read=read, weight=weight, bias=0.5, model={"name": "toy"})
+    return save_probe(artifact, root / name)
+
+
+def run_step(taps: dict[int, LayerTap], streams: dict[int, torch.Tensor]) -> None:
+    """What the compiled model does: the op fills each tap's score buffer for the step's rows."""
+    for layer, tap in taps.items():
+        x = streams[layer]
+        tap(x, torch.zeros_like(x))
+
+
+@pytest.fixture
+def setup(tmp_path):
+    taps = {1: LayerTap(1, HIDDEN, capacity=2, max_rows=32), 3: LayerTap(3, HIDDEN, capacity=2, max_rows=32)}
+    probes = [
+        make_probe(tmp_path, "first", 1, ReadPoint.LAST_PROMPT_TOKEN, 0),
+        make_probe(tmp_path, "second", 3, ReadPoint.PROMPT_MEAN, 1),
+    ]
+    published: list[dict] = []
+    return taps, probes, published
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_steps_are_scored_published_in_order_and_match_w_dot_x(setup, threaded):
+    taps, probes, published = setup
+    controller = TapController(taps, served(), published.append, threaded=threaded)
+    controller.load([str(p) for p in probes])
+    weights = {l: t.weight[:1].clone() for l, t in taps.items()}
+    rng = torch.Generator().manual_seed(3)
+    expected_last = {}
+    # prefill of a (prompt 5) and b (prompt 3), then 3 decode steps each
+    steps = [
+        StepLayout(["a", "b"], np.array([5, 3]), np.array([0, 0]), np.array([5, 3])),
+        StepLayout(["a", "b"], np.array([1, 1]), np.array([5, 3]), np.array([5, 3])),
+        StepLayout(["b", "a"], np.array([1, 1]), np.array([4, 6]), np.array([3, 5])),
+    ]
+    streams_by_step = []
+    for layout in steps:
+        rows = layout.num_rows
+        streams = {l: torch.randn(rows, HIDDEN, generator=rng) for l in taps}
+        streams_by_step.append(streams)
+        run_step(taps, streams)
+        controller.after_forward(layout)
+    # Overwriting the device buffers after submission must not change what was delivered.
+    for tap in taps.values():
+        tap.scores.fill_(1e9)
+    assert controller.flush()
+    assert [m["tokens"][0]["index"] for m in published] == [0, 1, 2]
+    first = published[0]
+    assert [p["req"] for p in first["prompt"]] == ["a", "b"]
+    # request a's last prompt token is row 4 of step 0; probe "first" reads layer 1
+    w1, b1 = taps[1].weight[0], taps[1].bias[0]
+    want = float(streams_by_step[0][1][4] @ w1 + b1)
+    assert first["prompt"][0]["last_raw"][0] == pytest.approx(want, rel=1e-5)
+    # "second" (layer 3) mean over b's three prompt rows (rows 5..7)
+    w3, b3 = taps[3].weight[0], taps[3].bias[0]
+    want_mean = float((streams_by_step[0][3][5:8] @ w3 + b3).mean())
+    assert first["prompt"][1]["mean_raw"][1] == pytest.approx(want_mean, rel=1e-5)
+    # step 2: rows are in the order b, a; a's generated token 2 is row 1
+    a_token = next(t for t in published[2]["tokens"] if t["req"] == "a")
+    assert a_token["index"] == 2
+    assert a_token["raw"][0] == pytest.approx(float(streams_by_step[2][1][1] @ w1 + b1), rel=1e-5)
+    controller.transfer.close()
+
+
+def test_scores_are_consumed_off_the_engine_thread(setup):
+    taps, probes, published = setup
+    threads = []
+    controller = TapController(taps, served(), lambda m: threads.append(threading.current_thread().name))
+    controller.load([str(p) for p in probes])
+    run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
+    controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])))
+    assert controller.flush()
+    assert threads == ["probex-score-transfer"]
+    controller.transfer.close()
+
+
+def test_idle_step_releases_finished_requests(setup):
+    taps, probes, published = setup
+    controller = TapController(taps, served(), published.append, threaded=False)
+    controller.load([str(p) for p in probes])
+    run_step(taps, {l: torch.randn(3, HIDDEN) for l in taps})
+    # a 6-token prompt, half prefilled: an open accumulator
+    controller.after_forward(StepLayout(["a"], np.array([3]), np.array([0]), np.array([6])))
+    assert len(controller.book) == 1
+    controller.after_idle_step(["a"])
+    assert len(controller.book) == 0
+    assert published[-1]["finished"] == ["a"]
+
+
+def test_a_failing_consumer_does_not_stop_later_steps():
+    source = torch.zeros(4, 1)
+    seen = []
+
+    def consume(step):
+        if step.context == "bad":
+            raise RuntimeError("boom")
+        seen.append((step.context, step.scores()[0][:, 0].tolist()))
+
+    transfer = ScoreTransfer({0: source}, consume, depth=1)
+    source[:2, 0] = torch.tensor([1.0, 2.0])
+    transfer.submit(2, "bad")
+    transfer.submit(2, "good")
+    assert transfer.flush()
+    assert seen == [("good", [1.0, 2.0])] and transfer.consume_errors == 1
+    transfer.close()
+
+
+def test_engine_waits_for_a_staging_buffer_instead_of_dropping_steps():
+    source = torch.zeros(4, 1)
+    release = threading.Event()
+    seen = []
+
+    def consume(step):
+        release.wait(5)
+        seen.append(step.context)
+
+    transfer = ScoreTransfer({0: source}, consume, depth=2)
+    for i in range(2):
+        transfer.submit(1, i)
+    done = threading.Event()
+    threading.Thread(target=lambda: (transfer.submit(1, 2), done.set())).start()
+    # two buffers: the first is held by consume, the second queued; the third submit waits
+    assert not done.wait(0.3)
+    release.set()
+    assert done.wait(5)
+    assert transfer.flush()
+    assert seen == [0, 1, 2] and transfer.waits_for_staging == 1
+    transfer.close()
