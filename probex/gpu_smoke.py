@@ -1,13 +1,21 @@
-"""GPU smoke test of the tap: CUDA graphs on (default cudagraph_mode) vs enforce_eager.
+"""GPU smoke test of the tap: CUDA graphs on vs off, on both vLLM model runners.
 
 Runs on the GPU machine (see docs/gpu.md): builds a randomly initialised model with
-SmolLM2-135M's architecture (weights cannot travel; the tokenizer skeleton does), starts
-`probex worker` three times with the same probes and capture mode on — graphs on
-(default), compiled without CUDA graphs, and `--enforce-eager` — sends the same 8 prompts
-concurrently to each, and compares every score and the captured residuals. Graphs vs
-compiled-without-graphs isolates graph replay (same kernels); eager adds the kernel
-differences between compiled and eager code. Writes `gpu_smoke.json` and the worker logs
-to --out and prints a short table.
+SmolLM2-135M's architecture (weights cannot travel; the tokenizer skeleton does) and, for
+each model runner (V1, V2), starts `probex worker` three times with the same probes and
+capture mode on — `graphs` (vLLM's default cudagraph_mode, FULL_AND_PIECEWISE: FULL
+graphs for decode batches, piecewise graphs for prefill), `piecewise` (PIECEWISE only)
+and `eager` (`--enforce-eager`). It sends the same 8 prompts concurrently, with different
+`max_tokens` so decode batches shrink one request at a time and get padded up to the
+next captured graph size, and compares every score and the captured residuals.
+
+A teacher-forced check runs in each graphs-mode engine: generated token j's score
+(read at the row that sampled it, position P-1+j) must equal the last-prompt-token score
+of a new request whose prompt is the original prompt plus the first j generated tokens.
+That catches any off-by-one in the row -> request/token mapping, which same-code
+comparisons between modes cannot see.
+
+Writes `gpu_smoke.json` and the worker logs to --out and prints a short table.
 
     python3 -m probex.gpu_smoke --skeleton .gpukit/model --out "$OUT"
 """
@@ -68,61 +76,111 @@ def build_probes(root: Path, hidden: int) -> list[Path]:
     ]
 
 
+def max_tokens_for(index: int) -> int:
+    return 12 + 2 * index  # requests finish one by one: decode batches of 8, 7, ..., 1
+
+
 async def query(url: str, model: str) -> list[dict]:
     import httpx
 
     async with httpx.AsyncClient(timeout=300) as client:
-        async def one(prompt):
-            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
-                    "temperature": 0, "return_token_ids": True, "vllm_xargs": {"probex_capture": True, "probex_recompute": True}}
+        async def one(index, prompt):
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": max_tokens_for(index), "temperature": 0, "return_token_ids": True,
+                    "vllm_xargs": {"probex_capture": True, "probex_recompute": True}}
             r = await client.post(url + "/v1/chat/completions", json=body)
             r.raise_for_status()
             return r.json()
 
-        return await asyncio.gather(*(one(p) for p in PROMPTS))
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
 
 
-PAIRS = ("graphs_vs_compiled_no_graphs", "graphs_vs_eager", "compiled_no_graphs_vs_eager")
+TEACHER_FORCED_TOKENS = (0, 1, 5, 11)
+
+
+async def teacher_forced(url: str, model: str, responses: list[dict]) -> dict:
+    """Generated token j's served score vs the last-prompt score of prompt + generated[:j] (calibrated)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(response, j):
+            prompt = response["prompt_token_ids"] + response["choices"][0]["token_ids"][:j]
+            body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "vllm_xargs": {"probex_recompute": True}}
+            r = await client.post(url + "/v1/completions", json=body)
+            r.raise_for_status()
+            forced = r.json()["probex"]["scores"]
+            served = response["probex"]["scores"]
+            same, shifted = [], []
+            for name, entry in served.items():
+                scores = entry["generated"]["scores"]
+                want = forced[name]["prompt"]["last"]  # calibrated like the generated scores
+                same.append(abs(want - scores[j]))
+                # what an off-by-one in the row mapping would have produced instead
+                shifted += [abs(want - scores[k]) for k in (j - 1, j + 1) if 0 <= k < len(scores)]
+            return same, shifted
+
+        jobs = [one(r, j) for r in responses[:4] for j in TEACHER_FORCED_TOKENS]
+        results = await asyncio.gather(*jobs)
+    same = [d for s_, _ in results for d in s_]
+    shifted = [d for _, sh in results for d in sh]
+    return {"compared": len(same), "max_abs_diff": max(same),
+            "median_abs_diff_one_token_off": float(np.median(shifted)) if shifted else None}
+
+
 MODES = {
-    "graphs": [],
-    "compiled_no_graphs": ["--compilation-config", '{"cudagraph_mode": "NONE"}'],
+    "graphs": [],  # vLLM's default: FULL_AND_PIECEWISE
+    "piecewise": ["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}'],
     "eager": ["--enforce-eager"],
 }
+PAIRS = ("graphs_vs_eager", "piecewise_vs_eager", "graphs_vs_piecewise")
+RUNNERS = {"v1": "0", "v2": "1"}  # VLLM_USE_V2_MODEL_RUNNER
 
 
-def run_mode(name: str, model: Path, probes: list[Path], out: Path, extra: list[str],
+def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path, extra: list[str],
              attention_backend: str = "FLASH_ATTN") -> tuple[list[dict], dict]:
-    port = 8100 + list(MODES).index(name)
-    capture = out / f"capture-{name}"
-    log_path = out / f"worker-{name}.log"
-    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0", VLLM_DISABLE_COMPILE_CACHE="1")
+    label = f"{runner}-{name}"
+    port = 8100 + list(MODES).index(name) + 10 * list(RUNNERS).index(runner)
+    capture = out / f"capture-{label}"
+    log_path = out / f"worker-{label}.log"
+    # The compile cache stays on: the machine starts empty and every run has the same tap
+    # configuration (part of the cache key), so later starts reuse the first one's graphs.
+    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner])
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model), "--port", str(port),
-           *[f"--probe={p}" for p in probes], "--max-model-len", "1024", "--gpu-memory-utilization", os.environ.get("PROBEX_SMOKE_MEMORY", "0.3"),
+           *[f"--probe={p}" for p in probes], "--max-model-len", "1024",
+           "--gpu-memory-utilization", os.environ.get("PROBEX_SMOKE_MEMORY", "0.3"),
            "--capture-dir", str(capture), *extra]
     if attention_backend:
         cmd += ["--attention-backend", attention_backend]
     started = time.monotonic()
+    forced = None
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
             try:
-                wait_until_healthy(proc, url)
+                wait_until_healthy(proc, url, timeout_s=900)
             except WorkerExited as exc:
-                raise RuntimeError(f"{name} {exc}: " + log_path.read_text()[-3000:]) from None
+                raise RuntimeError(f"{label} {exc}: " + log_path.read_text()[-3000:]) from None
             ready_s = time.monotonic() - started
             responses = asyncio.run(query(url, str(model)))
+            if name == "graphs":
+                forced = asyncio.run(teacher_forced(url, str(model), responses))
         finally:
             os.killpg(proc.pid, 15)
             proc.wait(60)
     text = log_path.read_text(errors="replace")
     graph_lines = [l[-200:] for l in text.splitlines() if any(re.search(p, l) for p in GRAPH_LOG_PATTERNS)]
+    runner_lines = [l[-200:] for l in text.splitlines() if "Using V2 Model Runner" in l or "tap attached to vLLM model runner V2" in l]
     from safetensors.numpy import load_file
 
     for response in responses:
         (path,) = capture.glob(f"{response['id']}-*.safetensors")
         response["_captured"] = load_file(str(path))
-    return responses, {"ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:8]}
+    info = {"ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:8], "runner_log_lines": runner_lines[:4]}
+    if forced is not None:
+        info["teacher_forced"] = forced
+    return responses, info
 
 
 def residual_cosines(a: list[dict], b: list[dict]) -> dict:
@@ -173,6 +231,18 @@ def compare(first: list[dict], second: list[dict]) -> dict:
             "aggregates_skipped_for_coverage": skipped_aggregates, **worst, **residual_cosines(first, second)}
 
 
+def all_comparisons(responses: dict[str, list[dict]]) -> dict:
+    out = {}
+    for runner in RUNNERS:
+        for pair in PAIRS:
+            a, b = pair.split("_vs_")
+            if f"{runner}-{a}" in responses and f"{runner}-{b}" in responses:
+                out[f"{runner}: {pair}"] = compare(responses[f"{runner}-{a}"], responses[f"{runner}-{b}"])
+    if "v1-graphs" in responses and "v2-graphs" in responses:
+        out["graphs: v1_vs_v2"] = compare(responses["v1-graphs"], responses["v2-graphs"])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skeleton", type=Path, help="config.json + tokenizer files")
@@ -180,11 +250,13 @@ def main() -> None:
     parser.add_argument("--reanalyze", type=Path, metavar="JSON",
                         help="recompute the comparison table from a saved gpu_smoke.json (no engine needed)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/probex-smoke"))
+    parser.add_argument("--runners", default="v1,v2", help="comma-separated subset of v1,v2")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--attention-backend", default="FLASH_ATTN", help="'' to let vLLM choose (CPU dry runs)")
     args = parser.parse_args()
     if args.reanalyze:
         saved = json.loads(args.reanalyze.read_text())
-        report(saved, {pair: compare(*(saved["responses"][m] for m in pair.split("_vs_"))) for pair in PAIRS})
+        report(saved, all_comparisons(saved["responses"]))
         return
     if not (args.skeleton and args.out):
         parser.error("--skeleton and --out are required unless --reanalyze is given")
@@ -194,15 +266,18 @@ def main() -> None:
         build_model(args.skeleton, model)
     hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     probes = build_probes(args.work / "probes", hidden)
-    runs = {name: run_mode(name, model, probes, args.out, extra, args.attention_backend)
-            for name, extra in MODES.items()}
-    result = {"modes": {name: info for name, (_, info) in runs.items()}}
-    comparisons = {pair: compare(*(runs[m][0] for m in pair.split("_vs_"))) for pair in PAIRS}
-    result.update(comparisons)
+    runs = {}
+    for runner in args.runners.split(","):
+        for name in args.modes.split(","):
+            runs[f"{runner}-{name}"] = run_mode(runner, name, model, probes, args.out, MODES[name],
+                                                args.attention_backend)
+    result = {"modes": {label: info for label, (_, info) in runs.items()}}
+    comparisons = all_comparisons({label: responses for label, (responses, _) in runs.items()})
+    result["comparisons"] = comparisons
     for responses, _ in runs.values():
         for response in responses:
             response.pop("_captured")
-    result["responses"] = {name: responses for name, (responses, _) in runs.items()}
+    result["responses"] = {label: responses for label, (responses, _) in runs.items()}
     import torch
     import vllm
 
@@ -214,15 +289,23 @@ def main() -> None:
 
 def report(result: dict, comparisons: dict) -> None:
     print(f"versions: {result['versions']}")
-    for name, info in result["modes"].items():
+    for label, info in result["modes"].items():
         captured = [l for l in info["graph_log_lines"] if "Capturing CUDA graphs" in l or "Graph capturing" in l]
-        print(f"{name}: ready in {info['ready_s']} s; CUDA-graph capture log lines: {len(captured)}")
-    print(f"{'pair':30} {'same seqs':>9} {'last raw':>9} {'mean/max':>9} {'generated':>9} {'cos last':>9} {'cos any':>9}")
+        line = f"{label}: ready in {info['ready_s']} s; CUDA-graph capture log lines: {len(captured)}"
+        if info.get("runner_log_lines"):
+            line += "; V2 runner confirmed in log"
+        if "teacher_forced" in info:
+            tf = info["teacher_forced"]
+            line += (f"; teacher-forced: {tf['compared']} scores, max diff {tf['max_abs_diff']:.2e}"
+                     f" (one token off would give median {tf['median_abs_diff_one_token_off']:.2e})")
+        print(line)
+    print(f"{'pair':28} {'same seqs':>9} {'last raw':>9} {'mean/max':>9} {'generated':>9} {'cos last':>9} {'cos any':>9}")
     for pair, c in comparisons.items():
-        print(f"{pair:30} {c['identical_token_sequences']:>6}/{len(PROMPTS)} {c['prompt_last_raw_abs']:9.2e} "
+        print(f"{pair:28} {c['identical_token_sequences']:>6}/{len(PROMPTS)} {c['prompt_last_raw_abs']:9.2e} "
               f"{c['prompt_aggregate_abs']:9.2e} {c['generated_abs']:9.2e} {c.get('residual_cos_last_token_min', float('nan')):9.6f}"
               f" {c.get('residual_cos_any_token_min', float('nan')):9.6f}"
               f"  (aggregates skipped for different cache coverage: {c['aggregates_skipped_for_coverage']})")
+
 
 if __name__ == "__main__":
     main()

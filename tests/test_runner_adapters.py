@@ -1,0 +1,118 @@
+"""The runner adapters' step hooks against stand-in runners that follow vLLM's call order.
+
+The real V2 runner needs CUDA (the GPU smoke in docs/gpu.md runs it); these tests pin
+what the adapter assumes of it: which calls happen per step, where the layout comes
+from, and that dummy/idle steps are handled.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from engine_worker import vllm_v2_runner as v2
+from engine_worker.vllm_worker import CONTROLLER_ATTR
+
+
+class RecordingController:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def before_forward(self, layout, capture):
+        self.calls.append(("before", list(layout.req_ids), layout.num_scheduled.tolist(),
+                           layout.num_computed.tolist(), layout.num_prompt.tolist(), sorted(capture)))
+
+    def after_forward(self, layout, finished):
+        self.calls.append(("after", list(layout.req_ids), sorted(finished)))
+
+    def after_idle_step(self, finished):
+        self.calls.append(("idle", sorted(finished)))
+
+
+class FakeV2Runner:
+    """The V2 call order: execute_model -> add_requests, prepare_inputs (real steps only), forward."""
+
+    def __init__(self, controller) -> None:
+        self.controller_to_install = controller
+        self.req_states = SimpleNamespace(prompt_len=SimpleNamespace(np=np.array([7, 3, 5, 0], dtype=np.int32)),
+                                          req_id_to_index={})
+        self.forwards = 0
+
+    def load_model(self):
+        setattr(self, CONTROLLER_ATTR, self.controller_to_install)
+
+    def add_requests(self, scheduler_output):
+        for i, new in enumerate(scheduler_output.scheduled_new_reqs):
+            self.req_states.req_id_to_index[new.req_id] = {"a": 0, "b": 1, "c": 2}[new.req_id]
+
+    def prepare_inputs(self, scheduler_output, batch_desc=None):
+        sched = scheduler_output.num_scheduled_tokens
+        req_ids = sorted(sched, key=sched.get)  # V2: decodes first
+        idx = np.array([self.req_states.req_id_to_index[r] for r in req_ids], dtype=np.int32)
+        computed = np.array([scheduler_output.computed[r] for r in req_ids], dtype=np.int32)
+        return SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids), idx_mapping_np=idx,
+                               num_scheduled_tokens=np.array([sched[r] for r in req_ids], dtype=np.int32),
+                               num_computed_tokens_np=computed)
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+        if not dummy_run:
+            self.add_requests(scheduler_output)
+            if not scheduler_output.num_scheduled_tokens:
+                return None
+            self.prepare_inputs(scheduler_output)
+        self.forwards += 1
+        return None
+
+
+def wrapped_runner_class():
+    cls = type("WrappedFakeV2Runner", (FakeV2Runner,), {})
+    cls.load_model = v2._after_load_model(FakeV2Runner.load_model)
+    cls.add_requests = v2._remember_capture_flags(FakeV2Runner.add_requests)
+    cls.prepare_inputs = v2._layout_before_forward(FakeV2Runner.prepare_inputs)
+    cls.execute_model = v2._scores_after_forward(FakeV2Runner.execute_model)
+    return cls
+
+
+def new_req(req_id, capture=False):
+    return SimpleNamespace(req_id=req_id, sampling_params=SimpleNamespace(
+        extra_args={"probex_capture": True} if capture else None))
+
+
+def sched(new=(), scheduled=None, computed=None, finished=()):
+    return SimpleNamespace(scheduled_new_reqs=list(new), num_scheduled_tokens=scheduled or {},
+                           computed=computed or {}, finished_req_ids=set(finished))
+
+
+def test_v2_adapter_reads_layout_in_batch_order_and_hands_over_after_forward(monkeypatch):
+    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    controller = RecordingController()
+    runner = wrapped_runner_class()(controller)
+    runner.load_model()
+    # step 1: prefill a (7) and b (3, capture on)
+    runner.execute_model(sched(new=[new_req("a"), new_req("b", capture=True)], scheduled={"a": 7, "b": 3},
+                               computed={"a": 0, "b": 0}))
+    # step 2: b decodes while c (prompt 5) prefills; a finished before this step
+    runner.execute_model(sched(new=[new_req("c")], scheduled={"b": 1, "c": 5}, computed={"b": 3, "c": 0},
+                               finished={"a"}))
+    # dummy run (CUDA-graph capture, DP padding): no layout, nothing handed over
+    runner.execute_model(sched(), dummy_run=True)
+    # nothing scheduled but b finished: released without a forward
+    runner.execute_model(sched(finished={"b"}))
+    assert controller.calls == [
+        ("before", ["b", "a"], [3, 7], [0, 0], [3, 7], ["b"]),
+        ("after", ["b", "a"], []),
+        ("before", ["b", "c"], [1, 5], [3, 0], [3, 5], ["b"]),
+        ("after", ["b", "c"], ["a"]),
+        ("idle", ["b"]),
+    ]
+    assert runner.forwards == 3
+    assert "b" not in runner._probex_capture_flags  # forgotten once finished
+
+
+def test_v2_adapter_is_inert_without_a_tap(monkeypatch):
+    monkeypatch.setattr(v2, "install_controller", lambda runner: None)
+    runner = wrapped_runner_class()(None)
+    runner.load_model()
+    runner.execute_model(sched(new=[new_req("a")], scheduled={"a": 7}, computed={"a": 0}))
+    assert runner.forwards == 1 and not hasattr(runner, "_probex_layout")
