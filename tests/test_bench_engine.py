@@ -1,0 +1,370 @@
+"""`probex bench engine`: the metric math, the model directory and probes it writes, the SSE client,
+the analysis, and (engine) its CPU smoke mode end to end, so the GPU tooling cannot rot."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from probex import bench_engine as be
+from probes.artifact import ServedModel, load_probe
+
+# --- metric math ------------------------------------------------------------------------------
+
+
+def test_percentile_is_numpy_linear_and_nan_when_empty():
+    assert be.percentile([1, 2, 3, 4], 50) == 2.5
+    assert be.percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert be.percentile([7.0], 99) == 7.0
+    assert math.isnan(be.percentile([], 50))
+
+
+def test_tpot_from_timestamps():
+    # first token at 0.1 s, last of 11 at 1.1 s: ten intervals of 100 ms
+    assert be.tpot_s(0.1, 1.1, 11) == pytest.approx(0.1)
+    assert be.tpot_s(0.1, 0.1, 1) is None
+
+
+def test_overhead_pct():
+    assert be.overhead_pct(105.0, 100.0) == pytest.approx(5.0)
+    assert be.overhead_pct(90.0, 100.0) == pytest.approx(-10.0)
+    assert math.isnan(be.overhead_pct(1.0, 0.0))
+    assert math.isnan(be.overhead_pct(math.nan, 1.0))
+
+
+def _result(times, tokens=None, **kw) -> be.RequestResult:
+    r = be.RequestResult(ok=True, ttft_s=times[0], e2e_s=times[-1] + 0.001, token_times_s=list(times),
+                         chunk_tokens=tokens or [1] * len(times), **kw)
+    return r
+
+
+def test_request_result_itl_and_tpot_count_tokens_not_chunks():
+    r = _result([0.05, 0.06, 0.08], tokens=[1, 1, 2])  # the last chunk carries two tokens
+    assert r.output_tokens == 4
+    assert r.itl_s == pytest.approx([0.01, 0.02])
+    assert r.tpot_s == pytest.approx((0.08 - 0.05) / 3)
+
+
+def test_summarize():
+    ok = [_result([0.1 + 0.01 * i for i in range(5)]) for _ in range(3)]
+    failed = be.RequestResult(error="HTTP 500: boom")
+    s = be.summarize([*ok, failed], wall_s=2.0, client_cpu_s=0.5, expected_tokens=5)
+    assert s["requests"] == 4 and s["failed"] == 1 and s["errors"] == ["HTTP 500: boom"]
+    assert s["output_tokens"] == 15 and s["output_tokens_per_s"] == pytest.approx(7.5)
+    assert s["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert s["tpot_ms"]["p50"] == pytest.approx(10.0) and s["itl_ms"]["p99"] == pytest.approx(10.0)
+    assert s["client_busy_cores"] == pytest.approx(0.25)
+    assert s["requests_with_wrong_token_count"] == 0
+    assert be.summarize(ok, 1.0, 0.0, expected_tokens=6)["requests_with_wrong_token_count"] == 3
+
+
+def test_score_check_counts_only_complete_aligned_scores():
+    names = ["a", "b"]
+    check = be._ScoreCheck(names)
+    check.chunk({"scores": {"a": {"prompt": {}, "generated": {"offset": 0, "scores": [0.1]}},
+                            "b": {"prompt": {}, "generated": {"offset": 0, "scores": [0.2]}}}}, 0, 1)
+    check.chunk({"scores": {"a": {"generated": {"offset": 1, "scores": [0.1, None]}},
+                            "b": {"generated": {"offset": 1, "scores": [0.2, 0.3]}}}}, 1, 2)
+    r = be.RequestResult(ok=True, chunk_tokens=[1, 2])
+    check.finish(r)
+    assert r.scored_tokens == 2 and r.prompt_scored_probes == 2 and not r.score_problems
+    cov = be.score_coverage([r], expected_probes=2)
+    assert cov["coverage"] == pytest.approx(2 / 3) and cov["requests_with_all_prompt_scores"] == 1
+
+    misaligned = be._ScoreCheck(names)
+    misaligned.chunk({"scores": {"a": {"generated": {"offset": 5, "scores": [0.1]}}}}, 0, 1)
+    assert misaligned.problems
+
+
+# --- model directory, probes, plans --------------------------------------------------------------
+
+
+def _fake_tokenizer(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tokenizer.json").write_text(json.dumps({
+        "added_tokens": [{"id": 0, "content": "<|endoftext|>"}, {"id": 1, "content": "<|im_start|>"},
+                         {"id": 2, "content": "<|im_end|>"}],
+        "model": {"type": "BPE", "vocab": {"a": 3}}}))
+    (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    (root / "chat_template.jinja").write_text("{{ messages }}")
+    (root / "model.safetensors").write_bytes(b"not copied")
+    return root
+
+
+def test_llama_3_1_8b_config_and_tokenizer_files(tmp_path):
+    model = be.write_model_dir(be.LLAMA_3_1_8B, _fake_tokenizer(tmp_path / "tok"), tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    expected = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+                "tie_word_embeddings": False, "architectures": ["LlamaForCausalLM"], "bos_token_id": 1,
+                "eos_token_id": 2}
+    assert {k: config[k] for k in expected} == expected
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert sorted(p.name for p in model.iterdir()) == ["chat_template.jinja", "config.json", "tokenizer.json",
+                                                       "tokenizer_config.json"]
+    assert ServedModel.from_model_dir(model) == ServedModel(4096, 32, name="model")
+    # transformers reads the legacy rope keys as Llama-3.1's scaled RoPE
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoConfig.from_pretrained(model)
+    rope = getattr(hf, "rope_parameters", None) or hf.rope_scaling
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
+    assert (hf.hidden_size, hf.num_key_value_heads, hf.vocab_size) == (4096, 8, 128256)
+
+
+def test_tokenizer_dir_without_tokenizer_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no tokenizer files"):
+        be.write_model_dir(be.TINY_LLAMA, tmp_path / "empty", tmp_path / "model")
+
+
+def test_probes_two_layers_four_each_unit_and_mixed_reads(tmp_path):
+    assert be.default_probe_layers(32) == (10, 20)
+    assert be.default_probe_layers(4) == (1, 2)
+    specs = be.write_probes(tmp_path, 4096, (10, 20))
+    assert len(specs) == 8 and [s.layer for s in specs].count(10) == 4
+    assert {s.read for s in specs} == {"last_prompt_token", "prompt_mean", "prompt_max"}
+    served = ServedModel(4096, 32)
+    for spec in specs:
+        probe = load_probe(spec.path, served)
+        assert probe.name == spec.name and probe.layer == spec.layer
+        assert np.linalg.norm(probe.weight) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_plans_same_launcher_and_plugin_switch(tmp_path):
+    plans = be.plan_setups(be.parse_setups("plain,tap,eager,plain"), tmp_path, [tmp_path / "p1"],
+                           ["--load-format", "dummy"], "v1")
+    assert [p.label for p in plans] == ["plain#1", "tap", "eager", "plain#2"]
+    assert len({p.port for p in plans}) == 4
+    plain, tap, eager, _ = plans
+    assert plain.env_changes["VLLM_PLUGINS"] == be.NO_PLUGINS and eager.env_changes["VLLM_PLUGINS"] == be.NO_PLUGINS
+    assert tap.env_changes["VLLM_PLUGINS"] is None  # removed: the ProbeX plugin must load
+    assert all(p.env_changes["VLLM_USE_V2_MODEL_RUNNER"] == "0" for p in plans)
+    assert all(p.env_changes["VLLM_DISABLE_COMPILE_CACHE"] == "1" for p in plans)
+    assert "vllm.entrypoints.openai.api_server" in plain.argv and "--enforce-eager" not in plain.argv
+    without_port = lambda plan: [a for a in plan.argv if a != str(plan.port)]  # noqa: E731
+    assert without_port(eager) == without_port(plain) + ["--enforce-eager"]  # the same launcher, one flag more
+    assert tap.argv[2:4] == ["probex.cli", "worker"] and f"--probe={tmp_path / 'p1'}" in tap.argv
+    assert all(p.argv[-2:] == ["--load-format", "dummy"] for p in (plain, tap))
+    assert be.plan_setups(["plain"], tmp_path, [], [], "default")[0].env_changes["VLLM_USE_V2_MODEL_RUNNER"] is None
+    with pytest.raises(SystemExit):
+        be.parse_setups("plain,hooks")
+
+
+def test_log_checks():
+    text = ("... enforce_eager=True, kv_cache_dtype=auto ...\nINFO Using V2 Model Runner\n"
+            "Capturing CUDA graphs (decode, FULL): 100%\nGraph capturing finished in 5 secs\n")
+    checks = be.log_checks(text)
+    assert checks == {"enforce_eager": True, "cuda_graph_capture_lines": 2, "model_runner_v2": True,
+                      "probex_tap_on_runner_v2": False}
+    assert be.log_checks("nothing")["enforce_eager"] is None
+
+
+# --- the SSE client against a scripted server -------------------------------------------------------
+
+
+def _sse(chunk: dict) -> bytes:
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+async def _serve_script(writes: list[tuple[float, bytes]]) -> tuple[asyncio.AbstractServer, int]:
+    """An HTTP/1.0-style server that answers any POST with `writes` (delay, bytes), then closes."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+        for delay, data in writes:
+            await asyncio.sleep(delay)
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def _token_chunk(ids, offset, probes=()):
+    chunk = {"choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": None}]}
+    if probes:
+        chunk["probex"] = {"scores": {p: {"generated": {"offset": offset, "scores": [0.5] * len(ids)},
+                                          **({"prompt": {"last": 0.5}} if offset == 0 else {})} for p in probes}}
+    return chunk
+
+
+def test_client_parses_split_and_merged_events_and_checks_scores():
+    probes = ("p1", "p2")
+    first, second, third = (_sse(_token_chunk([5], 0, probes)), _sse(_token_chunk([6], 1, probes)),
+                            _sse(_token_chunk([127999, 8], 2, probes)))
+    usage = _sse({"choices": [], "usage": {"completion_tokens": 4}})
+    writes = [(0.02, first[:17]), (0.0, first[17:]), (0.02, second + third), (0.0, usage + b"data: [DONE]\n\n")]
+
+    async def go():
+        server, port = await _serve_script(writes)
+        async with server:
+            async with be._Transport(1) as transport:
+                return await be.one_request(transport, f"http://127.0.0.1:{port}/v1/completions",
+                                            be.completion_body("m", [1, 2], 4), probes)
+
+    r = asyncio.run(go())
+    assert r.ok, r.error
+    assert r.chunk_tokens == [1, 1, 2] and r.output_tokens == 4 and r.usage_tokens == 4
+    assert r.same_read_chunks == 1  # second and third arrived in one read
+    assert r.ttft_s >= 0.015 and r.token_times_s[1] - r.token_times_s[0] >= 0.015
+    assert r.scored_tokens == 4 and r.prompt_scored_probes == 2 and r.max_token_id == 127999
+
+
+def test_client_reports_a_stream_without_done_as_failed():
+    async def go():
+        server, port = await _serve_script([(0.0, _sse(_token_chunk([5], 0)))])
+        async with server:
+            async with be._Transport(1) as transport:
+                return await be.one_request(transport, f"http://127.0.0.1:{port}/v1/completions",
+                                            be.completion_body("m", [1], 2), None)
+
+    r = asyncio.run(go())
+    assert not r.ok and "[DONE]" in r.error
+
+
+def test_prompts_are_seeded_and_inside_every_tokenizer():
+    a, b = be.random_prompts(3, 50, seed=1), be.random_prompts(3, 50, seed=1)
+    assert a == b and a != be.random_prompts(3, 50, seed=2)
+    flat = np.asarray(a)
+    assert flat.min() >= be.PROMPT_ID_RANGE[0] and flat.max() < be.PROMPT_ID_RANGE[1] <= 49152
+
+
+# --- analysis, tables, chart, reanalysis -----------------------------------------------------------
+
+
+def _entry(tpot: float, **extra) -> dict:
+    stats = lambda v: {"p50": v, "p99": v * 1.5, "mean": v}  # noqa: E731
+    return {"ttft_ms": stats(20.0), "tpot_ms": stats(tpot), "itl_ms": stats(tpot), "e2e_ms": stats(100.0),
+            "output_tokens_per_s": 1000.0 / tpot, "failed": 0, "client_busy_cores": 0.1, **extra}
+
+
+def _setup(kind: str, label: str, tpot: dict[str, float], **extra) -> dict:
+    return {"label": label, "kind": kind, "checks": {"enforce_eager": kind == "eager"},
+            "results": {c: _entry(v, **extra) for c, v in tpot.items()}}
+
+
+def _saved_run() -> dict:
+    tap_scores = {"scores": {"expected_probes": 8, "generated_tokens": 10, "scored_tokens": 10, "coverage": 1.0,
+                             "requests_with_all_prompt_scores": 2, "requests": 2, "problems": []}}
+    setups = [_setup("plain", "plain#1", {"1": 5.0, "8": 6.0}), _setup("tap", "tap#1", {"1": 5.05, "8": 6.06},
+                                                                        **tap_scores),
+              _setup("plain", "plain#2", {"1": 5.2, "8": 6.0}), _setup("tap", "tap#2", {"1": 5.15, "8": 6.06},
+                                                                        **tap_scores),
+              _setup("eager", "eager", {"1": 20.4, "8": 24.0})]
+    for s in setups:
+        if s["kind"] == "tap":
+            s["checks"].update(probex_probes_listed=8, probex_probes_expected=8)
+    return {"setups": setups, "model": {"name": "llama-3.1-8b"}, "versions": {"gpu": "NVIDIA H200", "vllm": "0.25.0"},
+            "workload": {"input_len": 1024, "output_len": 256}, "probes": [{}] * 8, "runner": "v1"}
+
+
+def test_analyze_means_over_repeats_and_overheads():
+    result = be.merge_runs([_saved_run()])
+    per_kind = result["summary"]["per_kind"]
+    assert per_kind["plain"]["1"]["tpot_p50"] == pytest.approx(5.1) and per_kind["plain"]["1"]["runs"] == 2
+    assert result["overhead_pct"]["tap_vs_plain"]["1"]["tpot_p50"] == pytest.approx(0.0, abs=1e-9)
+    assert result["overhead_pct"]["tap_vs_plain"]["8"]["tpot_p50"] == pytest.approx(1.0)
+    assert result["overhead_pct"]["eager_vs_plain"]["1"]["tpot_p50"] == pytest.approx(300.0)
+    assert result["overhead_pct"]["tap_vs_plain"]["8"]["output_tokens_per_s"] == pytest.approx(1 / 1.01 * 100 - 100)
+    assert result["summary"]["tpot_p50_spread_over_repeats_pct"]["plain"]["1"] == pytest.approx(0.2 / 5.1 * 100)
+    assert result["problems"] == []
+    tables = be.markdown_tables(result)
+    assert "| tap | 8 | +1.0% |" in tables and "| eager | 1 | +300.0% |" in tables
+
+
+def test_problems_are_flagged():
+    run = _saved_run()
+    tap = run["setups"][1]["results"]["1"]
+    tap["scores"] = dict(tap["scores"], scored_tokens=9, coverage=0.9)
+    run["setups"][4]["checks"]["enforce_eager"] = False
+    run["setups"][0]["results"]["1"].update(failed=2, errors=["HTTP 500"], responses_with_probex_field=3)
+    problems = "\n".join(be.merge_runs([run])["problems"])
+    assert "SCORES NOT FULLY DELIVERED: 9/10" in problems
+    assert "eager: the engine did not run with enforce_eager=True" in problems
+    assert "plain#1 c=1: 2 failed requests" in problems and "not stock vLLM" in problems
+
+
+def test_merge_relabels_and_reanalyze_cli(tmp_path, capsys):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(_saved_run()))
+    run_b = _saved_run()
+    run_b["setups"] = [s for s in run_b["setups"] if s["kind"] == "eager"]
+    second.write_text(json.dumps(run_b))
+    merged = be.merge_runs([json.loads(first.read_text()), json.loads(second.read_text())])
+    assert [s["label"] for s in merged["setups"]] == ["plain#1", "tap#1", "plain#2", "tap#2", "eager#1", "eager#2"]
+    from probex.cli import main
+
+    png = tmp_path / "chart.png"
+    assert main(["bench", "engine", "--reanalyze", str(first), str(second), "--png", str(png),
+                 "--merged-json", str(tmp_path / "m.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| set-up | concurrency | TPOT p50 |" in out and "eager#2" in out
+    assert json.loads((tmp_path / "m.json").read_text())["overhead_pct"]["eager_vs_plain"]
+    if importlib.util.find_spec("matplotlib"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- the CPU smoke mode, end to end -----------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_smoke_mode_runs_all_three_setups(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1200)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    result = json.loads((out / "bench_engine.json").read_text())
+
+    assert result["versions"]["gpu"] == "cpu" and result["versions"]["vllm"] and result["versions"]["torch"]
+    assert result["command"] and result["runner"] == "default" and result["problems"] == []
+    assert result["model"]["config"]["vocab_size"] == 128256 and result["model"]["load_format"] == "dummy"
+    assert len(result["probes"]) == 8 and {p["layer"] for p in result["probes"]} == {1, 2}
+    assert [s["label"] for s in result["setups"]] == ["plain", "tap", "eager"]
+    workload = result["workload"]
+    for setup in result["setups"]:
+        assert "error" not in setup, setup.get("error")
+        assert (out / setup["log"]).stat().st_size > 0
+        assert setup["checks"]["enforce_eager"] is (setup["kind"] == "eager"), setup["label"]
+        assert set(setup["results"]) == {"1", "2"}
+        for c, e in setup["results"].items():
+            where = f"{setup['label']} c={c}"
+            assert e["failed"] == 0 and e["requests_with_wrong_token_count"] == 0, where
+            assert e["output_tokens"] == workload["num_prompts"][c] * workload["output_len"], where
+            for key in ("ttft_ms", "e2e_ms"):
+                assert all(math.isfinite(v) and v > 0 for v in e[key].values()), (where, key, e[key])
+            assert e["tpot_ms"]["mean"] > 0 and e["output_tokens_per_s"] > 0, where
+            # a loaded 2-core machine may deliver two chunks in one read (a gap of 0)
+            assert all(math.isfinite(v) and v >= 0 for v in [*e["tpot_ms"].values(), *e["itl_ms"].values()]), where
+            assert e["server"].get("tpot_mean_ms", 0) > 0, where  # vLLM's own /metrics were read
+            if setup["kind"] == "tap":
+                scores = e["scores"]
+                assert scores["coverage"] == 1.0 and scores["scored_tokens"] == e["output_tokens"], (where, scores)
+                assert scores["requests_with_all_prompt_scores"] == scores["requests"], (where, scores)
+            else:
+                assert e["responses_with_probex_field"] == 0, where
+    # dummy weights sample ids the SmolLM2 tokenizer (49152 tokens) lacks: served as empty text, counted all the same
+    assert max(e["max_generated_token_id"] for s in result["setups"] for e in s["results"].values()) >= 49152
+    tap = result["setups"][1]
+    assert tap["checks"]["probex_probes_listed"] == 8 and tap["checks"]["probex_tapped_layers"] == [1, 2]
+    assert "enforce_eager=True" in (out / "eager.log").read_text()
+    for kind in ("tap_vs_plain", "eager_vs_plain"):
+        assert set(result["overhead_pct"][kind]) == {"1", "2"}
+    assert "| set-up | concurrency |" in proc.stdout
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "bench_engine_tpot.png").read_bytes()[:4] == b"\x89PNG"
