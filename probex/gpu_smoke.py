@@ -98,34 +98,49 @@ async def query(url: str, model: str) -> list[dict]:
 TEACHER_FORCED_TOKENS = (0, 1, 5, 11)
 
 
-async def teacher_forced(url: str, model: str, responses: list[dict]) -> dict:
-    """Generated token j's served score vs the last-prompt score of prompt + generated[:j] (calibrated)."""
+async def teacher_forced(url: str, model: str) -> dict:
+    """Generated token j's served score vs the last-prompt score of prompt + generated[:j].
+
+    Sampled (temperature 1, seeded) rather than greedy: a random-weight model repeats one
+    token greedily, and neighbouring tokens then have the same scores, which would hide an
+    off-by-one. Scores are compared calibrated (the response carries generated scores
+    calibrated; both sides use the same slope and intercept).
+    """
     import httpx
 
     async with httpx.AsyncClient(timeout=300) as client:
-        async def one(response, j):
+        async def sample(index, prompt):
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
+                    "temperature": 1.0, "seed": 100 + index, "return_token_ids": True,
+                    "vllm_xargs": {"probex_recompute": True}}
+            r = await client.post(url + "/v1/chat/completions", json=body)
+            r.raise_for_status()
+            return r.json()
+
+        async def forced(response, j):
             prompt = response["prompt_token_ids"] + response["choices"][0]["token_ids"][:j]
             body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
                     "vllm_xargs": {"probex_recompute": True}}
             r = await client.post(url + "/v1/completions", json=body)
             r.raise_for_status()
-            forced = r.json()["probex"]["scores"]
-            served = response["probex"]["scores"]
-            same, shifted = [], []
-            for name, entry in served.items():
+            got = r.json()["probex"]["scores"]
+            out = []
+            for name, entry in response["probex"]["scores"].items():
                 scores = entry["generated"]["scores"]
-                want = forced[name]["prompt"]["last"]  # calibrated like the generated scores
-                same.append(abs(want - scores[j]))
-                # what an off-by-one in the row mapping would have produced instead
-                shifted += [abs(want - scores[k]) for k in (j - 1, j + 1) if 0 <= k < len(scores)]
-            return same, shifted
+                want = got[name]["prompt"]["last"]
+                others = [abs(want - scores[k]) for k in (j - 1, j + 1) if 0 <= k < len(scores)]
+                out.append((abs(want - scores[j]), others))
+            return out
 
-        jobs = [one(r, j) for r in responses[:4] for j in TEACHER_FORCED_TOKENS]
-        results = await asyncio.gather(*jobs)
-    same = [d for s_, _ in results for d in s_]
-    shifted = [d for _, sh in results for d in sh]
+        sampled = await asyncio.gather(*(sample(i, p) for i, p in enumerate(PROMPTS[:4])))
+        jobs = [forced(r, j) for r in sampled for j in TEACHER_FORCED_TOKENS if j < len(r["choices"][0]["token_ids"])]
+        results = [pair for pairs in await asyncio.gather(*jobs) for pair in pairs]
+    same = [d for d, _ in results]
+    shifted = [o for _, others in results for o in others]
     return {"compared": len(same), "max_abs_diff": max(same),
-            "median_abs_diff_one_token_off": float(np.median(shifted)) if shifted else None}
+            "median_abs_diff_one_token_off": float(np.median(shifted)) if shifted else None,
+            # an off-by-one would make the neighbour the better match
+            "closest_to_own_token": sum(d < min(others) for d, others in results if others)}
 
 
 MODES = {
@@ -138,20 +153,26 @@ RUNNERS = {"v1": "0", "v2": "1"}  # VLLM_USE_V2_MODEL_RUNNER
 
 
 def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path, extra: list[str],
-             attention_backend: str = "FLASH_ATTN") -> tuple[list[dict], dict]:
+             attention_backend: str = "FLASH_ATTN", parallel: bool = False) -> tuple[list[dict], dict]:
     label = f"{runner}-{name}"
     port = 8100 + list(MODES).index(name) + 10 * list(RUNNERS).index(runner)
     capture = out / f"capture-{label}"
     log_path = out / f"worker-{label}.log"
-    # The compile cache stays on: the machine starts empty and every run has the same tap
-    # configuration (part of the cache key), so later starts reuse the first one's graphs.
+    # Run one after the other, the compile cache stays on: the machine starts empty and every
+    # run has the same tap configuration (part of the cache key), so later starts reuse graphs.
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner])
+    if parallel:
+        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"  # engines compiling at once must not share cache files
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model), "--port", str(port),
            *[f"--probe={p}" for p in probes], "--max-model-len", "1024",
            "--gpu-memory-utilization", os.environ.get("PROBEX_SMOKE_MEMORY", "0.3"),
            "--capture-dir", str(capture), *extra]
     if attention_backend:
         cmd += ["--attention-backend", attention_backend]
+    if parallel:
+        # A fixed KV cache skips vLLM's memory profiling, which assumes no other process
+        # changes its GPU memory meanwhile (it asserts so) - untrue for engines starting together.
+        cmd += ["--kv-cache-memory-bytes", str(2 << 30)]
     started = time.monotonic()
     forced = None
     with open(log_path, "w") as log:
@@ -165,7 +186,10 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
             ready_s = time.monotonic() - started
             responses = asyncio.run(query(url, str(model)))
             if name == "graphs":
-                forced = asyncio.run(teacher_forced(url, str(model), responses))
+                try:
+                    forced = asyncio.run(teacher_forced(url, str(model)))
+                except Exception as exc:  # keep the mode comparison even if this check breaks
+                    forced = {"error": repr(exc)[:500]}
         finally:
             os.killpg(proc.pid, 15)
             proc.wait(60)
@@ -253,6 +277,8 @@ def main() -> None:
     parser.add_argument("--runners", default="v1,v2", help="comma-separated subset of v1,v2")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--attention-backend", default="FLASH_ATTN", help="'' to let vLLM choose (CPU dry runs)")
+    parser.add_argument("--parallel", action="store_true",
+                        help="start every engine at once (correctness only; set PROBEX_SMOKE_MEMORY to fit them)")
     args = parser.parse_args()
     if args.reanalyze:
         saved = json.loads(args.reanalyze.read_text())
@@ -266,11 +292,19 @@ def main() -> None:
         build_model(args.skeleton, model)
     hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     probes = build_probes(args.work / "probes", hidden)
-    runs = {}
-    for runner in args.runners.split(","):
-        for name in args.modes.split(","):
-            runs[f"{runner}-{name}"] = run_mode(runner, name, model, probes, args.out, MODES[name],
-                                                args.attention_backend)
+    jobs = {f"{runner}-{name}": (runner, name) for runner in args.runners.split(",") for name in args.modes.split(",")}
+
+    def run(label: str):
+        runner, name = jobs[label]
+        return run_mode(runner, name, model, probes, args.out, MODES[name], args.attention_backend, args.parallel)
+
+    if args.parallel:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            runs = dict(zip(jobs, pool.map(run, jobs)))
+    else:
+        runs = {label: run(label) for label in jobs}
     result = {"modes": {label: info for label, (_, info) in runs.items()}}
     comparisons = all_comparisons({label: responses for label, (responses, _) in runs.items()})
     result["comparisons"] = comparisons
@@ -294,9 +328,12 @@ def report(result: dict, comparisons: dict) -> None:
         line = f"{label}: ready in {info['ready_s']} s; CUDA-graph capture log lines: {len(captured)}"
         if info.get("runner_log_lines"):
             line += "; V2 runner confirmed in log"
-        if "teacher_forced" in info:
+        if "error" in info.get("teacher_forced", {}):
+            line += f"; teacher-forced check failed: {info['teacher_forced']['error']}"
+        elif "teacher_forced" in info:
             tf = info["teacher_forced"]
-            line += (f"; teacher-forced: {tf['compared']} scores, max diff {tf['max_abs_diff']:.2e}"
+            line += (f"; teacher-forced: {tf['compared']} scores, max diff {tf['max_abs_diff']:.2e}, closest to their"
+                     f" own token {tf['closest_to_own_token']}/{tf['compared']}"
                      f" (one token off would give median {tf['median_abs_diff_one_token_off']:.2e})")
         print(line)
     print(f"{'pair':28} {'same seqs':>9} {'last raw':>9} {'mean/max':>9} {'generated':>9} {'cos last':>9} {'cos any':>9}")
