@@ -146,6 +146,7 @@ class PolicyManager:
     async def poll_retention(self) -> None:
         """Read each worker's calibration retention (when it reports one) and raise alarms."""
         threshold = self.current.policy.calibration_alarm_below
+        self.metrics.alarm_below.set(threshold)
         for upstream in self.pool.upstreams:
             try:
                 health = (await self.pool.client.get(upstream.url + "/probex/health", timeout=2)).json()

@@ -20,6 +20,7 @@ class GatewayMetrics:
         self.policy_version = Gauge("probex_policy_version", "Active policy (value 1, version as label)", ["version"], registry=r)
         self.retention = Gauge("probex_calibration_retention", "Relative calibration retention per probe", ["probe"], registry=r)
         self.alarm = Gauge("probex_calibration_alarm", "1 when a probe's retention is below the policy threshold", ["probe"], registry=r)
+        self.alarm_below = Gauge("probex_calibration_alarm_below", "The policy's calibration_alarm_below (the alarm threshold)", registry=r)
         self.prompt_tokens = Counter("probex_prompt_tokens_total", "Prompt tokens of monitored requests", registry=r)
         self.prompt_tokens_scored = Counter("probex_prompt_tokens_scored_total", "Prompt tokens the probes actually read", registry=r)
         self.scores_missing = Counter("probex_scores_missing_total", "Responses that arrived without probe scores", ["tenant"], registry=r)

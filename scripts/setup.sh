@@ -31,4 +31,29 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
 fi
 
 "$VENV/bin/probex" model fetch smollm2-135m-instruct >/dev/null
+
+# Prometheus and promtool: tests/test_observability.py runs a real Prometheus against the stack
+# and checks the repo's rules and scrape config with promtool. Debian's package is enough.
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup: prometheus/promtool not found and apt-get is unavailable; install Prometheus (>= 2.42) so that" \
+         "'prometheus' and 'promtool' are on PATH" >&2
+    exit 1
+  fi
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; else
+      echo "setup: prometheus/promtool not found and apt-get needs root (no passwordless sudo);" \
+           "run: apt-get install --no-install-recommends prometheus" >&2
+      exit 1
+    fi
+  fi
+  echo "setup: installing Debian's prometheus package (prometheus + promtool)"
+  # Stale package lists are the usual reason an install fails: update once and retry.
+  if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; then
+    $SUDO apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+      || { echo "setup: apt-get install prometheus failed" >&2; exit 1; }
+  fi
+fi
 echo "setup: ok ($("$VENV/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'))"
