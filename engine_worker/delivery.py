@@ -65,12 +65,18 @@ class RequestScores:
     prompt: dict | None = None
     prompt_probes: list[ProbeInfo] | None = None
     tokens: dict[int, tuple[list[float], list[ProbeInfo]]] = field(default_factory=dict)
+    contiguous: int = 0  # tokens 0..contiguous-1 are all in: O(1) answers for every stream chunk
     finished: bool = False
     touched: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def add_token(self, index: int, raw: list[float], probes: list[ProbeInfo]) -> None:
+        self.tokens[index] = (raw, probes)
+        while self.contiguous in self.tokens:
+            self.contiguous += 1
+
     def has_tokens_below(self, count: int) -> bool:
-        return all(j in self.tokens for j in range(count))
+        return self.contiguous >= count
 
 
 class ScoreHub:
@@ -123,7 +129,7 @@ class ScoreHub:
             state.changed.set()
         for event in message.get("tokens", ()):
             state = self._state(external_request_id(event["req"]))
-            state.tokens[event["index"]] = (event["raw"], probes)
+            state.add_token(event["index"], event["raw"], probes)
             state.changed.set()
         for req in message.get("finished", ()):
             state = self._requests.get(external_request_id(req))

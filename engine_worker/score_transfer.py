@@ -5,7 +5,8 @@ forward to finish: the engine loop then cannot prepare the next step while the G
 works, which costs more than the probes themselves. Instead, after each forward the
 engine thread only *enqueues* a device→host copy of the step's few score floats into a
 pinned staging buffer, records a CUDA event and hands the step to a single background
-thread. That thread waits on the event (the wait releases the GIL), then runs the
+thread. That thread polls the event, sleeping between polls (a sleep always releases the
+GIL, so the engine thread is never kept waiting while the GPU works), then runs the
 bookkeeping and publishes, in step order.
 
 Staging buffers come from a fixed pool, so nothing is allocated per step. If every
@@ -29,6 +30,10 @@ import numpy as np
 import torch
 
 log = logging.getLogger("probex.transfer")
+
+# How often the transfer thread checks whether a step's copy has landed: a few per decode
+# step of a large model, far below the time a client notices.
+_POLL_S = 0.0002
 
 
 @dataclass
@@ -137,7 +142,8 @@ class ScoreTransfer:
     def _process(self, step: StagedStep) -> None:
         try:
             if step._ready is not None:
-                step._ready.synchronize()
+                while not step._ready.query():
+                    time.sleep(_POLL_S)
             self._consume(step)
         except Exception:  # a bad step must not stop delivery for every later one
             self.consume_errors += 1
