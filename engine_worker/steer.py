@@ -5,8 +5,11 @@ so its buffers live on the model's device with addresses that never change:
 
 - `vectors` [capacity, hidden] fp32: the loaded steering vectors of this layer (replaced
   in place between steps by the admin API — no recompile, no recapture);
-- `row_params` [3, max_rows] fp32: per row alpha, gate threshold (raw), gate enabled (0/1);
-- `row_index` [2, max_rows] int64: per row vector slot, gate column.
+- `row_params` [max_rows, 3] fp32: per row alpha, gate threshold (raw), gate enabled (0/1);
+- `row_index` [max_rows, 2] int64: per row vector slot, gate column.
+
+Rows are the leading dimension so that a step's first `count` rows are one contiguous
+block: the host→device copy of a prefix is then a single pinned, truly asynchronous copy.
 
 The per-row values are filled every step by the controller from the requests' settings.
 They travel from a small ring of (pinned, on CUDA) host staging buffers with
@@ -32,26 +35,26 @@ class RowValues:
     """Host-side per-row steering values of one step for one layer (all rows off by default)."""
 
     def __init__(self, max_rows: int) -> None:
-        self.params = np.zeros((3, max_rows), dtype=np.float32)
-        self.index = np.zeros((2, max_rows), dtype=np.int64)
+        self.params = np.zeros((max_rows, 3), dtype=np.float32)
+        self.index = np.zeros((max_rows, 2), dtype=np.int64)
         self.used = 0  # rows [0, used) may be non-zero
 
     def set(self, rows: np.ndarray, alpha: float, slot: int, gate_column: int | None, raw_threshold: float) -> None:
         if not len(rows):
             return
-        self.params[ALPHA, rows] = alpha
-        self.index[VECTOR_SLOT, rows] = slot
+        self.params[rows, ALPHA] = alpha
+        self.index[rows, VECTOR_SLOT] = slot
         if gate_column is not None:
-            self.params[THRESHOLD, rows] = raw_threshold
-            self.params[GATE_ENABLED, rows] = 1.0
-            self.index[GATE_COLUMN, rows] = gate_column
+            self.params[rows, THRESHOLD] = raw_threshold
+            self.params[rows, GATE_ENABLED] = 1.0
+            self.index[rows, GATE_COLUMN] = gate_column
         self.used = max(self.used, int(rows.max()) + 1)
 
 
 class _Staging:
     def __init__(self, max_rows: int, pin: bool) -> None:
-        self.params = torch.zeros(3, max_rows, dtype=torch.float32, pin_memory=pin)
-        self.index = torch.zeros(2, max_rows, dtype=torch.long, pin_memory=pin)
+        self.params = torch.zeros(max_rows, 3, dtype=torch.float32, pin_memory=pin)
+        self.index = torch.zeros(max_rows, 2, dtype=torch.long, pin_memory=pin)
         self.done: torch.cuda.Event | None = None
 
 
@@ -65,8 +68,8 @@ class LayerSteer(nn.Module):
         self.hidden_size = hidden_size
         self.capacity = capacity
         self.register_buffer("vectors", torch.zeros(capacity, hidden_size, dtype=torch.float32), persistent=False)
-        self.register_buffer("row_params", torch.zeros(3, max_rows, dtype=torch.float32), persistent=False)
-        self.register_buffer("row_index", torch.zeros(2, max_rows, dtype=torch.long), persistent=False)
+        self.register_buffer("row_params", torch.zeros(max_rows, 3, dtype=torch.float32), persistent=False)
+        self.register_buffer("row_index", torch.zeros(max_rows, 2, dtype=torch.long), persistent=False)
         ordered = tuple(sorted(gate_taps, key=lambda t: t.layer))
         if any(t.layer > layer for t in ordered):
             raise ValueError(f"layer {layer}: a gate can only read taps at this layer or earlier ones")
@@ -79,7 +82,7 @@ class LayerSteer(nn.Module):
 
     @property
     def max_rows(self) -> int:
-        return self.row_params.shape[1]
+        return self.row_params.shape[0]
 
     @property
     def gate_layers(self) -> list[int]:
@@ -96,9 +99,9 @@ class LayerSteer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.ops.probex.steer(
-            hidden, self.vectors, self.row_params[ALPHA], self.row_index[VECTOR_SLOT],
-            [tap.scores for tap in self._gate_taps], self.row_index[GATE_COLUMN],
-            self.row_params[THRESHOLD], self.row_params[GATE_ENABLED],
+            hidden, self.vectors, self.row_params[:, ALPHA], self.row_index[:, VECTOR_SLOT],
+            [tap.scores for tap in self._gate_taps], self.row_index[:, GATE_COLUMN],
+            self.row_params[:, THRESHOLD], self.row_params[:, GATE_ENABLED],
         )
 
     @torch.no_grad()
@@ -128,14 +131,14 @@ class LayerSteer(nn.Module):
         count = min(self.max_rows, max(used, self._device_used, step_rows))
         slot = self._take_staging()
         if values is not None:
-            slot.params[:, :count].copy_(torch.from_numpy(values.params[:, :count]))
-            slot.index[:, :count].copy_(torch.from_numpy(values.index[:, :count]))
+            slot.params[:count].copy_(torch.from_numpy(values.params[:count]))
+            slot.index[:count].copy_(torch.from_numpy(values.index[:count]))
         else:
-            slot.params[:, :count].zero_()
-            slot.index[:, :count].zero_()
+            slot.params[:count].zero_()
+            slot.index[:count].zero_()
         cuda = self.row_params.device.type == "cuda"
-        self.row_params[:, :count].copy_(slot.params[:, :count], non_blocking=cuda)
-        self.row_index[:, :count].copy_(slot.index[:, :count], non_blocking=cuda)
+        self.row_params[:count].copy_(slot.params[:count], non_blocking=cuda)
+        self.row_index[:count].copy_(slot.index[:count], non_blocking=cuda)
         if cuda:
             slot.done = torch.cuda.Event()
             slot.done.record()

@@ -233,6 +233,27 @@ def test_gate_fires_only_where_the_gate_score_crosses_the_threshold(worker, hf, 
     assert fired["probex"]["scores"]["dir18"]["prompt"] == plain_cross["probex"]["scores"]["dir18"]["prompt"]
 
 
+def test_steered_requests_never_share_kv_blocks_with_unsteered_ones(worker):
+    # Over 128 tokens (the CPU block size), so the prefix cache can serve a whole block.
+    text = " ".join(f"entry {i} of the ledger" for i in range(60))
+    body = chat_body(f"{text}. Which entry comes last?", max_tokens=1)
+
+    def scored(xargs=None):
+        prompt = ok(worker, dict(body, vllm_xargs=xargs) if xargs else body)["probex"]["scores"]["mean24"]["prompt"]
+        return prompt["tokens_scored"], prompt["prompt_tokens"], prompt["last_raw"]
+
+    first = scored()
+    cached = scored()
+    assert first[1] > 128 and cached[0] < cached[1]  # unsteered repeats hit the cache
+    steered = scored(steer_xargs())
+    assert steered[0] == steered[1]  # no block written by an unsteered request was read
+    steered_again = scored(steer_xargs())
+    assert steered_again[0] < steered_again[1]  # identical steering shares its own blocks
+    assert steered_again[2] == pytest.approx(steered[2], rel=1e-4)
+    other = scored(steer_xargs(alpha=ALPHA / 2))
+    assert other[0] == other[1]  # a different alpha is a different namespace
+
+
 @pytest.mark.parametrize(
     "xargs, message",
     [

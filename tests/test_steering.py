@@ -150,16 +150,16 @@ def test_controller_fills_rows_by_request_window_and_gate(tmp_path):
         "w": SteerRequest("a", 0.0),
     }
     controller.before_forward(layout, steering=steering)
-    alpha = steer.row_params[ALPHA, :12].tolist()
+    alpha = steer.row_params[:12, ALPHA].tolist()
     assert alpha == [0, 0, 2.0, -1.5, 0, 0, 0, 0, 0, 0, 0, 0]
-    assert steer.row_index[VECTOR_SLOT, [2, 3]].tolist() == [1, 0]
-    assert steer.row_params[GATE_ENABLED, :4].tolist() == [0, 0, 0, 1]
-    assert steer.row_index[GATE_COLUMN, 3].item() == steer.gate_column(1, 0) == 0
-    assert steer.row_params[THRESHOLD, 3].item() == pytest.approx((math.log(3) - 1.0) / 2.0)
+    assert steer.row_index[[2, 3], VECTOR_SLOT].tolist() == [1, 0]
+    assert steer.row_params[:4, GATE_ENABLED].tolist() == [0, 0, 0, 1]
+    assert steer.row_index[3, GATE_COLUMN].item() == steer.gate_column(1, 0) == 0
+    assert steer.row_params[3, THRESHOLD].item() == pytest.approx((math.log(3) - 1.0) / 2.0)
     # Prompt window of x: rows 0 and 1 only.
     controller.before_forward(layout, steering={"x": SteerRequest("a", 1.0, window="prompt")})
-    assert steer.row_params[ALPHA, :4].tolist() == [1.0, 1.0, 0, 0]
-    assert steer.row_params[GATE_ENABLED, 3].item() == 0  # the previous step's gate is cleared
+    assert steer.row_params[:4, ALPHA].tolist() == [1.0, 1.0, 0, 0]
+    assert steer.row_params[3, GATE_ENABLED].item() == 0  # the previous step's gate is cleared
     # No steering at all: the device rows are cleared once, then nothing is copied.
     controller.before_forward(layout)
     assert torch.all(steer.row_params == 0)
