@@ -100,7 +100,7 @@ def timed(url: str, model: str, xargs: dict) -> float:
 
 
 def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Path, out: Path,
-             alpha: float | None) -> dict:
+             alpha: float | None, attention_backend: str = "FLASH_ATTN") -> dict:
     label = f"{runner}-{mode}"
     port = 8300 + list(MODES).index(mode) + 10 * list(RUNNERS).index(runner)
     capture = out / f"capture-{label}"
@@ -109,7 +109,9 @@ def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Pa
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model), "--port", str(port),
            *[f"--probe={p}" for p in probes], "--steer-vector", str(vector), "--max-model-len", "1024",
            "--gpu-memory-utilization", os.environ.get("PROBEX_SMOKE_MEMORY", "0.3"), "--capture-dir", str(capture),
-           "--attention-backend", "FLASH_ATTN", *MODES[mode]]
+           *MODES[mode]]
+    if attention_backend:
+        cmd += ["--attention-backend", attention_backend]
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -189,6 +191,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/probex-steer-smoke"))
     parser.add_argument("--runners", default="v1,v2")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--attention-backend", default="FLASH_ATTN", help="'' to let vLLM choose (CPU dry runs)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.work / "model"
@@ -201,7 +204,7 @@ def main() -> None:
     alpha = None
     for runner in args.runners.split(","):
         for mode in args.modes.split(","):
-            run = run_mode(runner, mode, model, probes, vector, args.out, alpha)
+            run = run_mode(runner, mode, model, probes, vector, args.out, alpha, args.attention_backend)
             alpha = run["alpha"]  # the same alpha for every engine, so runs are comparable
             result["runs"][f"{runner}-{mode}"] = run
             result["within"][f"{runner}-{mode}"] = checks_within(run)
