@@ -56,6 +56,8 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
             )
     if not layers:
         raise SystemExit("probex worker: give at least one --probe or --layer to tap")
+    if args.steer_vectors < 1:
+        raise SystemExit("probex worker: --steer-vectors must be at least 1")
     try:
         vectors = [load_vector(d, served) for d in args.steer_vector]
         check_vector_set(vectors)

@@ -24,6 +24,7 @@ import functools
 import importlib
 import inspect
 import logging
+import weakref
 
 from engine_worker.steer import LayerSteer
 from engine_worker.tap import LayerTap
@@ -109,7 +110,8 @@ def _attach_tap(layer, prefix: str) -> None:
     hidden_size = getattr(layer, "hidden_size", None) or vllm_config.model_config.get_hidden_size()
     # Taps built so far for this model (its layers are built in index order), so a steered
     # layer can gate on the taps at its own layer and at earlier ones.
-    model_taps = _TAPS_BY_MODEL.setdefault((id(vllm_config), prefix.rsplit(str(index), 1)[0]), {})
+    model_taps = _TAPS_BY_MODEL.setdefault((id(vllm_config), prefix.rsplit(str(index), 1)[0]),
+                                           weakref.WeakValueDictionary())
     if index in tap_config.layers:
         capture_rows = min(tap_config.capture_rows, max_rows) if tap_config.capture_enabled else 0
         layer.probex_tap = LayerTap(index, hidden_size, tap_config.probes_per_layer, max_rows, capture_rows)
@@ -123,5 +125,6 @@ def _attach_tap(layer, prefix: str) -> None:
                  tap_config.steer_vectors_per_layer, sorted(t.layer for t in gate_taps))
 
 
-# (id(vllm config), layer-name prefix such as "model.layers.") -> {layer index: its tap}
-_TAPS_BY_MODEL: dict[tuple[int, str], dict[int, LayerTap]] = {}
+# (id(vllm config), layer-name prefix such as "model.layers.") -> {layer index: its tap}; weak,
+# so a registry entry never keeps a discarded model's buffers alive.
+_TAPS_BY_MODEL: dict[tuple[int, str], "weakref.WeakValueDictionary[int, LayerTap]"] = {}
