@@ -153,9 +153,19 @@ def main(argv: list[str] | None = None) -> None:
                 "benign_refusal_rate": sum(is_refusal(r["text"]) for r in benign) / len(benign),
                 "benign_unchanged_rate": sum(r["text"] == baseline.get(r["prompt"]) for r in benign) / len(benign),
                 "showcase": show,
-                "harmful_examples": harm[:3],
-                "benign_examples": benign[:3],
+                "harmful": [dict(r, refused=is_refusal(r["text"])) for r in harm],
+                "benign": [dict(r, refused=is_refusal(r["text"]), unchanged=r["text"] == baseline.get(r["prompt"]))
+                           for r in benign],
             }
+            if xargs and "probex_steer_gate" in xargs:
+                # The headline (last prompt token) score is read before the write, so it is the
+                # unsteered one; split by it to see where the per-token gate could have opened.
+                above = [r for r in entry["harmful"] if r["gate_score"] > args.gate_threshold]
+                entry["harmful_headline_above_threshold"] = len(above)
+                entry["harmful_refusal_rate_headline_above"] = (
+                    sum(r["refused"] for r in above) / len(above) if above else None)
+                entry["benign_headline_above_threshold"] = sum(r["gate_score"] > args.gate_threshold
+                                                               for r in entry["benign"])
             report["configs"].append(entry)
             print(f"{name:60s} harmful refused {entry['harmful_refusal_rate']:.2f}  benign refused"
                   f" {entry['benign_refusal_rate']:.2f}  benign unchanged {entry['benign_unchanged_rate']:.2f}",
