@@ -12,8 +12,10 @@ variants at once — one batch, so steered, gated and unsteered rows share every
 - `gated`      alpha = A where probe a10 (layer 10, read before the write) > 0.5
 - `generation` alpha = A on generated tokens only (prompt scores must equal plain's)
 
-A is half the mean norm of the residual stream at layer 10 (measured first through
-capture mode), so the write is large enough to change what a random model says.
+A is half the mean norm of the residual stream at layer 10 and a10's bias is re-centred on
+the median of its raw scores (both measured once, through capture mode, then swapped in
+live with PUT /probex/probes in every engine), so the write changes what a random model
+says and the gate opens at some tokens and not at others.
 It then times 8 requests x 128 tokens with no steered row (idle op) vs all rows steered.
 
     python3 -m probex.gpu_steer_smoke --skeleton .gpukit/model --out "$OUT" [--runners v1,v2]
@@ -38,6 +40,7 @@ from probex.processes import WorkerExited, wait_until_healthy
 
 VARIANTS = ("plain", "zero", "steered", "gated", "generation")
 GATE_THRESHOLD = 0.5
+ADMIN = "smoke-admin"
 
 
 def build_artifacts(root: Path, hidden: int) -> tuple[list[Path], Path]:
@@ -83,13 +86,33 @@ def body(model: str, prompt: str, max_tokens: int, xargs: dict, **extra) -> dict
             "temperature": 0, "return_token_ids": True, "vllm_xargs": {"probex_recompute": True, **xargs}, **extra}
 
 
-def measure_alpha(url: str, model: str, capture: Path) -> float:
+def calibrate(url: str, model: str, capture: Path, gate_probe: Path) -> dict:
+    """Alpha and the gate probe's bias from the residual stream at layer 10 (capture mode).
+
+    A random model's stream can sit entirely on one side of a random probe; re-biasing the
+    gate probe to the median of its raw scores over one prompt's tokens puts the 0.5
+    threshold in the middle of them, so the gate opens at some tokens and not at others.
+    """
     from safetensors.numpy import load_file
+
+    from probes.artifact import load_probe, save_probe
 
     (r,) = asyncio.run(post_all(url, [body(model, PROMPTS[0], 1, {"probex_capture": True})]))
     (path,) = capture.glob(f"{r['id']}-*.safetensors")
     rows = load_file(str(path))["layer_10"]
-    return float(0.5 * np.linalg.norm(rows, axis=1).mean())
+    probe = load_probe(gate_probe)
+    probe.bias = -float(np.median(rows.astype(np.float64) @ probe.weight))
+    save_probe(probe, gate_probe)
+    return {"alpha": float(0.5 * np.linalg.norm(rows, axis=1).mean()), "gate_bias": probe.bias}
+
+
+def load_probes(url: str, probes: list[Path]) -> None:
+    import httpx
+
+    r = httpx.put(url + "/probex/probes", json={"probes": [str(p) for p in probes]},
+                  headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+    if r.status_code != 200:
+        raise RuntimeError(f"probe swap refused: {r.text[:300]}")
 
 
 def timed(url: str, model: str, xargs: dict) -> float:
@@ -100,7 +123,7 @@ def timed(url: str, model: str, xargs: dict) -> float:
 
 
 def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Path, out: Path,
-             alpha: float | None, attention_backend: str = "FLASH_ATTN") -> dict:
+             settings: dict | None, attention_backend: str = "FLASH_ATTN") -> dict:
     label = f"{runner}-{mode}"
     port = 8300 + list(MODES).index(mode) + 10 * list(RUNNERS).index(runner)
     capture = out / f"capture-{label}"
@@ -108,6 +131,7 @@ def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Pa
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner])
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model), "--port", str(port),
            *[f"--probe={p}" for p in probes], "--steer-vector", str(vector), "--max-model-len", "1024",
+           "--admin-token", ADMIN,
            "--gpu-memory-utilization", os.environ.get("PROBEX_SMOKE_MEMORY", "0.3"), "--capture-dir", str(capture),
            *MODES[mode]]
     if attention_backend:
@@ -122,8 +146,10 @@ def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Pa
             except WorkerExited as exc:
                 raise RuntimeError(f"{label} {exc}: " + log_path.read_text()[-3000:]) from None
             ready_s = time.monotonic() - started
-            if alpha is None:
-                alpha = measure_alpha(url, str(model), capture)
+            if settings is None:  # the first engine measures; later ones reuse, so runs compare
+                settings = calibrate(url, str(model), capture, probes[0])
+            load_probes(url, probes)  # the re-biased gate probe, swapped in live
+            alpha = settings["alpha"]
             bodies = [body(str(model), p, max_tokens_for(i), xargs_for(v, alpha))
                       for v in VARIANTS for i, p in enumerate(PROMPTS)]
             responses = asyncio.run(post_all(url, bodies))
@@ -139,7 +165,7 @@ def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Pa
     graph_lines = [l[-200:] for l in text.splitlines() if any(re.search(p, l) for p in GRAPH_LOG_PATTERNS)]
     n = len(PROMPTS)
     by_variant = {v: responses[k * n:(k + 1) * n] for k, v in enumerate(VARIANTS)}
-    return {"alpha": alpha, "ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:6], "timing": timing,
+    return {"settings": settings, "ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:6], "timing": timing,
             "responses": {v: [strip(r) for r in rs] for v, rs in by_variant.items()}}
 
 
@@ -201,11 +227,11 @@ def main() -> None:
     hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     probes, vector = build_artifacts(args.work / "artifacts", hidden)
     result: dict = {"runs": {}, "within": {}, "pairs": {}}
-    alpha = None
+    settings = None
     for runner in args.runners.split(","):
         for mode in args.modes.split(","):
-            run = run_mode(runner, mode, model, probes, vector, args.out, alpha, args.attention_backend)
-            alpha = run["alpha"]  # the same alpha for every engine, so runs are comparable
+            run = run_mode(runner, mode, model, probes, vector, args.out, settings, args.attention_backend)
+            settings = run["settings"]
             result["runs"][f"{runner}-{mode}"] = run
             result["within"][f"{runner}-{mode}"] = checks_within(run)
             print(f"{runner}-{mode}: ready {run['ready_s']} s, {result['within'][f'{runner}-{mode}']}", flush=True)
