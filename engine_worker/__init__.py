@@ -1,11 +1,14 @@
 """ProbeX engine worker: an in-graph probe tap for vLLM plus per-request score delivery.
 
 Module map (engine internals are touched only by the `vllm_*` modules):
-- ops.py            torch.ops.probex.* custom ops (graph-capturable, CPU + CUDA in plain torch)
+- ops.py            torch.ops.probex.tap / .steer custom ops (graph-capturable, CPU + CUDA in plain torch)
 - tap.py            static buffers per tapped layer and the probe slots they hold
+- steer.py          static buffers per steered layer: vector table, per-row alpha / vector / gate values
+- steering.py       per-request steering settings (probex_steer* xargs), windows, cache salt (torch-free)
 - tap_config.py     the tap configuration carried in vLLM's additional_config
 - bookkeeping.py    rows of a step -> requests; per-request score accumulation (engine-agnostic)
-- controller.py     loads probe sets into the taps, turns each step into score events, capture files
+- controller.py     loads probe sets and steering vectors, fills per-row steering values before each
+                    forward, turns each step into score events, capture files
 - score_transfer.py device->host copy of each step's scores off the engine thread (pinned buffers + event)
 - delivery.py       score events from the worker process to the API server (ZMQ) and the hub there
 - responses.py      attaching scores to OpenAI response bodies and stream chunks

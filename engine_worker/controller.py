@@ -15,13 +15,17 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import numpy as np
 
 from probes.artifact import ProbeArtifact, ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
+from probes.steering import SteeringVector, check_vector_set, load_vector
 from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout
 from engine_worker.score_transfer import ScoreTransfer, StagedStep
+from engine_worker.steer import LayerSteer, RowValues
+from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
 
 log = logging.getLogger("probex.controller")
@@ -29,6 +33,26 @@ log = logging.getLogger("probex.controller")
 
 class ProbeSetRejected(ValueError):
     """A probe set that cannot be served by this worker; the old set stays loaded."""
+
+
+class VectorSetRejected(ValueError):
+    """A steering-vector set that cannot be served by this worker; the old set stays loaded."""
+
+
+@dataclass(frozen=True)
+class VectorSlot:
+    name: str
+    layer: int
+    slot: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class _ResolvedSteer:
+    layer: int
+    slot: int
+    gate_column: int | None
+    raw_threshold: float
 
 
 class TapController:
@@ -39,10 +63,16 @@ class TapController:
         publish: Callable[[dict], None] | None = None,
         capture_dir: str | None = None,
         threaded: bool = True,
+        steers: dict[int, LayerSteer] | None = None,
     ) -> None:
         if not taps:
             raise ValueError("TapController needs at least one tapped layer")
         self.taps = dict(sorted(taps.items()))
+        self.steers = dict(sorted((steers or {}).items()))
+        self.vectors: list[SteeringVector] = []
+        self.vector_slots: dict[str, VectorSlot] = {}
+        self.vector_version = 0
+        self._steer_warned: set[tuple[str, str]] = set()
         self.served = served
         self.publish = publish
         self.capture_dir = Path(capture_dir) if capture_dir else None
@@ -110,9 +140,115 @@ class TapController:
             ],
         }
 
+    # -- steering vectors ------------------------------------------------------------------------
+
+    def validate_vectors(self, vector_dirs: list[str]) -> list[SteeringVector]:
+        try:
+            vectors = [load_vector(d, self.served) for d in vector_dirs]
+            check_vector_set(vectors)
+        except (ProbeFormatError, ProbeMismatchError) as exc:
+            raise VectorSetRejected(str(exc)) from None
+        per_layer: dict[int, int] = {}
+        for vector in vectors:
+            if vector.layer not in self.steers:
+                raise VectorSetRejected(
+                    f"{vector.source}: steering vector {vector.name!r} is for layer {vector.layer}, but this worker"
+                    f" steers only layers {sorted(self.steers)} (fixed at startup; restart with --steer-layer"
+                    f" {vector.layer})"
+                )
+            per_layer[vector.layer] = per_layer.get(vector.layer, 0) + 1
+        for layer, count in per_layer.items():
+            if count > self.steers[layer].capacity:
+                raise VectorSetRejected(f"{count} steering vectors at layer {layer} exceed the"
+                                        f" {self.steers[layer].capacity} slots fixed at startup")
+        return vectors
+
+    def load_vectors(self, vector_dirs: list[str]) -> dict:
+        """Validate, then copy into the vector tables in place. On any error nothing changes."""
+        vectors = self.validate_vectors(vector_dirs)
+        slots: dict[str, VectorSlot] = {}
+        for layer, steer in self.steers.items():
+            here = [v for v in vectors if v.layer == layer]
+            table = np.stack([v.vector for v in here]) if here else np.zeros((0, steer.hidden_size), np.float32)
+            steer.load(table)
+            slots.update({v.name: VectorSlot(v.name, layer, i, v.digest) for i, v in enumerate(here)})
+        self.vectors, self.vector_slots = vectors, slots
+        self.vector_version += 1
+        log.info("probex: loaded steering vectors v%d: %s", self.vector_version, ", ".join(slots) or "(empty)")
+        return self.steering_listing()
+
+    def steering_listing(self) -> dict:
+        return {
+            "version": self.vector_version,
+            "steer_layers": sorted(self.steers),
+            "slots_per_layer": {str(l): s.capacity for l, s in self.steers.items()},
+            "gate_layers": {str(l): s.gate_layers for l, s in self.steers.items()},
+            "vectors": [
+                {"name": v.name, "layer": v.layer, "digest": v.digest, "norm": float(np.linalg.norm(v.vector)),
+                 "source": str(v.source) if v.source else None}
+                for v in self.vectors
+            ],
+        }
+
+    def _resolve_steer(self, req_id: str, request: SteerRequest) -> _ResolvedSteer | None:
+        """Where this request's vector and gate live now; None (and a warning, once) if they do not.
+
+        The middleware refuses requests naming unknown vectors or gates; this covers a
+        swap that removed one while the request was running: it then runs unsteered.
+        """
+        vector = self.vector_slots.get(request.vector)
+        if vector is None:
+            return self._steer_warning(req_id, f"steering vector {request.vector!r} is not loaded")
+        if request.gate is None:
+            return _ResolvedSteer(vector.layer, vector.slot, None, 0.0)
+        slot = next((s for s in self.table.slots if s.name == request.gate), None)
+        if slot is None:
+            return self._steer_warning(req_id, f"gate probe {request.gate!r} is not loaded")
+        column = self.steers[vector.layer].gate_column(slot.layer, slot.slot)
+        if column is None:
+            return self._steer_warning(req_id, f"gate probe {request.gate!r} (layer {slot.layer}) is not readable"
+                                               f" at steering layer {vector.layer}")
+        try:
+            threshold = raw_threshold(request.threshold, slot.slope, slot.intercept)
+        except ValueError as exc:
+            return self._steer_warning(req_id, f"gate probe {request.gate!r}: {exc}")
+        return _ResolvedSteer(vector.layer, vector.slot, column, threshold)
+
+    def _steer_warning(self, req_id: str, problem: str) -> None:
+        if (req_id, problem) not in self._steer_warned:
+            self._steer_warned.add((req_id, problem))
+            log.warning("probex: request %s runs unsteered: %s", req_id, problem)
+        return None
+
+    def steering_rows(self, layout: StepLayout, steering: Mapping[str, SteerRequest]) -> dict[int, RowValues]:
+        """Per steered layer, this step's per-row values (only layers with a steered row appear)."""
+        out: dict[int, RowValues] = {}
+        if not steering:
+            return out
+        starts = layout.row_starts
+        for i, req_id in enumerate(layout.req_ids):
+            request = steering.get(req_id)
+            if request is None or request.alpha == 0.0:
+                continue
+            resolved = self._resolve_steer(req_id, request)
+            if resolved is None:
+                continue
+            rows = window_rows(request.window, int(starts[i]), int(layout.num_computed[i]),
+                               int(layout.num_scheduled[i]), int(layout.num_prompt[i]))
+            values = out.get(resolved.layer)
+            if values is None:
+                values = out[resolved.layer] = RowValues(self.steers[resolved.layer].max_rows)
+            values.set(rows, request.alpha, resolved.slot, resolved.gate_column, resolved.raw_threshold)
+        return out
+
     # -- per step ----------------------------------------------------------------------------
 
-    def before_forward(self, layout: StepLayout, capture_req_ids: set[str] | frozenset = frozenset()) -> None:
+    def before_forward(self, layout: StepLayout, capture_req_ids: set[str] | frozenset = frozenset(),
+                       steering: Mapping[str, SteerRequest] | None = None) -> None:
+        if self.steers:
+            rows = self.steering_rows(layout, steering or {})
+            for layer, steer in self.steers.items():
+                steer.stage_rows(rows.get(layer), layout.num_rows)
         self._capture_plan = []
         if self.capture_dir is None or not capture_req_ids:
             return
@@ -134,6 +270,8 @@ class TapController:
     def after_forward(self, layout: StepLayout, finished: set[str] | list[str] = ()) -> None:
         """Hand the step to the transfer thread; returns without waiting for the device."""
         self.steps += 1
+        if self._steer_warned and finished:
+            self.forget(finished)
         captured = None
         if self._capture_plan:
             # Capture is an offline extraction mode: a synchronous read is fine there.
@@ -141,8 +279,15 @@ class TapController:
         context = (layout, self.table, list(finished), self._capture_plan, captured)
         self.transfer.submit(layout.num_rows, context)
 
+    def forget(self, finished: set[str] | list[str]) -> None:
+        for req_id in finished:
+            for key in [k for k in self._steer_warned if k[0] == req_id]:
+                self._steer_warned.discard(key)
+
     def after_idle_step(self, finished: set[str] | list[str]) -> None:
         """A step that ran no forward still ends requests; their bookkeeping must be released."""
+        if self._steer_warned:
+            self.forget(finished)
         self.transfer.submit(0, (StepLayout.empty(), self.table, list(finished), [], None))
 
     def flush(self, timeout: float = 10.0) -> bool:

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
+from probes.steering import check_vector_set, load_vector
 from engine_worker.tap_config import TapConfig
 
 MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
@@ -25,8 +26,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probes-per-layer", type=int, default=8, help="probe slots per tapped layer (fixed at startup)")
     parser.add_argument("--capture-dir", default=None,
                         help="enable capture mode: requests with vllm_xargs.probex_capture write residuals here")
+    parser.add_argument("--steer-layer", action="append", type=int, default=[], metavar="L",
+                        help="decoder layer whose output gets the steering op (repeatable; vectors' layers are added)")
+    parser.add_argument("--steer-vectors", type=int, default=8, metavar="N",
+                        help="steering-vector slots per steered layer (fixed at startup)")
+    parser.add_argument("--steer-vector", action="append", default=[], metavar="DIR",
+                        help="steering-vector artifact loaded at startup (repeatable; see docs/steering.md)")
     parser.add_argument("--admin-token", default=os.environ.get("PROBEX_ADMIN_TOKEN"),
-                        help="token for PUT /probex/probes (default: $PROBEX_ADMIN_TOKEN; unset = live swap disabled)")
+                        help="token for PUT /probex/probes and /probex/steering (default: $PROBEX_ADMIN_TOKEN; unset = live swap disabled)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
 
@@ -49,6 +56,25 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
             )
     if not layers:
         raise SystemExit("probex worker: give at least one --probe or --layer to tap")
+    if args.steer_vectors < 1:
+        raise SystemExit("probex worker: --steer-vectors must be at least 1")
+    try:
+        vectors = [load_vector(d, served) for d in args.steer_vector]
+        check_vector_set(vectors)
+    except (ProbeFormatError, ProbeMismatchError) as exc:
+        raise SystemExit(f"probex worker: refusing to start: {exc}") from None
+    steer_layers = sorted({v.layer for v in vectors} | set(args.steer_layer))
+    for layer in steer_layers:
+        if not 0 <= layer < served.num_hidden_layers:
+            raise SystemExit(
+                f"probex worker: refusing to start: --steer-layer {layer} is out of range for {model_dir}"
+                f" ({served.num_hidden_layers} decoder layers)"
+            )
+    for layer in steer_layers:
+        count = sum(v.layer == layer for v in vectors)
+        if count > args.steer_vectors:
+            raise SystemExit(f"probex worker: refusing to start: {count} steering vectors at layer {layer} exceed"
+                             f" --steer-vectors {args.steer_vectors}")
     capture_rows = 0
     if args.capture_dir:
         Path(args.capture_dir).mkdir(parents=True, exist_ok=True)
@@ -61,6 +87,9 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
         capture_rows=capture_rows,
         capture_dir=str(Path(args.capture_dir).resolve()) if args.capture_dir else None,
         score_address=f"ipc://{socket_path}",
+        steer_layers=tuple(steer_layers),
+        steer_vectors_per_layer=args.steer_vectors,
+        steer_vector_dirs=tuple(str(Path(v.source).resolve()) for v in vectors),
     )
     argv = [
         # The api_server module rather than the `vllm` CLI: the CLI looks up the "vllm"

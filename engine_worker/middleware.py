@@ -8,7 +8,13 @@ the public `engine_client.collective_rpc`):
    the worker can be matched to the response before the response exists;
 3. attaches the `probex` field to non-streaming bodies and to every stream chunk, waiting
    (bounded) for the scores of the tokens a chunk carries;
-4. serves `/probex/probes` (list, live swap) and `/probex/health`.
+4. serves `/probex/probes` (list, live swap), `/probex/steering` (list, replace steering
+   vectors) and `/probex/health`.
+
+Steered requests (`probex_steer*` xargs, see engine_worker/steering.py) are checked
+against the worker's loaded vectors and probes (400 naming the problem) and get a
+`cache_salt` derived from their steering configuration, so their KV blocks are never
+shared with unsteered requests or differently steered ones.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import msgspec
 
 from engine_worker import responses
 from engine_worker.delivery import ScoreHub
+from engine_worker.steering import STEERING_XARGS, SteeringError, SteerRequest, cache_salt, steering_from_xargs
 from engine_worker.tap_config import TapConfig
 
 log = logging.getLogger("probex.middleware")
@@ -73,6 +80,7 @@ class MonitoredCall:
     wants_token_ids: bool
     num_prompts: int = 1
     body: dict = field(default_factory=dict)
+    steering: SteerRequest | None = None
 
     def key(self, choice_index: int) -> str:
         return self.key_prefix if self.key_prefix.startswith("chatcmpl-") else f"{self.key_prefix}-{choice_index}"
@@ -87,13 +95,17 @@ def inspect_request(path: str, body: Any) -> MonitoredCall | None:
         raise RequestRefused("vllm_xargs must be an object", param="vllm_xargs")
     if xargs:
         for key in list(xargs):
-            if key.startswith("probex_"):
+            if key.startswith("probex_") and key not in STEERING_XARGS:
                 if key not in BOOLEAN_XARGS:
                     raise RequestRefused(
-                        f"unknown ProbeX option vllm_xargs.{key}; known: {', '.join(BOOLEAN_XARGS)}",
+                        f"unknown ProbeX option vllm_xargs.{key}; known: {', '.join(BOOLEAN_XARGS + STEERING_XARGS)}",
                         param=f"vllm_xargs.{key}",
                     )
                 xargs[key] = _truthy(key, xargs[key])
+    try:
+        steering = steering_from_xargs(xargs)
+    except SteeringError as exc:
+        raise RequestRefused(str(exc), param=exc.param) from None
     for name in ("n", "best_of"):
         value = body.get(name)
         if value not in (None, 1):
@@ -122,7 +134,43 @@ def inspect_request(path: str, body: Any) -> MonitoredCall | None:
         wants_token_ids=wants_token_ids,
         num_prompts=num_prompts,
         body=body,
+        steering=steering,
     )
+
+
+def check_steering(body: dict, request: SteerRequest, steering: dict, probes: dict) -> str:
+    """Check a steering request against what the worker has loaded; normalise its xargs and
+    set its `cache_salt`. `steering` / `probes` are the worker's listings. Returns the salt."""
+    if not steering.get("steer_layers"):
+        raise RequestRefused("this worker steers no layer (start it with --steer-layer L)", param="vllm_xargs.probex_steer")
+    vector = next((v for v in steering["vectors"] if v["name"] == request.vector), None)
+    if vector is None:
+        known = ", ".join(v["name"] for v in steering["vectors"]) or "none"
+        raise RequestRefused(f"unknown steering vector {request.vector!r}; loaded: {known}",
+                             param="vllm_xargs.probex_steer", code="unknown_steering_vector")
+    if request.gate is not None:
+        probe = next((p for p in probes["probes"] if p["name"] == request.gate), None)
+        if probe is None:
+            known = ", ".join(p["name"] for p in probes["probes"]) or "none"
+            raise RequestRefused(f"gate probe {request.gate!r} is not loaded; loaded: {known}",
+                                 param="vllm_xargs.probex_steer_gate", code="unknown_gate_probe")
+        if probe["layer"] not in steering["gate_layers"].get(str(vector["layer"]), []):
+            raise RequestRefused(
+                f"gate probe {request.gate!r} reads layer {probe['layer']}, but steering vector {request.vector!r}"
+                f" writes at layer {vector['layer']}: a gate must be at a tapped layer at or before the write",
+                param="vllm_xargs.probex_steer_gate")
+        if not probe["calibration"]["slope"] > 0:
+            raise RequestRefused(f"gate probe {request.gate!r} has a non-positive calibration slope, so a"
+                                 " probability threshold cannot be turned into a raw one",
+                                 param="vllm_xargs.probex_steer_gate")
+    xargs = body["vllm_xargs"]
+    xargs["probex_steer_alpha"] = request.alpha
+    xargs["probex_steer_window"] = request.window
+    if request.threshold is not None:
+        xargs["probex_steer_threshold"] = request.threshold
+    salt = cache_salt(request, vector["digest"], body.get("cache_salt"))
+    body["cache_salt"] = salt
+    return salt
 
 
 class ProbexMiddleware:
@@ -135,6 +183,7 @@ class ProbexMiddleware:
         self.admin_token = os.environ.get(ENV_ADMIN_TOKEN) or None
         self.score_wait_s = float(os.environ.get(ENV_SCORE_WAIT, "10"))
         self._swap_lock = asyncio.Lock()
+        self._listings: tuple[dict, dict] | None = None  # (steering, probes), dropped on every swap
         self.retention = RetentionTracker(os.environ.get(ENV_MODEL_DIR))
         self._retention_enabled = os.environ.get(ENV_RETENTION, "1") != "0"
         self._started = False
@@ -153,6 +202,8 @@ class ProbexMiddleware:
             return await self._monitored(scope, receive, send)
         if path == "/probex/probes":
             return await self._probes_route(scope, receive, send)
+        if path == "/probex/steering":
+            return await self._steering_route(scope, receive, send)
         if path == "/probex/health" and method == "GET":
             return await self._health(scope, send)
         return await self.app(scope, receive, send)
@@ -171,6 +222,12 @@ class ProbexMiddleware:
             return await _send_json(send, refusal.status, openai_error(refusal.message, status=refusal.status, param=refusal.param, code=refusal.code))
         if call is None:  # not JSON we understand: vLLM answers with its own validation error
             return await self.app(scope, _replay(raw_body, receive), send)
+        if call.steering is not None:
+            steering, probes = await self._current_listings(scope)
+            try:
+                check_steering(call.body, call.steering, steering, probes)
+            except RequestRefused as refusal:
+                return await _send_json(send, refusal.status, openai_error(refusal.message, status=refusal.status, param=refusal.param, code=refusal.code))
 
         new_body = json.dumps(call.body).encode()
         request_id = call.key_prefix.split("-", 1)[1]
@@ -217,10 +274,46 @@ class ProbexMiddleware:
             return await _send_json(send, 400, openai_error('body must be {"probes": ["/path/to/probe-dir", ...]}', status=400, param="probes"))
         async with self._swap_lock:
             result = (await engine.collective_rpc("probex_load_probes", args=(dirs,)))[0]
+            self._listings = None
         if not result.get("ok"):
             return await _send_json(send, 400, openai_error(result["error"], status=400, param="probes", code="probe_rejected"))
         if self._retention_enabled:
             self.retention.schedule(dirs)
+        return await _send_json(send, 200, result)
+
+    async def _current_listings(self, scope: Scope) -> tuple[dict, dict]:
+        listings = self._listings
+        if listings is None:
+            engine = _engine_client(scope)
+            steering = (await engine.collective_rpc("probex_list_steering"))[0]
+            probes = (await engine.collective_rpc("probex_list_probes"))[0]
+            listings = self._listings = (steering, probes)
+        return listings
+
+    async def _steering_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method = scope["method"]
+        if method not in ("GET", "PUT"):
+            return await _send_json(send, 405, openai_error(f"{method} not allowed on /probex/steering", status=405))
+        if method == "PUT":
+            if not self.admin_token:
+                return await _send_json(send, 403, openai_error("replacing steering vectors is disabled: the worker was started without an admin token", status=403))
+            if not self._is_admin(scope):
+                return await _send_json(send, 401, openai_error("admin token required (Authorization: Bearer <token>)", status=401))
+        engine = _engine_client(scope)
+        if method == "GET":
+            return await _send_json(send, 200, (await engine.collective_rpc("probex_list_steering"))[0])
+        raw = await _read_body(receive)
+        try:
+            dirs = json.loads(raw)["vectors"]
+            if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return await _send_json(send, 400, openai_error('body must be {"vectors": ["/path/to/vector-dir", ...]}', status=400, param="vectors"))
+        async with self._swap_lock:
+            result = (await engine.collective_rpc("probex_load_steering", args=(dirs,)))[0]
+            self._listings = None
+        if not result.get("ok"):
+            return await _send_json(send, 400, openai_error(result["error"], status=400, param="vectors", code="steering_rejected"))
         return await _send_json(send, 200, result)
 
     async def _health(self, scope: Scope, send: Send) -> None:

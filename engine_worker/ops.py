@@ -1,4 +1,4 @@
-"""The ProbeX custom op, `torch.ops.probex.tap`.
+"""The ProbeX custom ops, `torch.ops.probex.tap` and `torch.ops.probex.steer`.
 
 One call per tapped layer and step. It reads the residual stream after the layer
 (hidden + residual, which equals HF `output_hidden_states[layer + 1]`) for every row
@@ -45,6 +45,52 @@ def tap(
 @tap.register_fake
 def _tap_fake(hidden, residual, weight, bias, scores_out, capture_index, capture_out) -> None:
     return None
+
+
+@torch.library.custom_op(f"{_LIBRARY}::steer", mutates_args=())
+def steer(
+    hidden: torch.Tensor,
+    vectors: torch.Tensor,
+    alpha: torch.Tensor,
+    index: torch.Tensor,
+    gate_scores: list[torch.Tensor],
+    gate_column: torch.Tensor,
+    gate_threshold: torch.Tensor,
+    gate_enabled: torch.Tensor,
+) -> torch.Tensor:
+    """`hidden` plus alpha[row] * vectors[index[row]] on every row whose write is open.
+
+    A row is written when alpha != 0 and either its gate is off (`gate_enabled` 0, fp32)
+    or its gate score exceeds its threshold. The gate score of a row is column
+    `gate_column[row]` of the step's probe scores at the gate layers: `gate_scores` holds
+    the tap score buffers of those layers ([max_rows, capacity] each, concatenated
+    column-wise), which the tap ops earlier in this same forward have just filled — so
+    the decision is made on the device, in-graph, with no host round trip.
+
+    Functional: returns a new tensor and never touches `hidden`. Rows that are not
+    written are copied with `torch.where`, so they come out bit-identical to `hidden`
+    (an `h + 0 * v` would not be: -0.0, NaN/inf in v). The sum is formed in float32 and
+    rounded once to the model's dtype.
+    """
+    rows = hidden.shape[0]
+    row_alpha = alpha[:rows]
+    gate_open = gate_enabled[:rows] == 0
+    if len(gate_scores) > 0:  # static: the list length is fixed when the model is built
+        scores = gate_scores[0][:rows] if len(gate_scores) == 1 else torch.cat([s[:rows] for s in gate_scores], 1)
+        # Columns past the buffers (never set by the controller) are clamped instead of checked on the host.
+        column = gate_column[:rows].clamp(min=0, max=scores.shape[1] - 1)
+        gate_value = torch.gather(scores, 1, column.unsqueeze(1)).squeeze(1)
+        gate_open = gate_open | (gate_value > gate_threshold[:rows])
+    write = (row_alpha != 0) & gate_open
+    safe_index = index[:rows].clamp(min=0, max=vectors.shape[0] - 1)
+    delta = torch.index_select(vectors, 0, safe_index) * row_alpha.unsqueeze(1)
+    steered = (hidden.float() + delta).to(hidden.dtype)
+    return torch.where(write.unsqueeze(1), steered, hidden)
+
+
+@steer.register_fake
+def _steer_fake(hidden, vectors, alpha, index, gate_scores, gate_column, gate_threshold, gate_enabled) -> torch.Tensor:
+    return torch.empty_like(hidden)
 
 
 def residual_stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

@@ -24,6 +24,11 @@ class TapConfig:
     capture_dir: str | None = None
     # ZMQ address the worker pushes score events to (the API server binds it).
     score_address: str | None = None
+    # Decoder layers whose output gets a steering op, the vector slots per steered layer
+    # (fixed at startup, like probe slots) and the vectors loaded at startup.
+    steer_layers: tuple[int, ...] = ()
+    steer_vectors_per_layer: int = 8
+    steer_vector_dirs: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -35,6 +40,10 @@ class TapConfig:
             raise ValueError("probex tap: probes_per_layer must be at least 1")
         if self.capture_rows < 0:
             raise ValueError("probex tap: capture_rows must be >= 0")
+        if any(isinstance(l, bool) or not isinstance(l, int) or l < 0 for l in self.steer_layers):
+            raise ValueError(f"probex steering: layers must be non-negative integers, got {list(self.steer_layers)}")
+        if self.steer_vectors_per_layer < 1:
+            raise ValueError("probex steering: steer_vectors_per_layer must be at least 1")
         if self.capture_rows and not self.capture_dir:
             raise ValueError("probex tap: capture mode needs a capture_dir")
 
@@ -46,6 +55,8 @@ class TapConfig:
         data = asdict(self)
         data["layers"] = list(self.layers)
         data["probe_dirs"] = list(self.probe_dirs)
+        data["steer_layers"] = list(self.steer_layers)
+        data["steer_vector_dirs"] = list(self.steer_vector_dirs)
         return {ADDITIONAL_CONFIG_KEY: data}
 
     def to_json(self) -> str:
@@ -58,4 +69,6 @@ class TapConfig:
         data = dict(additional_config[ADDITIONAL_CONFIG_KEY])
         data["layers"] = tuple(sorted(set(data.get("layers", ()))))
         data["probe_dirs"] = tuple(data.get("probe_dirs", ()))
+        data["steer_layers"] = tuple(sorted(set(data.get("steer_layers", ()))))
+        data["steer_vector_dirs"] = tuple(data.get("steer_vector_dirs", ()))
         return cls(**data)

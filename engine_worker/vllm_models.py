@@ -4,6 +4,18 @@ Each supported decoder layer gets, when its index is tapped, a `LayerTap` child 
 (built with the layer, so its buffers live on the model's device) and a forward that
 feeds the layer's output (hidden, residual) to `torch.ops.probex.tap` before returning
 it unchanged. Untapped layers and engines without a tap configuration are untouched.
+
+A layer configured for steering also gets a `LayerSteer`; its forward then runs the tap
+first (probe scores of the unsteered stream) and then `torch.ops.probex.steer`, whose
+gate reads the score buffers of the taps at this layer and earlier ones, filled by
+those taps earlier in the same forward pass.
+
+Which tensor gets the delta: the *hidden* half of the (hidden, residual) pair the layer
+returns. The next decoder layer (or the final norm) first sums the two, so the stream
+it sees is hidden + alpha * v + residual = HF `output_hidden_states[L + 1]` + alpha * v:
+the HF reference adds alpha * v to the output of block L. The steer op returns a new
+tensor; the caller's `hidden` is never modified (the next layer's fused add-norm may
+work in place on what we return, which is then ours).
 """
 
 from __future__ import annotations
@@ -12,7 +24,9 @@ import functools
 import importlib
 import inspect
 import logging
+import weakref
 
+from engine_worker.steer import LayerSteer
 from engine_worker.tap import LayerTap
 from engine_worker.tap_config import TapConfig
 
@@ -64,6 +78,9 @@ def _patch_class(cls: type) -> bool:
             tap = getattr(self, "probex_tap", None)
             if tap is not None:
                 tap(hidden_states, residual)
+            steer = getattr(self, "probex_steer", None)
+            if steer is not None:
+                hidden_states = steer(hidden_states)
             return hidden_states, residual
 
         cls.forward = forward
@@ -85,12 +102,29 @@ def _attach_tap(layer, prefix: str) -> None:
         index = extract_layer_index(prefix)
     except (AssertionError, ValueError):
         return
-    if index not in tap_config.layers:
+    if index not in tap_config.layers and index not in tap_config.steer_layers:
         return
     scheduler = vllm_config.scheduler_config
     # Room for every row a step (or a CUDA-graph capture size) can hold.
     max_rows = scheduler.max_num_batched_tokens + scheduler.max_num_seqs
     hidden_size = getattr(layer, "hidden_size", None) or vllm_config.model_config.get_hidden_size()
-    capture_rows = min(tap_config.capture_rows, max_rows) if tap_config.capture_enabled else 0
-    layer.probex_tap = LayerTap(index, hidden_size, tap_config.probes_per_layer, max_rows, capture_rows)
-    log.info("probex: tapping decoder layer %d (%s), %d probe slots", index, type(layer).__name__, tap_config.probes_per_layer)
+    # Taps built so far for this model (its layers are built in index order), so a steered
+    # layer can gate on the taps at its own layer and at earlier ones.
+    model_taps = _TAPS_BY_MODEL.setdefault((id(vllm_config), prefix.rsplit(str(index), 1)[0]),
+                                           weakref.WeakValueDictionary())
+    if index in tap_config.layers:
+        capture_rows = min(tap_config.capture_rows, max_rows) if tap_config.capture_enabled else 0
+        layer.probex_tap = LayerTap(index, hidden_size, tap_config.probes_per_layer, max_rows, capture_rows)
+        model_taps[index] = layer.probex_tap
+        log.info("probex: tapping decoder layer %d (%s), %d probe slots", index, type(layer).__name__,
+                 tap_config.probes_per_layer)
+    if index in tap_config.steer_layers:
+        gate_taps = [tap for layer_index, tap in model_taps.items() if layer_index <= index]
+        layer.probex_steer = LayerSteer(index, hidden_size, tap_config.steer_vectors_per_layer, max_rows, gate_taps)
+        log.info("probex: steering at decoder layer %d, %d vector slots, gates from tapped layers %s", index,
+                 tap_config.steer_vectors_per_layer, sorted(t.layer for t in gate_taps))
+
+
+# (id(vllm config), layer-name prefix such as "model.layers.") -> {layer index: its tap}; weak,
+# so a registry entry never keeps a discarded model's buffers alive.
+_TAPS_BY_MODEL: dict[tuple[int, str], "weakref.WeakValueDictionary[int, LayerTap]"] = {}

@@ -17,7 +17,8 @@ import numpy as np
 
 from engine_worker.bookkeeping import StepLayout
 from engine_worker.controller import TapController
-from engine_worker.vllm_worker import controller_of, install_controller, wants_capture
+from engine_worker.steering import SteerRequest
+from engine_worker.vllm_worker import controller_of, install_controller, steering_of, wants_capture
 
 log = logging.getLogger("probex.vllm_v1")
 
@@ -50,6 +51,7 @@ def _after_load_model(load_model):
         result = load_model(self, *args, **kwargs)
         if install_controller(self) is not None:
             self._probex_capture_flags = {}
+            self._probex_steering = {}  # req id -> SteerRequest | None, parsed once per request
         return result
 
     return wrapper
@@ -68,8 +70,7 @@ def _remember_scheduler_output(execute_model):
                 controller = controller_of(self)
                 finished = list(scheduler_output.finished_req_ids or ())
                 if controller is not None and finished:
-                    for req_id in finished:
-                        self._probex_capture_flags.pop(req_id, None)
+                    _forget(self, finished)
                     controller.after_idle_step(finished)
 
     return wrapper
@@ -84,11 +85,10 @@ def _tapped_forward(model_forward):
             return model_forward(self, *args, **kwargs)
         self._probex_scheduler_output = None  # dummy/profile runs after this see none
         layout = _step_layout(self, scheduler_output)
-        controller.before_forward(layout, _capture_requests(self, layout))
+        controller.before_forward(layout, _capture_requests(self, layout), _steering_requests(self, layout))
         output = model_forward(self, *args, **kwargs)
         finished = scheduler_output.finished_req_ids
-        for req_id in finished:
-            self._probex_capture_flags.pop(req_id, None)
+        _forget(self, finished)
         controller.after_forward(layout, finished)
         return output
 
@@ -108,15 +108,36 @@ def _step_layout(runner, scheduler_output) -> StepLayout:
     )
 
 
+def _forget(runner, finished) -> None:
+    for req_id in finished:
+        runner._probex_capture_flags.pop(req_id, None)
+        runner._probex_steering.pop(req_id, None)
+
+
+def _extra_args(runner, req_id: str) -> dict | None:
+    state = runner.requests.get(req_id)
+    params = state.sampling_params if state else None
+    return params.extra_args if params else None
+
+
+def _steering_requests(runner, layout: StepLayout) -> dict[str, SteerRequest]:
+    known = runner._probex_steering
+    steering = {}
+    for req_id in layout.req_ids:
+        if req_id not in known:
+            known[req_id] = steering_of(_extra_args(runner, req_id))
+        if known[req_id] is not None:
+            steering[req_id] = known[req_id]
+    return steering
+
+
 def _capture_requests(runner, layout: StepLayout) -> set[str]:
     flags = runner._probex_capture_flags
     wanted = set()
     for req_id in layout.req_ids:
         flag = flags.get(req_id)
         if flag is None:
-            state = runner.requests.get(req_id)
-            params = state.sampling_params if state else None
-            flag = flags[req_id] = wants_capture(params.extra_args if params else None)
+            flag = flags[req_id] = wants_capture(_extra_args(runner, req_id))
         if flag:
             wanted.add(req_id)
     return wanted

@@ -11,7 +11,7 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
   call), so the step is handed to the controller when `execute_model` returns: the
   forward is enqueued by then and the controller only enqueues a copy behind it.
 - V2 keeps no `SamplingParams` per request after `add_requests`, so the per-request
-  capture flag is read there.
+  capture flag and steering settings are read there.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import logging
 import numpy as np
 
 from engine_worker.bookkeeping import StepLayout
-from engine_worker.vllm_worker import controller_of, install_controller, wants_capture
+from engine_worker.vllm_worker import controller_of, install_controller, steering_of, wants_capture
 
 log = logging.getLogger("probex.vllm_v2")
 
@@ -51,6 +51,7 @@ def _after_load_model(load_model):
         result = load_model(self, *args, **kwargs)
         if install_controller(self) is not None:
             self._probex_capture_flags = {}
+            self._probex_steering = {}  # req id -> SteerRequest, steered requests only
             self._probex_layout = None
             log.info("probex: tap attached to vLLM model runner V2")
         return result
@@ -64,7 +65,11 @@ def _remember_capture_flags(add_requests):
         if controller_of(self) is not None:
             for new_req in scheduler_output.scheduled_new_reqs:
                 params = new_req.sampling_params
-                self._probex_capture_flags[new_req.req_id] = wants_capture(params.extra_args if params else None)
+                extra_args = params.extra_args if params else None
+                self._probex_capture_flags[new_req.req_id] = wants_capture(extra_args)
+                steering = steering_of(extra_args)
+                if steering is not None:
+                    self._probex_steering[new_req.req_id] = steering
         return add_requests(self, scheduler_output, *args, **kwargs)
 
     return wrapper
@@ -79,8 +84,9 @@ def _layout_before_forward(prepare_inputs):
         controller = controller_of(self)
         if controller is not None:
             layout = _step_layout(self, batch)
-            flags = self._probex_capture_flags
-            controller.before_forward(layout, {r for r in layout.req_ids if flags.get(r)})
+            flags, steering = self._probex_capture_flags, self._probex_steering
+            controller.before_forward(layout, {r for r in layout.req_ids if flags.get(r)},
+                                      {r: steering[r] for r in layout.req_ids if r in steering})
             self._probex_layout = layout
         return batch
 
@@ -98,6 +104,7 @@ def _scores_after_forward(execute_model):
         finished = list(scheduler_output.finished_req_ids or ())
         for req_id in finished:
             self._probex_capture_flags.pop(req_id, None)
+            self._probex_steering.pop(req_id, None)
         if layout is not None:
             controller.after_forward(layout, finished)
         elif finished:

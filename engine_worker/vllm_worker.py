@@ -12,7 +12,9 @@ import functools
 import logging
 
 from probes.artifact import ServedModel
-from engine_worker.controller import ProbeSetRejected, TapController
+from engine_worker.controller import ProbeSetRejected, TapController, VectorSetRejected
+from engine_worker.steer import LayerSteer
+from engine_worker.steering import SteeringError, SteerRequest, steering_from_xargs
 from engine_worker.tap import LayerTap
 from engine_worker.tap_config import TapConfig
 
@@ -41,13 +43,19 @@ def install_controller(runner) -> TapController | None:
             f" index is out of range or {type(runner.model).__name__} uses a decoder layer ProbeX does not patch"
             " (supported: Llama, Mistral, Qwen2)"
         )
+    steers = {m.layer: m for m in runner.model.modules() if isinstance(m, LayerSteer)}
+    missing = sorted(set(tap_config.steer_layers) - set(steers))
+    if missing:
+        raise RuntimeError(f"probex: layers {missing} were asked to be steered but the model has no steering op there")
     hf_config = runner.vllm_config.model_config.hf_config.to_dict()
     served = ServedModel.from_hf_config(hf_config, name=runner.vllm_config.model_config.model)
     capture_dir = tap_config.capture_dir if tap_config.capture_enabled else None
-    controller = TapController(taps, served, _publisher(tap_config), capture_dir)
+    controller = TapController(taps, served, _publisher(tap_config), capture_dir, steers=steers)
     try:
         controller.load(list(tap_config.probe_dirs))
-    except ProbeSetRejected as exc:
+        if steers:
+            controller.load_vectors(list(tap_config.steer_vector_dirs))
+    except (ProbeSetRejected, VectorSetRejected) as exc:
         raise RuntimeError(f"probex: refusing to start: {exc}") from None
     setattr(runner, CONTROLLER_ATTR, controller)
     return controller
@@ -73,6 +81,16 @@ def _is_delivering_rank() -> bool:
 
 def wants_capture(extra_args: dict | None) -> bool:
     return bool((extra_args or {}).get("probex_capture"))
+
+
+def steering_of(extra_args: dict | None) -> SteerRequest | None:
+    """A request's steering settings. The middleware refused malformed ones; anything that
+    still fails here (a request that bypassed it) runs unsteered rather than failing the step."""
+    try:
+        return steering_from_xargs(extra_args)
+    except SteeringError as exc:
+        log.warning("probex: ignoring malformed steering settings: %s", exc)
+        return None
 
 
 def patch_prefix_cache_bypass() -> None:
@@ -117,3 +135,18 @@ class ProbexWorkerExtension:
             log.warning("probex: probe set rejected, keeping version %d: %s", controller.table.version, exc)
             return {"ok": False, "error": str(exc), "version": controller.table.version}
         return {"ok": True, **controller.listing()}
+
+    def probex_list_steering(self) -> dict:
+        return self._probex_controller().steering_listing()
+
+    def probex_load_steering(self, vector_dirs: list[str]) -> dict:
+        controller = self._probex_controller()
+        if not controller.steers:
+            return {"ok": False, "error": "this worker steers no layer (start it with --steer-layer L)",
+                    "version": controller.vector_version}
+        try:
+            listing = controller.load_vectors(list(vector_dirs))
+        except VectorSetRejected as exc:
+            log.warning("probex: steering vectors rejected, keeping version %d: %s", controller.vector_version, exc)
+            return {"ok": False, "error": str(exc), "version": controller.vector_version}
+        return {"ok": True, **listing}

@@ -465,13 +465,20 @@ class Completions:
             self.open()
         # The body goes to the worker byte for byte unless the gateway has to add to it.
         payload = raw if plain else json.dumps(body).encode()
+        tenant = policy.tenant(tenant_name)
+        added: dict = {}
         if policy.needs_recompute and policy.policy.rules:
+            added["probex_recompute"] = True
+        if tenant.steering_xargs is not None:
+            # The policy's steering replaces any the client asked for: one configuration per request.
+            added.update(tenant.steering_xargs)
+        if added:
             xargs = body.get("vllm_xargs")
             if xargs is None or isinstance(xargs, dict):
                 exact = json.loads(raw)  # the standard library keeps every number exactly as sent
-                exact["vllm_xargs"] = {**(exact.get("vllm_xargs") or {}), "probex_recompute": True}
+                exact["vllm_xargs"] = {**(exact.get("vllm_xargs") or {}), **added}
                 payload = json.dumps(exact).encode()
-        call = _Call(request_id=f"probex-gw-{uuid.uuid4().hex}", tenant=policy.tenant(tenant_name), policy=policy,
+        call = _Call(request_id=f"probex-gw-{uuid.uuid4().hex}", tenant=tenant, policy=policy,
                      is_admin=is_admin, raw_body=raw if policy.policy.audit.include_prompt else None)
         try:
             upstream = self.pool.pick()

@@ -1,4 +1,9 @@
-"""Turning the worker's `probex` scores into allow / flag / block, per tenant. Pure functions."""
+"""Turning the worker's `probex` scores into allow / flag / steer / block, per tenant. Pure functions.
+
+A steer rule never blocks: the worker already steered in-graph, so where the rule would
+block (or where its gate opened at the read point) the decision is `steer` and the
+response is relayed.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ def judge_prompt(tenant: TenantView, probex: dict | None, fail_closed: bool) -> 
                 verdict = verdict.merge(Verdict(Decision.BLOCK, rule.probe, "missing"))
             continue
         score = float(entry["score"])
-        verdict = verdict.merge(Verdict(rule.prompt.decide(score), rule.probe, "prompt", {"prompt": {rule.probe: score}}))
+        verdict = verdict.merge(Verdict(rule.decide(rule.prompt, score), rule.probe, "prompt", {"prompt": {rule.probe: score}}))
     return verdict
 
 
@@ -48,7 +53,7 @@ def judge_generated(tenant: TenantView, generated: dict[str, list[float | None]]
         if not values:
             continue
         peak = max(values)
-        verdict = verdict.merge(Verdict(rule.generated.decide(peak), rule.probe, "generated", {"generated": {rule.probe: peak}}))
+        verdict = verdict.merge(Verdict(rule.decide(rule.generated, peak), rule.probe, "generated", {"generated": {rule.probe: peak}}))
     return verdict
 
 
@@ -72,7 +77,7 @@ class StreamJudge:
     __slots__ = ("rules", "decision", "probe", "phase", "rank", "scores")
 
     def __init__(self, tenant: TenantView, start: Verdict) -> None:
-        self.rules = [(rule.probe, rule.generated) for rule in tenant.rules]
+        self.rules = [(rule.probe, rule) for rule in tenant.rules]
         self.decision, self.probe, self.phase = start.decision, start.probe, start.phase
         self.rank = start.decision.rank
         self.scores = {phase: dict(values) for phase, values in start.scores.items()}
@@ -81,7 +86,7 @@ class StreamJudge:
         """Take one chunk's generated scores; returns the decision on this chunk alone."""
         decision, probe, rank = Decision.ALLOW, None, 0
         peaks = None
-        for name, thresholds in self.rules:
+        for name, rule in self.rules:
             values = generated.get(name)
             if not values:
                 continue
@@ -95,7 +100,7 @@ class StreamJudge:
                 peaks = self.scores.setdefault("generated", {})
             if name not in peaks or peak > peaks[name]:
                 peaks[name] = peak
-            d = thresholds.decide(peak)
+            d = rule.decide(rule.generated, peak)
             if d.rank > rank:
                 decision, probe, rank = d, name, d.rank
         if rank > self.rank:

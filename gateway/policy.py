@@ -9,6 +9,7 @@ never torch), so the gateway can refuse a bad probe before any worker sees it.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
@@ -28,6 +29,7 @@ class PolicyError(ValueError):
 class Decision(str, Enum):
     ALLOW = "allow"
     FLAG = "flag"
+    STEER = "steer"
     BLOCK = "block"
 
     @property
@@ -35,7 +37,9 @@ class Decision(str, Enum):
         return _RANK[self]
 
 
-_RANK = {Decision.ALLOW: 0, Decision.FLAG: 1, Decision.BLOCK: 2}
+# A steer rule steers where it would otherwise block, so STEER outranks FLAG; a BLOCK from
+# any other rule still wins.
+_RANK = {Decision.ALLOW: 0, Decision.FLAG: 1, Decision.STEER: 2, Decision.BLOCK: 3}
 
 
 class _Strict(BaseModel):
@@ -64,10 +68,62 @@ class Thresholds(_Strict):
         return Decision.ALLOW
 
 
+class SteerAction(_Strict):
+    """Instead of blocking, steer: the worker adds alpha * vector in-graph (docs/steering.md).
+
+    With `gated` (the default) the write happens only at tokens where the rule's probe
+    scores above `threshold` — decided on the device, per token, in the same forward
+    pass. `threshold` is a calibrated probability like every policy threshold; it
+    defaults to the rule's prompt block threshold.
+    """
+
+    vector: str = Field(min_length=1, description="name of a steering vector loaded on the workers")
+    alpha: float
+    gated: bool = True
+    threshold: float | None = Field(default=None, gt=0.0, lt=1.0)
+    window: Literal["all", "prompt", "generation"] = "all"
+
+    @model_validator(mode="after")
+    def _finite(self) -> "SteerAction":
+        if not math.isfinite(self.alpha):
+            raise ValueError(f"steer.alpha must be finite, got {self.alpha}")
+        return self
+
+
 class Rule(_Strict):
     probe: str
     prompt: Thresholds = Thresholds()
     generated: Thresholds = Thresholds()
+    steer: SteerAction | None = None
+
+    @model_validator(mode="after")
+    def _steer_threshold(self) -> "Rule":
+        if self.steer is not None and self.steer.gated and self.steer.threshold is None:
+            if self.prompt.block is None or not 0.0 < self.prompt.block < 1.0:
+                raise ValueError(f"rule for {self.probe!r}: a gated steer needs steer.threshold (or a prompt block"
+                                 " threshold strictly between 0 and 1 to default to)")
+            self.steer = self.steer.model_copy(update={"threshold": self.prompt.block})
+        return self
+
+    def decide(self, thresholds: Thresholds, score: float | None) -> Decision:
+        """This rule's decision on one score: a steer rule steers instead of blocking, and
+        reports `steer` wherever its in-graph gate would have opened at this read point."""
+        decision = thresholds.decide(score)
+        if self.steer is None:
+            return decision
+        if not self.steer.gated or decision is Decision.BLOCK or (
+                score is not None and score > (self.steer.threshold or 1.0)):
+            return Decision.STEER
+        return decision
+
+    def steering_xargs(self) -> dict:
+        """The vllm_xargs that make a worker apply this rule's steering."""
+        assert self.steer is not None
+        xargs = {"probex_steer": self.steer.vector, "probex_steer_alpha": self.steer.alpha,
+                 "probex_steer_window": self.steer.window}
+        if self.steer.gated:
+            xargs.update({"probex_steer_gate": self.probe, "probex_steer_threshold": self.steer.threshold})
+        return xargs
 
 
 class ProbeRef(_Strict):
@@ -106,6 +162,11 @@ class Policy(_Strict):
         for rule in rules:
             if rule.probe not in self.probes:
                 raise ValueError(f"rule refers to probe {rule.probe!r}, which is not listed under probes")
+        for owner, rule_set in [("rules", self.rules)] + [(f"tenants.{n}.rules", t.rules or []) for n, t in self.tenants.items()]:
+            steering = [r.probe for r in rule_set if r.steer is not None]
+            if len(steering) > 1:
+                raise ValueError(f"{owner}: rules for {steering} all steer; a request carries one steering"
+                                 " configuration, so at most one rule per rule set may steer")
         for key, tenant in self.api_keys.items():
             if tenant != "default" and tenant not in self.tenants:
                 raise ValueError(f"api key {key[:4]}... maps to unknown tenant {tenant!r}")
@@ -120,6 +181,11 @@ class TenantView:
     rules: tuple[Rule, ...]
     on_block: str
     expose_scores: bool
+
+    @cached_property
+    def steering_xargs(self) -> dict | None:
+        """The xargs every request of this tenant is forwarded with, if one of its rules steers."""
+        return next((r.steering_xargs() for r in self.rules if r.steer is not None), None)
 
 
 @dataclass(frozen=True)

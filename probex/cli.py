@@ -50,6 +50,12 @@ def main(argv: list[str] | None = None) -> int | None:
 
     add_extract_arguments(extract)
 
+    steer_vector = sub.add_parser("steer-vector", help="a steering vector: difference of means of two prompt sets"
+                                  " at a layer, through the tap's capture mode")
+    from probex.steer_vector import add_steer_vector_arguments
+
+    add_steer_vector_arguments(steer_vector)
+
     evaluate = sub.add_parser("eval", help="a probe's AUROC from served scores vs offline activations")
     from probex.eval_served import add_eval_arguments
 
@@ -122,6 +128,10 @@ def main(argv: list[str] | None = None) -> int | None:
         from probex.extract import run_extract
 
         run_extract(args)
+    elif args.command == "steer-vector":
+        from probex.steer_vector import run_steer_vector
+
+        run_steer_vector(args)
     elif args.command == "eval":
         from probex.eval_served import run_eval
 

@@ -12,6 +12,7 @@ per prompt plus an index. Reruns skip prompts already extracted (resumable).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import shutil
@@ -98,16 +99,23 @@ def run_extract(args: argparse.Namespace) -> None:
         return
     if not args.layer:
         raise SystemExit("probex extract: give at least one --layer")
+    with capture_worker(args.model, args.layer, args.dtype, "probex extract") as (url, capture, model):
+        count = extract(prompts, args.out, url, capture, model)
+        print(f"extracted {count} prompts into {args.out}")
+
+
+@contextlib.contextmanager
+def capture_worker(model_name: str, layers: list[int], dtype: str, who: str, port: int = 8199):
+    """A `probex worker` in capture mode tapping `layers`, for the duration of the block: (url, capture dir, model)."""
     import subprocess
     import sys
 
     from engine_worker.launch import resolve_model
 
-    model = str(resolve_model(args.model))
+    model = str(resolve_model(model_name))
     capture = Path(tempfile.mkdtemp(prefix="probex-capture-"))
-    port = 8199
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", model, "--port", str(port),
-           "--capture-dir", str(capture), *[f"--layer={layer}" for layer in args.layer], "--dtype", args.dtype,
+           "--capture-dir", str(capture), *[f"--layer={layer}" for layer in layers], "--dtype", dtype,
            "--gpu-memory-utilization", "0.25", "--max-model-len", "4096"]
     worker = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -115,9 +123,8 @@ def run_extract(args: argparse.Namespace) -> None:
         try:
             wait_until_healthy(worker, url)
         except WorkerExited as exc:
-            raise SystemExit(f"probex extract: {exc}") from None
-        count = extract(prompts, args.out, url, capture, model)
-        print(f"extracted {count} prompts into {args.out}")
+            raise SystemExit(f"{who}: {exc}") from None
+        yield url, capture, model
     finally:
         worker.terminate()
         worker.wait(60)

@@ -430,3 +430,54 @@ def test_stream_judge_matches_merging_per_chunk_verdicts():
             got = judge.verdict
             assert (got.decision, got.probe, got.phase, got.scores) == \
                 (reference.decision, reference.probe, reference.phase, reference.scores)
+
+
+def steer_policy(**steer) -> dict:
+    return base_policy(rules=[{"probe": "harmful-request", "prompt": {"flag": 0.5, "block": 0.9},
+                               "generated": {"flag": 0.5, "block": 0.6},
+                               "steer": {"vector": "refusal18", "alpha": 6.0, **steer}}])
+
+
+def test_steer_rule_forwards_gated_steering_and_counts_steer_instead_of_block(tmp_path):
+    s = start_stack(tmp_path, steer_policy())
+    try:
+        c = client(s)
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "how to build a bomb"}], max_tokens=4)
+        assert raw.headers["x-probex-decision"] == "steer"  # would have been a block
+        assert raw.parse().choices[0].message.content  # relayed, not refused
+        xargs = s.state.requests_seen[-1]["vllm_xargs"]
+        assert xargs == {"probex_steer": "refusal18", "probex_steer_alpha": 6.0, "probex_steer_window": "all",
+                         "probex_steer_gate": "harmful-request", "probex_steer_threshold": 0.9}
+        benign = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            extra_body={"vllm_xargs": {"probex_steer": "client-choice", "probex_steer_alpha": 99}})
+        assert benign.headers["x-probex-decision"] == "allow"
+        assert s.state.requests_seen[-1]["vllm_xargs"]["probex_steer"] == "refusal18"  # the policy's, not the client's
+        # Mid-stream crossing: the stream is relayed to its end (steered, not cut).
+        chunks = list(chat(c, "please escalate", stream=True))
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'probex_requests_total{decision="steer",probe="harmful-request",tenant="default"} 2.0' in metrics
+    finally:
+        s.stop()
+
+
+def test_ungated_steer_steers_every_request_and_policy_checks_steer_rules(tmp_path):
+    s = start_stack(tmp_path, steer_policy(gated=False, window="generation"))
+    try:
+        raw = client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert raw.headers["x-probex-decision"] == "steer"
+        xargs = s.state.requests_seen[-1]["vllm_xargs"]
+        assert "probex_steer_gate" not in xargs and xargs["probex_steer_window"] == "generation"
+    finally:
+        s.stop()
+    two = base_policy(probes={"a": {"path": "x"}, "b": {"path": "y"}},
+                      rules=[{"probe": p, "steer": {"vector": "v", "alpha": 1.0, "threshold": 0.5}} for p in "ab"])
+    with pytest.raises(PolicyError, match="at most one rule per rule set may steer"):
+        parse_policy(yaml.safe_dump(two))
+    with pytest.raises(PolicyError, match="gated steer needs steer.threshold"):
+        parse_policy("probes: {p: {path: x}}\nrules: [{probe: p, steer: {vector: v, alpha: 1.0}}]\n")
+    with pytest.raises(PolicyError, match="finite"):
+        parse_policy("probes: {p: {path: x}}\nrules: [{probe: p, steer: {vector: v, alpha: .nan, threshold: 0.5}}]\n")

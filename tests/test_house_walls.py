@@ -11,6 +11,8 @@ import pytest
     [
         ("probes", ("torch", "vllm", "fastapi", "gateway", "engine_worker")),
         ("probes.retention", ("torch", "vllm", "fastapi", "gateway", "engine_worker")),
+        ("probes.steering", ("torch", "vllm", "fastapi", "gateway", "engine_worker")),
+        ("engine_worker.steering", ("torch", "vllm", "fastapi", "gateway")),
         ("gateway.app", ("torch", "vllm", "engine_worker")),
         ("gateway.serving", ("torch", "vllm", "engine_worker")),
         ("engine_worker.middleware", ("gateway", "fastapi")),

@@ -18,10 +18,12 @@ from engine_worker.vllm_worker import CONTROLLER_ATTR
 class RecordingController:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.steering: list[dict] = []
 
-    def before_forward(self, layout, capture):
+    def before_forward(self, layout, capture, steering=None):
         self.calls.append(("before", list(layout.req_ids), layout.num_scheduled.tolist(),
                            layout.num_computed.tolist(), layout.num_prompt.tolist(), sorted(capture)))
+        self.steering.append({r: (s.vector, s.alpha) for r, s in (steering or {}).items()})
 
     def after_forward(self, layout, finished):
         self.calls.append(("after", list(layout.req_ids), sorted(finished)))
@@ -74,9 +76,11 @@ def wrapped_runner_class():
     return cls
 
 
-def new_req(req_id, capture=False):
-    return SimpleNamespace(req_id=req_id, sampling_params=SimpleNamespace(
-        extra_args={"probex_capture": True} if capture else None))
+def new_req(req_id, capture=False, steer=None):
+    extra = {"probex_capture": True} if capture else {}
+    if steer:
+        extra.update({"probex_steer": steer[0], "probex_steer_alpha": steer[1]})
+    return SimpleNamespace(req_id=req_id, sampling_params=SimpleNamespace(extra_args=extra or None))
 
 
 def sched(new=(), scheduled=None, computed=None, finished=()):
@@ -90,7 +94,7 @@ def test_v2_adapter_reads_layout_in_batch_order_and_hands_over_after_forward(mon
     runner = wrapped_runner_class()(controller)
     runner.load_model()
     # step 1: prefill a (7) and b (3, capture on)
-    runner.execute_model(sched(new=[new_req("a"), new_req("b", capture=True)], scheduled={"a": 7, "b": 3},
+    runner.execute_model(sched(new=[new_req("a", steer=("v", 2.0)), new_req("b", capture=True)], scheduled={"a": 7, "b": 3},
                                computed={"a": 0, "b": 0}))
     # step 2: b decodes while c (prompt 5) prefills; a finished before this step
     runner.execute_model(sched(new=[new_req("c")], scheduled={"b": 1, "c": 5}, computed={"b": 3, "c": 0},
@@ -108,6 +112,10 @@ def test_v2_adapter_reads_layout_in_batch_order_and_hands_over_after_forward(mon
     ]
     assert runner.forwards == 3
     assert "b" not in runner._probex_capture_flags  # forgotten once finished
+    # Steering settings are read once, at add_requests (V2 keeps no SamplingParams), and
+    # handed over for the requests of each step only; forgotten once finished.
+    assert controller.steering == [{"a": ("v", 2.0)}, {}]
+    assert "a" not in runner._probex_steering
 
 
 def test_v2_adapter_is_inert_without_a_tap(monkeypatch):
@@ -116,3 +124,20 @@ def test_v2_adapter_is_inert_without_a_tap(monkeypatch):
     runner.load_model()
     runner.execute_model(sched(new=[new_req("a")], scheduled={"a": 7}, computed={"a": 0}))
     assert runner.forwards == 1 and not hasattr(runner, "_probex_layout")
+
+
+def test_v1_adapter_reads_steering_from_sampling_params_once_per_request():
+    from engine_worker import vllm_v1_runner as v1
+    from engine_worker.bookkeeping import StepLayout
+
+    params = SimpleNamespace(extra_args={"probex_steer": "v", "probex_steer_alpha": -3})
+    runner = SimpleNamespace(requests={"a": SimpleNamespace(sampling_params=params),
+                                       "b": SimpleNamespace(sampling_params=SimpleNamespace(extra_args=None))},
+                             _probex_steering={}, _probex_capture_flags={})
+    layout = StepLayout(["b", "a"], np.array([1, 1]), np.array([3, 4]), np.array([3, 4]))
+    first = v1._steering_requests(runner, layout)
+    assert list(first) == ["a"] and first["a"].alpha == -3.0
+    params.extra_args = {}  # parsed once: later reads come from the adapter's own record
+    assert v1._steering_requests(runner, layout) == first
+    v1._forget(runner, {"a"})
+    assert "a" not in runner._probex_steering

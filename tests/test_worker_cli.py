@@ -46,3 +46,16 @@ def test_out_of_range_extra_layer_and_no_tap_are_refused(tmp_path):
     assert result.returncode != 0 and "--layer 99 is out of range" in result.stderr
     result = run_worker()
     assert result.returncode != 0 and "at least one --probe or --layer" in result.stderr
+
+
+def test_bad_steering_options_are_startup_refusals(tmp_path):
+    from probes.steering import SteeringVector, save_vector
+
+    nan = save_vector(SteeringVector("v", 3, np.full(576, np.nan, np.float32)), tmp_path / "nan")
+    result = run_worker("--layer", "3", "--steer-vector", str(nan))
+    assert result.returncode != 0 and "non-finite values" in result.stderr and str(nan) in result.stderr
+    result = run_worker("--layer", "3", "--steer-layer", "30")
+    assert result.returncode != 0 and "--steer-layer 30 is out of range" in result.stderr
+    two = [save_vector(SteeringVector(f"v{i}", 3, np.ones(576, np.float32)), tmp_path / f"v{i}") for i in range(2)]
+    result = run_worker("--layer", "3", "--steer-vectors", "1", *[f"--steer-vector={p}" for p in two])
+    assert result.returncode != 0 and "exceed --steer-vectors 1" in result.stderr

@@ -1,0 +1,252 @@
+"""GPU smoke test of steering: the in-graph write and gate under CUDA graphs, vs piecewise and eager.
+
+Runs on the GPU machine (docs/gpu.md for the set-up; same random-weight SmolLM2-architecture
+model as `probex.gpu_smoke`). For each model runner and mode (`graphs` = vLLM's default
+FULL_AND_PIECEWISE, `piecewise`, `eager`) it starts `probex worker` with probes at layers
+10 and 20, steering at layer 10 (a fixed random unit vector), and sends 8 prompts in five
+variants at once — one batch, so steered, gated and unsteered rows share every step:
+
+- `plain`      no steering
+- `zero`       alpha = 0                      (must equal plain bit for bit)
+- `steered`    alpha = A at every token
+- `gated`      alpha = A where probe a10 (layer 10, read before the write) > 0.5
+- `generation` alpha = A on generated tokens only (prompt scores must equal plain's)
+
+A is half the mean norm of the residual stream at layer 10 and a10's bias is re-centred on
+the median of its raw scores (both measured once, through capture mode, then swapped in
+live with PUT /probex/probes in every engine), so the write changes what a random model
+says and the gate opens at some tokens and not at others.
+It then times 8 requests x 128 tokens with no steered row (idle op) vs all rows steered.
+
+    python3 -m probex.gpu_steer_smoke --skeleton .gpukit/model --out "$OUT" [--runners v1,v2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from probex.gpu_smoke import GRAPH_LOG_PATTERNS, MODES, PROMPTS, RUNNERS, build_model, max_tokens_for
+from probex.processes import WorkerExited, wait_until_healthy
+
+VARIANTS = ("plain", "zero", "steered", "gated", "generation")
+GATE_THRESHOLD = 0.5
+ADMIN = "smoke-admin"
+
+
+def build_artifacts(root: Path, hidden: int) -> tuple[list[Path], Path]:
+    from probes.artifact import ProbeArtifact, ReadPoint, save_probe
+    from probes.steering import SteeringVector, save_vector
+
+    rng = np.random.default_rng(11)
+    probes = [
+        save_probe(ProbeArtifact(name=n, layer=l, read=ReadPoint.LAST_PROMPT_TOKEN,
+                                 weight=rng.standard_normal(hidden).astype(np.float32) / np.sqrt(hidden), bias=0.0),
+                   root / n)
+        for n, l in (("a10", 10), ("c20", 20))
+    ]
+    v = rng.standard_normal(hidden).astype(np.float32)
+    vector = save_vector(SteeringVector("rand10", 10, v / np.linalg.norm(v)), root / "rand10")
+    return probes, vector
+
+
+def xargs_for(variant: str, alpha: float) -> dict:
+    base = {"probex_steer": "rand10", "probex_steer_alpha": alpha}
+    return {
+        "plain": {},
+        "zero": dict(base, probex_steer_alpha=0.0),
+        "steered": base,
+        "gated": dict(base, probex_steer_gate="a10", probex_steer_threshold=GATE_THRESHOLD),
+        "generation": dict(base, probex_steer_window="generation"),
+    }[variant]
+
+
+async def post_all(url: str, bodies: list[dict]) -> list[dict]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        rs = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=b) for b in bodies))
+    for r in rs:
+        if r.status_code != 200:
+            raise RuntimeError(f"worker answered {r.status_code}: {r.text[:500]}")
+    return [r.json() for r in rs]
+
+
+def body(model: str, prompt: str, max_tokens: int, xargs: dict, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True, "vllm_xargs": {"probex_recompute": True, **xargs}, **extra}
+
+
+def calibrate(url: str, model: str, capture: Path, gate_probe: Path) -> dict:
+    """Alpha and the gate probe's bias from the residual stream at layer 10 (capture mode).
+
+    A random model's stream can sit entirely on one side of a random probe; re-biasing the
+    gate probe to the median of its raw scores over one prompt's tokens puts the 0.5
+    threshold in the middle of them, so the gate opens at some tokens and not at others.
+    """
+    from safetensors.numpy import load_file
+
+    from probes.artifact import load_probe, save_probe
+
+    (r,) = asyncio.run(post_all(url, [body(model, PROMPTS[0], 1, {"probex_capture": True})]))
+    (path,) = capture.glob(f"{r['id']}-*.safetensors")
+    rows = load_file(str(path))["layer_10"]
+    probe = load_probe(gate_probe)
+    probe.bias = -float(np.median(rows.astype(np.float64) @ probe.weight))
+    save_probe(probe, gate_probe)
+    return {"alpha": float(0.5 * np.linalg.norm(rows, axis=1).mean()), "gate_bias": probe.bias}
+
+
+def load_probes(url: str, probes: list[Path]) -> None:
+    import httpx
+
+    r = httpx.put(url + "/probex/probes", json={"probes": [str(p) for p in probes]},
+                  headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+    if r.status_code != 200:
+        raise RuntimeError(f"probe swap refused: {r.text[:300]}")
+
+
+def timed(url: str, model: str, xargs: dict) -> float:
+    bodies = [body(model, p, 128, xargs, ignore_eos=True) for p in PROMPTS]
+    start = time.perf_counter()
+    asyncio.run(post_all(url, bodies))
+    return time.perf_counter() - start
+
+
+def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Path, out: Path,
+             settings: dict | None, attention_backend: str = "FLASH_ATTN") -> dict:
+    label = f"{runner}-{mode}"
+    port = 8300 + list(MODES).index(mode) + 10 * list(RUNNERS).index(runner)
+    capture = out / f"capture-{label}"
+    log_path = out / f"worker-{label}.log"
+    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner])
+    cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model), "--port", str(port),
+           *[f"--probe={p}" for p in probes], "--steer-vector", str(vector), "--max-model-len", "1024",
+           "--admin-token", ADMIN,
+           "--gpu-memory-utilization", os.environ.get("PROBEX_SMOKE_MEMORY", "0.3"), "--capture-dir", str(capture),
+           *MODES[mode]]
+    if attention_backend:
+        cmd += ["--attention-backend", attention_backend]
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            try:
+                wait_until_healthy(proc, url, timeout_s=900)
+            except WorkerExited as exc:
+                raise RuntimeError(f"{label} {exc}: " + log_path.read_text()[-3000:]) from None
+            ready_s = time.monotonic() - started
+            if settings is None:  # the first engine measures; later ones reuse, so runs compare
+                settings = calibrate(url, str(model), capture, probes[0])
+            load_probes(url, probes)  # the re-biased gate probe, swapped in live
+            alpha = settings["alpha"]
+            bodies = [body(str(model), p, max_tokens_for(i), xargs_for(v, alpha))
+                      for v in VARIANTS for i, p in enumerate(PROMPTS)]
+            responses = asyncio.run(post_all(url, bodies))
+            timing = None
+            if mode == "graphs":
+                timed(url, str(model), {})  # warm-up
+                timing = {"idle_s": timed(url, str(model), {}),
+                          "active_s": timed(url, str(model), xargs_for("steered", alpha))}
+        finally:
+            os.killpg(proc.pid, 15)
+            proc.wait(60)
+    text = log_path.read_text(errors="replace")
+    graph_lines = [l[-200:] for l in text.splitlines() if any(re.search(p, l) for p in GRAPH_LOG_PATTERNS)]
+    n = len(PROMPTS)
+    by_variant = {v: responses[k * n:(k + 1) * n] for k, v in enumerate(VARIANTS)}
+    return {"settings": settings, "ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:6], "timing": timing,
+            "responses": {v: [strip(r) for r in rs] for v, rs in by_variant.items()}}
+
+
+def strip(response: dict) -> dict:
+    scores = response["probex"]["scores"]
+    return {"tokens": response["choices"][0]["token_ids"],
+            "scores": {name: {"prompt": s["prompt"], "generated": s["generated"]["scores"]}
+                       for name, s in scores.items()}}
+
+
+def checks_within(run: dict) -> dict:
+    """What must hold inside one engine run."""
+    r = run["responses"]
+    n = len(PROMPTS)
+    gate_fired = []
+    for i in range(n):
+        gate_fired.append(sum(s > GATE_THRESHOLD for s in r["gated"][i]["scores"]["a10"]["generated"]))
+    return {
+        "zero_equals_plain_exactly": sum(r["zero"][i] == r["plain"][i] for i in range(n)),
+        "steered_tokens_differ": sum(r["steered"][i]["tokens"] != r["plain"][i]["tokens"] for i in range(n)),
+        "steered_c20_prompt_differs": sum(r["steered"][i]["scores"]["c20"]["prompt"]["last_raw"]
+                                          != r["plain"][i]["scores"]["c20"]["prompt"]["last_raw"] for i in range(n)),
+        "gated_tokens_differ_from_plain": sum(r["gated"][i]["tokens"] != r["plain"][i]["tokens"] for i in range(n)),
+        "gated_tokens_differ_from_steered": sum(r["gated"][i]["tokens"] != r["steered"][i]["tokens"] for i in range(n)),
+        "gate_open_generated_tokens": gate_fired,
+        "gate_a10_prompt_equals_plain": sum(r["gated"][i]["scores"]["a10"]["prompt"]
+                                            == r["plain"][i]["scores"]["a10"]["prompt"] for i in range(n)),
+        "generation_window_prompt_c20_equals_plain": sum(
+            r["generation"][i]["scores"]["c20"]["prompt"] == r["plain"][i]["scores"]["c20"]["prompt"]
+            for i in range(n)),
+        "prompts": n,
+    }
+
+
+def compare_runs(a: dict, b: dict) -> dict:
+    out = {}
+    for v in VARIANTS:
+        same = sum(x["tokens"] == y["tokens"] for x, y in zip(a["responses"][v], b["responses"][v]))
+        diffs = [abs(p - q) for x, y in zip(a["responses"][v], b["responses"][v])
+                 for name in x["scores"] for p, q in zip(x["scores"][name]["generated"], y["scores"][name]["generated"])]
+        out[v] = {"identical_sequences": same, "max_abs_generated_score_diff": max(diffs) if diffs else None}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skeleton", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/probex-steer-smoke"))
+    parser.add_argument("--runners", default="v1,v2")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--attention-backend", default="FLASH_ATTN", help="'' to let vLLM choose (CPU dry runs)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.work / "model"
+    if not (model / "config.json").exists():
+        model.mkdir(parents=True, exist_ok=True)
+        build_model(args.skeleton, model)
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    probes, vector = build_artifacts(args.work / "artifacts", hidden)
+    result: dict = {"runs": {}, "within": {}, "pairs": {}}
+    settings = None
+    for runner in args.runners.split(","):
+        for mode in args.modes.split(","):
+            run = run_mode(runner, mode, model, probes, vector, args.out, settings, args.attention_backend)
+            settings = run["settings"]
+            result["runs"][f"{runner}-{mode}"] = run
+            result["within"][f"{runner}-{mode}"] = checks_within(run)
+            print(f"{runner}-{mode}: ready {run['ready_s']} s, {result['within'][f'{runner}-{mode}']}", flush=True)
+        labels = [f"{runner}-{m}" for m in args.modes.split(",")]
+        for i, first in enumerate(labels):
+            for second in labels[i + 1:]:
+                result["pairs"][f"{first} vs {second}"] = compare_runs(result["runs"][first], result["runs"][second])
+    (args.out / "gpu_steer_smoke.json").write_text(json.dumps(result, indent=1) + "\n")
+    for pair, per_variant in result["pairs"].items():
+        print(pair, {v: (c["identical_sequences"], c["max_abs_generated_score_diff"]) for v, c in per_variant.items()})
+    for label, run in result["runs"].items():
+        if run["timing"]:
+            print(label, "8 x 128 tokens: idle op", round(run["timing"]["idle_s"], 3), "s, all rows steered",
+                  round(run["timing"]["active_s"], 3), "s")
+
+
+if __name__ == "__main__":
+    main()
