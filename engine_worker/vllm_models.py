@@ -30,7 +30,7 @@ from engine_worker.steer import LayerSteer
 from engine_worker.tap import LayerTap
 from engine_worker.tap_config import TapConfig
 
-log = logging.getLogger("probex.models")
+log = logging.getLogger("vllm.probex.models")  # under "vllm": printed by its log handler
 
 # module path -> decoder-layer classes whose forward returns (hidden_states, residual)
 SUPPORTED_DECODER_LAYERS = {

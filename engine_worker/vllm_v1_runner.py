@@ -20,7 +20,7 @@ from engine_worker.controller import TapController
 from engine_worker.steering import SteerRequest
 from engine_worker.vllm_worker import controller_of, install_controller, steering_of, wants_capture
 
-log = logging.getLogger("probex.vllm_v1")
+log = logging.getLogger("vllm.probex.v1_runner")  # under "vllm": printed by its log handler
 
 _PATCHED_MARK = "_probex_v1_patched"
 

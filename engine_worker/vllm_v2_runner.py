@@ -24,7 +24,7 @@ import numpy as np
 from engine_worker.bookkeeping import StepLayout
 from engine_worker.vllm_worker import controller_of, install_controller, steering_of, wants_capture
 
-log = logging.getLogger("probex.vllm_v2")
+log = logging.getLogger("vllm.probex.v2_runner")  # under "vllm": printed by its log handler
 
 _PATCHED_MARK = "_probex_v2_patched"
 

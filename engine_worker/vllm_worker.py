@@ -18,7 +18,7 @@ from engine_worker.steering import SteeringError, SteerRequest, steering_from_xa
 from engine_worker.tap import LayerTap
 from engine_worker.tap_config import TapConfig
 
-log = logging.getLogger("probex.vllm")
+log = logging.getLogger("vllm.probex.worker")  # under "vllm": printed by its log handler
 
 CONTROLLER_ATTR = "probex_controller"
 

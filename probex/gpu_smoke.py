@@ -255,7 +255,12 @@ def compare(first: list[dict], second: list[dict]) -> dict:
             "aggregates_skipped_for_coverage": skipped_aggregates, **worst, **residual_cosines(first, second)}
 
 
+FIRST_RUN_PAIRS = ("graphs_vs_compiled_no_graphs", "graphs_vs_eager", "compiled_no_graphs_vs_eager")
+
+
 def all_comparisons(responses: dict[str, list[dict]]) -> dict:
+    if "graphs" in responses:  # the first saved run: V1 only, modes without a runner prefix
+        return {pair: compare(*(responses[m] for m in pair.split("_vs_"))) for pair in FIRST_RUN_PAIRS}
     out = {}
     for runner in RUNNERS:
         for pair in PAIRS:
