@@ -43,10 +43,13 @@ class StepLayout:
 
     @property
     def row_starts(self) -> np.ndarray:
-        starts = np.zeros(len(self.req_ids), dtype=np.int64)
-        if len(self.req_ids) > 1:
-            np.cumsum(self.num_scheduled[:-1], out=starts[1:])
-        return starts
+        cached = self.__dict__.get("_row_starts")
+        if cached is None:  # computed once: per-request lookups would otherwise redo the cumsum
+            cached = np.zeros(len(self.req_ids), dtype=np.int64)
+            if len(self.req_ids) > 1:
+                np.cumsum(self.num_scheduled[:-1], out=cached[1:])
+            object.__setattr__(self, "_row_starts", cached)
+        return cached
 
     @property
     def num_rows(self) -> int:
@@ -83,6 +86,15 @@ class ProbeTable:
         for column, slot in enumerate(self.slots):
             out.setdefault(slot.layer, []).append((slot.slot, column))
         return out
+
+    def slot_columns_by_layer(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """layer -> (slots, columns) index arrays: one fancy-indexed copy per layer per step."""
+        cached = self.__dict__.get("_slot_columns")
+        if cached is None:
+            cached = {layer: (np.array([s for s, _ in pairs]), np.array([c for _, c in pairs]))
+                      for layer, pairs in self.columns_by_layer().items()}
+            object.__setattr__(self, "_slot_columns", cached)  # frozen dataclass: cache once
+        return cached
 
     def describe(self) -> list[list]:
         return [[s.name, s.read, s.slope, s.intercept, s.layer] for s in self.slots]
@@ -121,31 +133,40 @@ class ScoreBook:
     def gather(self, table: ProbeTable, step_rows: int, raw_by_layer: dict[int, np.ndarray]) -> np.ndarray:
         """Assemble [rows, k] raw scores in probe-table column order from per-layer buffers."""
         full = np.empty((step_rows, len(table.slots)), dtype=np.float32)
-        for layer, pairs in table.columns_by_layer().items():
-            layer_scores = raw_by_layer[layer]
-            for slot, column in pairs:
-                full[:, column] = layer_scores[:step_rows, slot]
+        for layer, (slots, columns) in table.slot_columns_by_layer().items():
+            full[:, columns] = raw_by_layer[layer][:step_rows, slots]
         return full
 
     def record_step(self, layout: StepLayout, table: ProbeTable, raw: np.ndarray) -> StepEvents:
         # Runs with an empty probe set too: capture mode still needs to know when prompts end.
+        # Vectorised over requests: this runs every step for the whole batch, on a thread that
+        # shares the GIL with the engine loop.
         events = StepEvents(table=table)
-        for i, req_id in enumerate(layout.req_ids):
-            first, stop, first_pos = layout.prompt_rows(i)
-            if stop > first:
-                acc = self._accumulator(req_id, table, int(layout.num_prompt[i]))
-                acc.raw[first_pos : first_pos + (stop - first)] = raw[first:stop]
-                acc.ran[first_pos : first_pos + (stop - first)] = True
-            sampled = layout.sampling_row(i)
-            if sampled is None:
-                continue
-            row, index = sampled
+        if not layout.req_ids:
+            return events
+        starts, c = layout.row_starts, layout.num_computed
+        n, p = layout.num_scheduled, layout.num_prompt
+        prompt_count = np.minimum(c + n, p) - c
+        for i in np.flatnonzero(prompt_count > 0).tolist():  # requests prefilling this step
+            first, count, pos = int(starts[i]), int(prompt_count[i]), int(c[i])
+            acc = self._accumulator(layout.req_ids[i], table, int(p[i]))
+            acc.raw[pos : pos + count] = raw[first : first + count]
+            acc.ran[pos : pos + count] = True
+        sampled = np.flatnonzero(c + n >= p)  # a prefill chunk that stops short samples nothing
+        if not len(sampled):
+            return events
+        rows = (starts + n - 1)[sampled]
+        indexes = (c + n - p)[sampled].tolist()
+        sampled_raw = raw[rows].tolist()
+        req_ids = layout.req_ids
+        for i, index, values in zip(sampled.tolist(), indexes, sampled_raw):
+            req_id = req_ids[i]
             if index == 0:
                 acc = self._prompts.get(req_id)
                 if acc is not None and not acc.done:
                     acc.done = True
                     events.prompt.append(_prompt_summary(req_id, acc))
-            events.tokens.append({"req": req_id, "index": index, "raw": raw[row].tolist()})
+            events.tokens.append({"req": req_id, "index": index, "raw": values})
         return events
 
     def _accumulator(self, req_id: str, table: ProbeTable, prompt_len: int) -> _PromptAccumulator:

@@ -56,6 +56,9 @@ class _StagingSlot:
             layer: torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             for layer, src in sources.items()
         }
+        # One event per slot, re-recorded each use: creating a CUDA event every step costs
+        # engine-thread time for nothing.
+        self.ready = torch.cuda.Event() if pin else None
 
 
 class ScoreTransfer:
@@ -103,9 +106,8 @@ class ScoreTransfer:
             slot = self._free.get()
         for layer, src in self._sources.items():
             slot.buffers[layer][:rows].copy_(src[:rows], non_blocking=self._cuda)
-        ready = None
-        if self._cuda:
-            ready = torch.cuda.Event()
+        ready = slot.ready
+        if ready is not None:
             ready.record()
         step = StagedStep(rows=rows, context=context, _slot=slot, _ready=ready)
         if self._threaded:
