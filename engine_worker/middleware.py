@@ -273,7 +273,7 @@ class ProbexMiddleware:
         except (ValueError, KeyError, TypeError):
             return await _send_json(send, 400, openai_error('body must be {"probes": ["/path/to/probe-dir", ...]}', status=400, param="probes"))
         async with self._swap_lock:
-            result = (await engine.collective_rpc("probex_load_probes", args=(dirs,)))[0]
+            result = _every_rank(await engine.collective_rpc("probex_load_probes", args=(dirs,)))
             self._listings = None
         if not result.get("ok"):
             return await _send_json(send, 400, openai_error(result["error"], status=400, param="probes", code="probe_rejected"))
@@ -310,7 +310,7 @@ class ProbexMiddleware:
         except (ValueError, KeyError, TypeError):
             return await _send_json(send, 400, openai_error('body must be {"vectors": ["/path/to/vector-dir", ...]}', status=400, param="vectors"))
         async with self._swap_lock:
-            result = (await engine.collective_rpc("probex_load_steering", args=(dirs,)))[0]
+            result = _every_rank(await engine.collective_rpc("probex_load_steering", args=(dirs,)))
             self._listings = None
         if not result.get("ok"):
             return await _send_json(send, 400, openai_error(result["error"], status=400, param="vectors", code="steering_rejected"))
@@ -492,6 +492,20 @@ def _decode_json(raw: bytes) -> Any:
 
 def _encode_json(payload: Any) -> bytes:
     return _json_encoder.encode(payload)
+
+
+def _every_rank(results: list[dict]) -> dict:
+    """A swap's outcome over all workers (tensor-parallel ranks): rank 0's, unless any rank refused.
+
+    Every rank validates the same files against the same model, so they agree; if one ever
+    did not, reporting success from rank 0 would hide ranks serving different probes.
+    """
+    refused = [r for r in results if not r.get("ok")]
+    if refused and len(refused) < len(results):
+        first = refused[0]
+        return dict(first, error=f"{first.get('error')} (refused by {len(refused)} of {len(results)} workers:"
+                                 " the workers now disagree; repeat the swap or restart)")
+    return refused[0] if refused else results[0]
 
 
 def _engine_client(scope: Scope):

@@ -129,3 +129,14 @@ def test_missing_scores_do_not_hang_the_stream(monkeypatch):
     out, last, _ = run_stream(chunks, lambda hub, engine_id, i: None)
     assert last == "[DONE]"
     assert out[0].get("probex", {}).get("scores", {}) == {}
+
+
+def test_a_swap_refused_by_any_rank_is_reported_as_refused():
+    from engine_worker.middleware import _every_rank
+
+    ok = {"ok": True, "version": 2}
+    assert _every_rank([ok, ok]) is ok
+    refused = {"ok": False, "error": "bad file", "version": 1}
+    assert _every_rank([refused, refused])["error"] == "bad file"
+    split = _every_rank([ok, refused])
+    assert split["ok"] is False and "1 of 2 workers" in split["error"]
