@@ -101,6 +101,7 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
         "--middleware", MIDDLEWARE,
         "--worker-extension-cls", WORKER_EXTENSION,
         "--api-server-count", "1",
+        *_served_names(args.model, model_dir, passthrough),
         *passthrough,
     ]
     env = dict(os.environ)
@@ -111,6 +112,16 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     else:
         env.pop("PROBEX_ADMIN_TOKEN", None)
     return argv, env
+
+
+def _served_names(requested: str, model_dir: Path, passthrough: list[str]) -> list[str]:
+    """A model asked for by its short name is served under that name, and under its path as before.
+
+    Clients of a gateway expect `"model": "smollm2-135m-instruct"`, not a cache path.
+    """
+    if Path(requested).expanduser().is_dir() or any(a.startswith("--served-model-name") for a in passthrough):
+        return []
+    return ["--served-model-name", requested, str(model_dir)]
 
 
 def resolve_model(model: str) -> Path:

@@ -59,3 +59,17 @@ def test_bad_steering_options_are_startup_refusals(tmp_path):
     two = [save_vector(SteeringVector(f"v{i}", 3, np.ones(576, np.float32)), tmp_path / f"v{i}") for i in range(2)]
     result = run_worker("--layer", "3", "--steer-vectors", "1", *[f"--steer-vector={p}" for p in two])
     assert result.returncode != 0 and "exceed --steer-vectors 1" in result.stderr
+
+
+def test_a_model_given_by_name_is_served_under_that_name_and_its_path():
+    import argparse
+
+    from engine_worker.launch import add_worker_arguments, build_worker_command
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    by_name, _ = build_worker_command(parser.parse_args(["--model", "smollm2-135m-instruct", "--layer", "3"]), [])
+    at = by_name.index("--served-model-name")
+    assert by_name[at + 1 : at + 3] == ["smollm2-135m-instruct", str(model_dir())]
+    by_path, _ = build_worker_command(parser.parse_args(["--model", str(model_dir()), "--layer", "3"]), [])
+    assert "--served-model-name" not in by_path
