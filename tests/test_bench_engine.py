@@ -79,6 +79,14 @@ def test_score_check_counts_only_complete_aligned_scores():
     cov = be.score_coverage([r], expected_probes=2)
     assert cov["coverage"] == pytest.approx(2 / 3) and cov["requests_with_all_prompt_scores"] == 1
 
+    assert r.prompt_last_raw == {}  # the test chunks carry no last_raw
+    raw = be._ScoreCheck(["a"])
+    raw.chunk({"scores": {"a": {"prompt": {"last": 0.6, "last_raw": 0.4},
+                                "generated": {"offset": 0, "scores": [0.1]}}}}, 0, 1)
+    r = be.RequestResult(ok=True, chunk_tokens=[1])
+    raw.finish(r)
+    assert r.prompt_last_raw == {"a": 0.4}
+
     misaligned = be._ScoreCheck(names)
     misaligned.chunk({"scores": {"a": {"generated": {"offset": 5, "scores": [0.1]}}}}, 0, 1)
     assert misaligned.problems
@@ -165,8 +173,71 @@ def test_log_checks():
             "Capturing CUDA graphs (decode, FULL): 100%\nGraph capturing finished in 5 secs\n")
     checks = be.log_checks(text)
     assert checks == {"enforce_eager": True, "cuda_graph_capture_lines": 2, "model_runner_v2": True,
-                      "probex_tap_on_runner_v2": False}
+                      "probex_tap_on_runner_v2": False, "probex_runs_unsteered_lines": 0}
     assert be.log_checks("nothing")["enforce_eager"] is None
+    warned = "WARNING probex: request cmpl-1 runs unsteered: steering vector 'x' is not loaded\n"
+    assert be.log_checks(warned)["probex_runs_unsteered_lines"] == 1
+
+
+# --- the steer set-ups: vector artifact, request xargs, plans ------------------------------------
+
+
+def test_steer_vector_artifact_unit_random_at_the_middle_layer(tmp_path):
+    from probes.steering import load_vector
+
+    assert be.default_steer_layer((10, 20)) == 15 and be.default_steer_layer((2, 1)) == 1
+    probes = be.write_probes(tmp_path / "probes", 4096, (10, 20))
+    steer = be.write_steer_vector(tmp_path / "steering", 4096, be.default_steer_layer((10, 20)), probes, alpha=1.0)
+    vector = load_vector(steer.path, ServedModel(4096, 32))  # what `probex worker --steer-vector` loads
+    assert (vector.name, vector.layer, steer.layer) == (be.STEER_VECTOR_NAME, 15, 15)
+    assert np.linalg.norm(vector.vector) == pytest.approx(1.0, rel=1e-5)
+    assert steer.gate == "bench-l10-0"  # the earlier layer can gate a write at 15; layer 20 cannot
+    again = be.write_steer_vector(tmp_path / "again", 4096, 15, probes)
+    assert load_vector(again.path).digest == vector.digest  # fixed seed
+    assert load_vector(be.write_steer_vector(tmp_path / "s1", 4096, 15, probes, seed=1).path).digest != vector.digest
+    for probe in probes:  # not a probe direction
+        assert abs(float(load_probe(probe.path).weight @ vector.vector)) < 0.2
+    tiny = be.write_steer_vector(tmp_path / "tiny", 256, be.default_steer_layer((1, 2)),
+                                 be.write_probes(tmp_path / "tiny-probes", 256, (1, 2)))
+    assert tiny.layer == 1 and tiny.gate == "bench-l1-0"
+    assert be.write_steer_vector(tmp_path / "early", 4096, 5, probes).gate is None
+
+
+def test_steer_xargs_per_set_up_are_what_the_worker_accepts(tmp_path):
+    from engine_worker.steering import steering_from_xargs
+
+    steer = be.SteerBench("v", 15, tmp_path, alpha=1.0, gate="bench-l10-0")
+    assert steer.xargs("steer-idle") is None and steer.xargs("tap") is None
+    active, gated = steer.xargs("steer-active"), steer.xargs("steer-gated")
+    assert active == {"probex_steer": "v", "probex_steer_alpha": 1.0, "probex_steer_window": "all"}
+    assert gated == dict(active, probex_steer_gate="bench-l10-0", probex_steer_threshold=0.5)
+    request = steering_from_xargs(dict(gated))  # the worker's own parser of these keys
+    assert (request.vector, request.alpha, request.gate, request.threshold, request.window) == (
+        "v", 1.0, "bench-l10-0", 0.5, "all")
+    assert steering_from_xargs(dict(active)).gate is None
+    body = be.completion_body("m", [1, 2], 4, active)
+    assert body["vllm_xargs"] == active and body["vllm_xargs"] is not active
+    assert "vllm_xargs" not in be.completion_body("m", [1, 2], 4, None)
+    with pytest.raises(ValueError):
+        be.SteerBench("v", 5, tmp_path, 1.0, gate=None).xargs("steer-gated")
+
+
+def test_steer_plans_are_the_tap_worker_plus_the_vector(tmp_path):
+    vector = tmp_path / "steering" / "bench-steer"
+    plans = be.plan_setups(be.parse_setups("tap,steer-idle,steer-active,steer-gated"), tmp_path,
+                           [tmp_path / "p1"], ["--load-format", "dummy"], "v2", vector)
+    tap, idle, active, gated = plans
+    def without_port(plan):
+        return [a for a in plan.argv if a not in (str(plan.port), f"--steer-vector={vector}")]
+
+    for plan in (idle, active, gated):
+        assert f"--steer-vector={vector}" in plan.argv and plan.argv[2:4] == ["probex.cli", "worker"]
+        assert without_port(plan) == without_port(tap)  # the same worker otherwise
+        assert plan.env_changes == dict(tap.env_changes)
+        assert plan.env_changes["VLLM_PLUGINS"] is None
+    assert not any(a.startswith("--steer-vector") for a in tap.argv)
+    with pytest.raises(ValueError, match="steering vector"):
+        be.plan_setups(["steer-idle"], tmp_path, [tmp_path / "p1"], [], "default")
 
 
 # --- the SSE client against a scripted server -------------------------------------------------------
@@ -299,6 +370,55 @@ def test_problems_are_flagged():
     assert "plain#1 c=1: 2 failed requests" in problems and "not stock vLLM" in problems
 
 
+def _steer_run() -> dict:
+    run = _saved_run()
+    scores = run["setups"][1]["results"]["1"]["scores"]
+    steering = {"probex_probes_listed": 8, "probex_probes_expected": 8,
+                "probex_steering_vectors": [{"name": "bench-steer", "layer": 15, "norm": 1.0, "digest": "d"}],
+                "probex_steering_expected": {"name": "bench-steer", "layer": 15}, "probex_runs_unsteered_lines": 0}
+    idle = _setup("steer-idle", "steer-idle", {"1": 5.1, "8": 6.12}, scores=scores)
+    active = _setup("steer-active", "steer-active", {"1": 5.2, "8": 6.3}, scores=scores)
+    idle["checks"].update(steering)
+    active["checks"].update(steering, steering_effect={
+        "prompts": 2, "layer": 15, "probes_after_write": ["bench-l20-0"], "max_abs_raw_diff_after_write": 0.03,
+        "max_abs_raw_diff_at_or_before_write": 0.0, "errors": []})
+    run["setups"] = [s for s in run["setups"] if s["label"] in ("plain#1", "tap#1")] + [idle, active]
+    run["steering"] = {"vector": "bench-steer", "layer": 15, "alpha": 1.0}
+    return run
+
+
+def test_steer_set_ups_overheads_over_plain_and_over_tap(tmp_path):
+    result = be.merge_runs([_steer_run()])
+    assert result["problems"] == [] and result["warnings"] == []
+    overhead = result["overhead_pct"]
+    assert set(overhead) == {"tap_vs_plain", "steer-idle_vs_plain", "steer-active_vs_plain", "steer-idle_vs_tap",
+                             "steer-active_vs_tap"}
+    assert overhead["steer-idle_vs_plain"]["1"]["tpot_p50"] == pytest.approx(2.0)
+    assert overhead["steer-active_vs_tap"]["8"]["tpot_p50"] == pytest.approx((6.3 / 6.06 - 1) * 100)
+    tables = be.markdown_tables(result)
+    head, over_tap = tables.split("Overhead of the steer set-ups over tap")
+    assert "| steer-idle | 1 | +2.0% |" in head and "| steer-active | 1 | +4.0% |" in head
+    assert "| steer-idle | 1 | +1.0% |" in over_tap and "| tap |" not in over_tap
+    if importlib.util.find_spec("matplotlib"):
+        assert be.write_png(result, tmp_path / "c.png") and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_steer_problems_are_flagged():
+    run = _steer_run()
+    idle, active = run["setups"][2], run["setups"][3]
+    idle["checks"]["probex_steering_vectors"] = []
+    active["checks"]["steering_effect"]["max_abs_raw_diff_after_write"] = 0.0
+    active["checks"]["probex_runs_unsteered_lines"] = 2
+    problems = "\n".join(be.merge_runs([run])["problems"])
+    assert "steer-idle: /probex/steering lists [], not bench-steer at layer 15" in problems
+    assert "steer-active: STEERING HAD NO EFFECT" in problems and "ran 2 request(s) unsteered" in problems
+    del active["checks"]["steering_effect"]
+    assert "steer-active: the steering check did not run" in "\n".join(be.merge_runs([run])["problems"])
+    active["checks"]["steering_effect"] = {"prompts": 2, "layer": 3, "probes_after_write": [], "errors": [],
+                                           "max_abs_raw_diff_after_write": math.nan}
+    assert any("not observable" in w for w in be.merge_runs([run])["warnings"])
+
+
 def test_merge_relabels_and_reanalyze_cli(tmp_path, capsys):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     first.write_text(json.dumps(_saved_run()))
@@ -323,10 +443,12 @@ def test_merge_relabels_and_reanalyze_cli(tmp_path, capsys):
 
 
 @pytest.mark.engine
-def test_smoke_mode_runs_all_three_setups(tmp_path):
+def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
+    """One run, four servers: plain, tap, eager and every request steered (the steering op's rows)."""
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--setups",
+                           "plain,tap,eager,steer-active", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1500)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     result = json.loads((out / "bench_engine.json").read_text())
@@ -335,7 +457,7 @@ def test_smoke_mode_runs_all_three_setups(tmp_path):
     assert result["command"] and result["runner"] == "default" and result["problems"] == []
     assert result["model"]["config"]["vocab_size"] == 128256 and result["model"]["load_format"] == "dummy"
     assert len(result["probes"]) == 8 and {p["layer"] for p in result["probes"]} == {1, 2}
-    assert [s["label"] for s in result["setups"]] == ["plain", "tap", "eager"]
+    assert [s["label"] for s in result["setups"]] == ["plain", "tap", "eager", "steer-active"]
     workload = result["workload"]
     for setup in result["setups"]:
         assert "error" not in setup, setup.get("error")
@@ -348,11 +470,12 @@ def test_smoke_mode_runs_all_three_setups(tmp_path):
             assert e["output_tokens"] == workload["num_prompts"][c] * workload["output_len"], where
             for key in ("ttft_ms", "e2e_ms"):
                 assert all(math.isfinite(v) and v > 0 for v in e[key].values()), (where, key, e[key])
-            assert e["tpot_ms"]["mean"] > 0 and e["output_tokens_per_s"] > 0, where
-            # a loaded 2-core machine may deliver two chunks in one read (a gap of 0)
+            assert e["output_tokens_per_s"] > 0, where
+            # a loaded 2-core machine may deliver a whole short stream in one read (client gaps of 0);
+            # vLLM's own per-token time below is the positive one
             assert all(math.isfinite(v) and v >= 0 for v in [*e["tpot_ms"].values(), *e["itl_ms"].values()]), where
             assert e["server"].get("tpot_mean_ms", 0) > 0, where  # vLLM's own /metrics were read
-            if setup["kind"] == "tap":
+            if setup["kind"] in ("tap", "steer-active"):
                 scores = e["scores"]
                 assert scores["coverage"] == 1.0 and scores["scored_tokens"] == e["output_tokens"], (where, scores)
                 assert scores["requests_with_all_prompt_scores"] == scores["requests"], (where, scores)
@@ -366,5 +489,19 @@ def test_smoke_mode_runs_all_three_setups(tmp_path):
     for kind in ("tap_vs_plain", "eager_vs_plain"):
         assert set(result["overhead_pct"][kind]) == {"1", "2"}
     assert "| set-up | concurrency |" in proc.stdout
+    # every request of steer-active was steered, and it showed in the scores after the write
+    assert result["steering"]["layer"] == 1
+    active = result["setups"][3]
+    checks = active["checks"]
+    assert checks["probex_runs_unsteered_lines"] == 0 and checks["probex_steer_layers"] == [1]
+    assert [(v["name"], v["layer"]) for v in checks["probex_steering_vectors"]] == [("bench-steer", 1)]
+    assert active["request_xargs"] == {"probex_steer": "bench-steer", "probex_steer_alpha": 1.0,
+                                       "probex_steer_window": "all"}
+    effect = checks["steering_effect"]
+    # the layer-2 probes see the write at layer 1; the layer-1 probes read the stream before it
+    assert effect["probes_after_write"] == [f"bench-l2-{i}" for i in range(4)] and not effect["errors"]
+    assert effect["max_abs_raw_diff_after_write"] > 1e-4, effect
+    assert effect["max_abs_raw_diff_at_or_before_write"] == 0.0, effect
+    assert "steer-active c=2" in proc.stdout and "steering check" in proc.stdout
     if importlib.util.find_spec("matplotlib"):
         assert (out / "bench_engine_tpot.png").read_bytes()[:4] == b"\x89PNG"
