@@ -42,34 +42,16 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     """Validate the probes against the model, then return (argv, env) for `vllm serve`."""
     model_dir = resolve_model(args.model)
     served = ServedModel.from_model_dir(model_dir)
-    try:
-        probes = [load_probe(d, served) for d in args.probe]
-        check_probe_set(probes)
-    except (ProbeFormatError, ProbeMismatchError) as exc:
-        raise SystemExit(f"probex worker: refusing to start: {exc}") from None
+    probes = _load_or_refuse(lambda: [load_probe(d, served) for d in args.probe], check_probe_set)
     layers = sorted({p.layer for p in probes} | set(args.layer))
-    for layer in layers:
-        if not 0 <= layer < served.num_hidden_layers:
-            raise SystemExit(
-                f"probex worker: refusing to start: --layer {layer} is out of range for {model_dir}"
-                f" ({served.num_hidden_layers} decoder layers)"
-            )
+    _refuse_layers_out_of_range(layers, "--layer", served, model_dir)
     if not layers:
         raise SystemExit("probex worker: give at least one --probe or --layer to tap")
     if args.steer_vectors < 1:
         raise SystemExit("probex worker: --steer-vectors must be at least 1")
-    try:
-        vectors = [load_vector(d, served) for d in args.steer_vector]
-        check_vector_set(vectors)
-    except (ProbeFormatError, ProbeMismatchError) as exc:
-        raise SystemExit(f"probex worker: refusing to start: {exc}") from None
+    vectors = _load_or_refuse(lambda: [load_vector(d, served) for d in args.steer_vector], check_vector_set)
     steer_layers = sorted({v.layer for v in vectors} | set(args.steer_layer))
-    for layer in steer_layers:
-        if not 0 <= layer < served.num_hidden_layers:
-            raise SystemExit(
-                f"probex worker: refusing to start: --steer-layer {layer} is out of range for {model_dir}"
-                f" ({served.num_hidden_layers} decoder layers)"
-            )
+    _refuse_layers_out_of_range(steer_layers, "--steer-layer", served, model_dir)
     for layer in steer_layers:
         count = sum(v.layer == layer for v in vectors)
         if count > args.steer_vectors:
@@ -112,6 +94,25 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     else:
         env.pop("PROBEX_ADMIN_TOKEN", None)
     return argv, env
+
+
+def _load_or_refuse(load, check_set):
+    """Artifacts loaded and checked as a set, or the worker refuses to start naming the file and problem."""
+    try:
+        artifacts = load()
+        check_set(artifacts)
+    except (ProbeFormatError, ProbeMismatchError) as exc:
+        raise SystemExit(f"probex worker: refusing to start: {exc}") from None
+    return artifacts
+
+
+def _refuse_layers_out_of_range(layers: list[int], flag: str, served: ServedModel, model_dir: Path) -> None:
+    for layer in layers:
+        if not 0 <= layer < served.num_hidden_layers:
+            raise SystemExit(
+                f"probex worker: refusing to start: {flag} {layer} is out of range for {model_dir}"
+                f" ({served.num_hidden_layers} decoder layers)"
+            )
 
 
 def _served_names(requested: str, model_dir: Path, passthrough: list[str]) -> list[str]:

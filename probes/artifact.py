@@ -93,17 +93,8 @@ class ProbeArtifact:
         return np.asarray(activation, dtype=np.float64) @ self.weight.astype(np.float64) + self.bias
 
     def check_fits(self, served: ServedModel) -> None:
-        where = self.source or self.name
-        if self.hidden_size != served.hidden_size:
-            raise ProbeMismatchError(
-                f"{where}: probe {self.name!r} has hidden_size {self.hidden_size} but the served model"
-                f" has hidden_size {served.hidden_size}"
-            )
-        if not 0 <= self.layer < served.num_hidden_layers:
-            raise ProbeMismatchError(
-                f"{where}: probe {self.name!r} reads layer {self.layer}, out of range for a model with"
-                f" {served.num_hidden_layers} decoder layers (valid: 0..{served.num_hidden_layers - 1})"
-            )
+        check_fits_model(self.source or self.name, f"probe {self.name!r}", self.hidden_size,
+                         f"reads layer {self.layer}", self.layer, served)
 
     def metadata(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -140,37 +131,11 @@ def save_probe(probe: ProbeArtifact, directory: str | Path) -> Path:
 
 def load_probe(directory: str | Path, served: ServedModel | None = None) -> ProbeArtifact:
     """Load and validate a probe directory; with `served`, also check it fits that model."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     root = Path(directory)
-    meta_path, weights_path = root / METADATA_FILE, root / WEIGHTS_FILE
-    if not root.is_dir():
-        raise ProbeFormatError(f"{root}: probe directory not found")
-    for path in (meta_path, weights_path):
-        if not path.is_file():
-            raise ProbeFormatError(f"{path}: missing (a probe directory holds {METADATA_FILE} and {WEIGHTS_FILE})")
-
-    try:
-        meta = yaml.safe_load(meta_path.read_text())
-    except yaml.YAMLError as exc:
-        raise ProbeFormatError(f"{meta_path}: not valid YAML ({exc})") from None
-    if not isinstance(meta, dict):
-        raise ProbeFormatError(f"{meta_path}: expected a mapping at the top level")
+    meta, meta_path, weights_path = read_metadata(root, METADATA_FILE, WEIGHTS_FILE, "probe")
 
     def field_of(key: str, kind: type, default: Any = ...) -> Any:
-        if key not in meta:
-            if default is ...:
-                raise ProbeFormatError(f"{meta_path}: required field {key!r} is missing")
-            return default
-        value = meta[key]
-        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ProbeFormatError(f"{meta_path}: field {key!r} must be an integer, got {value!r}")
-        if kind is str and not (isinstance(value, str) and value.strip()):
-            raise ProbeFormatError(f"{meta_path}: field {key!r} must be a non-empty string, got {value!r}")
-        if kind is dict and not isinstance(value, dict):
-            raise ProbeFormatError(f"{meta_path}: field {key!r} must be a mapping, got {value!r}")
-        return value
+        return metadata_field(meta, meta_path, key, kind, default)
 
     name = field_of("name", str)
     layer = field_of("layer", int)
@@ -188,27 +153,11 @@ def load_probe(directory: str | Path, served: ServedModel | None = None) -> Prob
             raise ProbeFormatError(f"{meta_path}: {label} must be a finite number, got {value!r}")
     model = field_of("model", dict, {})
 
-    try:
-        tensors = load_file(str(weights_path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ProbeFormatError(f"{weights_path}: cannot read safetensors ({exc})") from None
-    for key in ("weight", "bias"):
-        if key not in tensors:
-            raise ProbeFormatError(f"{weights_path}: tensor {key!r} is missing")
+    tensors = read_tensors(weights_path, ("weight", "bias"))
     weight, bias = tensors["weight"], tensors["bias"]
-    if weight.dtype != np.float32 or weight.ndim != 1:
-        raise ProbeFormatError(
-            f"{weights_path}: 'weight' must be float32 of shape [hidden_size], got {weight.dtype} {list(weight.shape)}"
-        )
+    check_direction(weight, "weight", weights_path, root, METADATA_FILE, hidden_size)
     if bias.dtype != np.float32 or bias.shape != (1,):
         raise ProbeFormatError(f"{weights_path}: 'bias' must be float32 of shape [1], got {bias.dtype} {list(bias.shape)}")
-    if weight.shape[0] != hidden_size:
-        raise ProbeFormatError(
-            f"{root}: probe.yaml says hidden_size {hidden_size} but 'weight' has {weight.shape[0]} values"
-        )
-    if not np.isfinite(weight).all():
-        bad = int((~np.isfinite(weight)).sum())
-        raise ProbeFormatError(f"{weights_path}: 'weight' holds {bad} non-finite values (NaN or inf)")
     if not np.isfinite(bias).all():
         raise ProbeFormatError(f"{weights_path}: 'bias' is not finite")
 
@@ -231,11 +180,96 @@ def load_probe(directory: str | Path, served: ServedModel | None = None) -> Prob
 
 def check_probe_set(probes: list[ProbeArtifact]) -> None:
     """Refuse a set in which two probes share a name: scores are keyed by name."""
-    seen: dict[str, ProbeArtifact] = {}
-    for probe in probes:
-        if probe.name in seen:
+    check_unique_names(probes, "probes")
+
+
+# -- shared by every artifact kind kept in a directory (probes here, steering vectors in
+# probes/steering.py): the same checks, the same error messages --------------------------------
+
+
+def check_fits_model(where: Any, what: str, hidden_size: int, layer_phrase: str, layer: int,
+                     served: ServedModel) -> None:
+    if hidden_size != served.hidden_size:
+        raise ProbeMismatchError(
+            f"{where}: {what} has hidden_size {hidden_size} but the served model has hidden_size {served.hidden_size}"
+        )
+    if not 0 <= layer < served.num_hidden_layers:
+        raise ProbeMismatchError(
+            f"{where}: {what} {layer_phrase}, out of range for a model with"
+            f" {served.num_hidden_layers} decoder layers (valid: 0..{served.num_hidden_layers - 1})"
+        )
+
+
+def read_metadata(root: Path, meta_file: str, tensor_file: str, what: str) -> tuple[dict, Path, Path]:
+    """(metadata mapping, its path, the tensor file's path) of an artifact directory, or a ProbeFormatError."""
+    meta_path, tensor_path = root / meta_file, root / tensor_file
+    if not root.is_dir():
+        raise ProbeFormatError(f"{root}: {what} directory not found")
+    for path in (meta_path, tensor_path):
+        if not path.is_file():
+            raise ProbeFormatError(f"{path}: missing (a {what} directory holds {meta_file} and {tensor_file})")
+    try:
+        meta = yaml.safe_load(meta_path.read_text())
+    except yaml.YAMLError as exc:
+        raise ProbeFormatError(f"{meta_path}: not valid YAML ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ProbeFormatError(f"{meta_path}: expected a mapping at the top level")
+    return meta, meta_path, tensor_path
+
+
+def metadata_field(meta: dict, meta_path: Path, key: str, kind: type, default: Any = ...) -> Any:
+    """meta[key], checked to be a `kind` (int, non-empty str or dict); `default` when absent, if given."""
+    if key not in meta:
+        if default is ...:
+            raise ProbeFormatError(f"{meta_path}: required field {key!r} is missing")
+        return default
+    value = meta[key]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ProbeFormatError(f"{meta_path}: field {key!r} must be an integer, got {value!r}")
+    if kind is str and not (isinstance(value, str) and value.strip()):
+        raise ProbeFormatError(f"{meta_path}: field {key!r} must be a non-empty string, got {value!r}")
+    if kind is dict and not isinstance(value, dict):
+        raise ProbeFormatError(f"{meta_path}: field {key!r} must be a mapping, got {value!r}")
+    return value
+
+
+def read_tensors(path: Path, required: tuple[str, ...]) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ProbeFormatError(f"{path}: cannot read safetensors ({exc})") from None
+    for key in required:
+        if key not in tensors:
+            raise ProbeFormatError(f"{path}: tensor {key!r} is missing")
+    return tensors
+
+
+def check_direction(values: np.ndarray, key: str, tensor_path: Path, root: Path, meta_file: str,
+                    hidden_size: int) -> None:
+    """A direction in the residual stream: float32, [hidden_size] as the metadata says, finite."""
+    if values.dtype != np.float32 or values.ndim != 1:
+        raise ProbeFormatError(
+            f"{tensor_path}: {key!r} must be float32 of shape [hidden_size], got {values.dtype} {list(values.shape)}"
+        )
+    if values.shape[0] != hidden_size:
+        raise ProbeFormatError(
+            f"{root}: {meta_file} says hidden_size {hidden_size} but {key!r} has {values.shape[0]} values"
+        )
+    if not np.isfinite(values).all():
+        bad = int((~np.isfinite(values)).sum())
+        raise ProbeFormatError(f"{tensor_path}: {key!r} holds {bad} non-finite values (NaN or inf)")
+
+
+def check_unique_names(artifacts: list, what: str) -> None:
+    """Requests and scores refer to artifacts by name, so a loaded set must not repeat one."""
+    seen: dict[str, Any] = {}
+    for artifact in artifacts:
+        if artifact.name in seen:
             raise ProbeFormatError(
-                f"two probes are named {probe.name!r} ({seen[probe.name].source} and {probe.source});"
+                f"two {what} are named {artifact.name!r} ({seen[artifact.name].source} and {artifact.source});"
                 " names must be unique"
             )
-        seen[probe.name] = probe
+        seen[artifact.name] = artifact

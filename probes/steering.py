@@ -16,7 +16,16 @@ from typing import Any
 import numpy as np
 import yaml
 
-from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel
+from probes.artifact import (
+    ProbeFormatError,
+    ServedModel,
+    check_direction,
+    check_fits_model,
+    check_unique_names,
+    metadata_field,
+    read_metadata,
+    read_tensors,
+)
 
 VECTOR_FILE = "vector.safetensors"
 VECTOR_METADATA_FILE = "vector.yaml"
@@ -46,17 +55,8 @@ class SteeringVector:
         return h.hexdigest()[:16]
 
     def check_fits(self, served: ServedModel) -> None:
-        where = self.source or self.name
-        if self.hidden_size != served.hidden_size:
-            raise ProbeMismatchError(
-                f"{where}: steering vector {self.name!r} has hidden_size {self.hidden_size} but the served model"
-                f" has hidden_size {served.hidden_size}"
-            )
-        if not 0 <= self.layer < served.num_hidden_layers:
-            raise ProbeMismatchError(
-                f"{where}: steering vector {self.name!r} is for layer {self.layer}, out of range for a model with"
-                f" {served.num_hidden_layers} decoder layers (valid: 0..{served.num_hidden_layers - 1})"
-            )
+        check_fits_model(self.source or self.name, f"steering vector {self.name!r}", self.hidden_size,
+                         f"is for layer {self.layer}", self.layer, served)
 
     def metadata(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -83,59 +83,16 @@ def save_vector(vector: SteeringVector, directory: str | Path) -> Path:
 
 def load_vector(directory: str | Path, served: ServedModel | None = None) -> SteeringVector:
     """Load and validate a steering-vector directory; with `served`, also check it fits that model."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     root = Path(directory)
-    meta_path, tensor_path = root / VECTOR_METADATA_FILE, root / VECTOR_FILE
-    if not root.is_dir():
-        raise ProbeFormatError(f"{root}: steering-vector directory not found")
-    for path in (meta_path, tensor_path):
-        if not path.is_file():
-            raise ProbeFormatError(
-                f"{path}: missing (a steering-vector directory holds {VECTOR_METADATA_FILE} and {VECTOR_FILE})"
-            )
-    try:
-        meta = yaml.safe_load(meta_path.read_text())
-    except yaml.YAMLError as exc:
-        raise ProbeFormatError(f"{meta_path}: not valid YAML ({exc})") from None
-    if not isinstance(meta, dict):
-        raise ProbeFormatError(f"{meta_path}: expected a mapping at the top level")
+    meta, meta_path, tensor_path = read_metadata(root, VECTOR_METADATA_FILE, VECTOR_FILE, "steering-vector")
     if meta.get("kind", "steering_vector") != "steering_vector":
         raise ProbeFormatError(f"{meta_path}: kind {meta.get('kind')!r} is not 'steering_vector'")
-
-    def required_int(key: str) -> int:
-        value = meta.get(key)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProbeFormatError(f"{meta_path}: field {key!r} must be an integer, got {value!r}")
-        return value
-
-    name = meta.get("name")
-    if not (isinstance(name, str) and name.strip()):
-        raise ProbeFormatError(f"{meta_path}: field 'name' must be a non-empty string, got {name!r}")
-    layer = required_int("layer")
-    hidden_size = required_int("hidden_size")
-    model = meta.get("model", {})
-    if not isinstance(model, dict):
-        raise ProbeFormatError(f"{meta_path}: field 'model' must be a mapping, got {model!r}")
-    try:
-        tensors = load_file(str(tensor_path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ProbeFormatError(f"{tensor_path}: cannot read safetensors ({exc})") from None
-    if "vector" not in tensors:
-        raise ProbeFormatError(f"{tensor_path}: tensor 'vector' is missing")
-    values = tensors["vector"]
-    if values.dtype != np.float32 or values.ndim != 1:
-        raise ProbeFormatError(
-            f"{tensor_path}: 'vector' must be float32 of shape [hidden_size], got {values.dtype} {list(values.shape)}"
-        )
-    if values.shape[0] != hidden_size:
-        raise ProbeFormatError(
-            f"{root}: {VECTOR_METADATA_FILE} says hidden_size {hidden_size} but 'vector' has {values.shape[0]} values"
-        )
-    if not np.isfinite(values).all():
-        bad = int((~np.isfinite(values)).sum())
-        raise ProbeFormatError(f"{tensor_path}: 'vector' holds {bad} non-finite values (NaN or inf)")
+    name = metadata_field(meta, meta_path, "name", str)
+    layer = metadata_field(meta, meta_path, "layer", int)
+    hidden_size = metadata_field(meta, meta_path, "hidden_size", int)
+    model = metadata_field(meta, meta_path, "model", dict, {})
+    values = read_tensors(tensor_path, ("vector",))["vector"]
+    check_direction(values, "vector", tensor_path, root, VECTOR_METADATA_FILE, hidden_size)
     vector = SteeringVector(name=name, layer=layer, vector=values, model=model,
                             extra={k: v for k, v in meta.items() if k not in _KNOWN_KEYS}, source=root)
     if served is not None:
@@ -145,14 +102,7 @@ def load_vector(directory: str | Path, served: ServedModel | None = None) -> Ste
 
 def check_vector_set(vectors: list[SteeringVector]) -> None:
     """Requests pick vectors by name, so names must be unique in a loaded set."""
-    seen: dict[str, SteeringVector] = {}
-    for vector in vectors:
-        if vector.name in seen:
-            raise ProbeFormatError(
-                f"two steering vectors are named {vector.name!r} ({seen[vector.name].source} and {vector.source});"
-                " names must be unique"
-            )
-        seen[vector.name] = vector
+    check_unique_names(vectors, "steering vectors")
 
 
 def difference_of_means(positive: np.ndarray, negative: np.ndarray) -> np.ndarray:
