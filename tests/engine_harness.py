@@ -82,6 +82,18 @@ class Worker:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
+    def __enter__(self) -> "Worker":
+        """`with Worker(...) as w:` waits until it serves and stops it afterwards, even if it never came up."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
     def wait_ready(self, timeout: float = 900) -> None:
         try:
             wait_until_healthy(self.proc, self.url, timeout_s=timeout)

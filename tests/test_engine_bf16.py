@@ -29,12 +29,8 @@ def setup(tmp_path_factory):
         "--capture-dir", str(capture), "--dtype", "bfloat16", "--max-model-len", "2048",
         "--max-num-batched-tokens", "256", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.25",
     ]
-    w = Worker(args, log)
-    try:
-        w.wait_ready()
+    with Worker(args, log) as w:
         yield w, probes, capture
-    finally:
-        w.stop()
 
 
 def row_cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:

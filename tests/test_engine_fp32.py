@@ -45,12 +45,8 @@ def worker(probes, capture_dir, tmp_path_factory):
         "--layer", "22", "--capture-dir", str(capture_dir), "--dtype", "float32", "--max-model-len", "2048",
         "--max-num-batched-tokens", str(MAX_BATCHED), "--max-num-seqs", "16", "--gpu-memory-utilization", "0.25",
     ]
-    w = Worker(args, log)
-    try:
-        w.wait_ready()
+    with Worker(args, log) as w:
         yield w
-    finally:
-        w.stop()
 
 
 @pytest.fixture(scope="module")

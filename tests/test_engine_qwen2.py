@@ -41,14 +41,10 @@ def qwen(tmp_path_factory):
                                          weight=rng.standard_normal(HIDDEN).astype(np.float32), bias=0.5),
                            root / "q2")
     capture = root / "capture"
-    worker = Worker([f"--probe={probe_dir}", "--capture-dir", str(capture), "--dtype", "float32",
-                     "--max-model-len", "1024", "--gpu-memory-utilization", "0.1"], root / "worker.log",
-                    model=str(model_path))
-    try:
-        worker.wait_ready()
+    with Worker([f"--probe={probe_dir}", "--capture-dir", str(capture), "--dtype", "float32",
+                 "--max-model-len", "1024", "--gpu-memory-utilization", "0.1"], root / "worker.log",
+                model=str(model_path)) as worker:
         yield worker, model, probe_dir, capture
-    finally:
-        worker.stop()
 
 
 def test_qwen2_tap_matches_hf(qwen):

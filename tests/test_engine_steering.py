@@ -56,12 +56,8 @@ def worker(probes, vector_dir, capture_dir, tmp_path_factory):
         "--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "32",
         "--gpu-memory-utilization", "0.25",
     ]
-    w = Worker(args, log)
-    try:
-        w.wait_ready()
+    with Worker(args, log) as w:
         yield w
-    finally:
-        w.stop()
 
 
 @pytest.fixture(scope="module")

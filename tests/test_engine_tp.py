@@ -109,12 +109,8 @@ def worker(tp_model, artifacts, tmp_path_factory, monkeypatch_module):
         "--max-num-batched-tokens", "256", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.1",
         "--tensor-parallel-size", "2",
     ]
-    w = Worker(args, tmp_path_factory.mktemp("logs") / "worker-tp2.log", model=str(tp_model))
-    try:
-        w.wait_ready()
+    with Worker(args, tmp_path_factory.mktemp("logs") / "worker-tp2.log", model=str(tp_model)) as w:
         yield w
-    finally:
-        w.stop()
 
 
 @pytest.fixture(scope="module")
