@@ -28,14 +28,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-from probex.processes import WorkerExited, wait_until_healthy
+from probex.processes import logged_worker
 
 PROMPTS = [
     "What is the capital of France?",
@@ -173,26 +171,15 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
         # A fixed KV cache skips vLLM's memory profiling, which assumes no other process
         # changes its GPU memory meanwhile (it asserts so) - untrue for engines starting together.
         cmd += ["--kv-cache-memory-bytes", str(2 << 30)]
-    started = time.monotonic()
     forced = None
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    with logged_worker(cmd, env, log_path, url, label) as ready_s:
+        responses = asyncio.run(query(url, str(model)))
+        if name == "graphs":
             try:
-                wait_until_healthy(proc, url, timeout_s=900)
-            except WorkerExited as exc:
-                raise RuntimeError(f"{label} {exc}: " + log_path.read_text()[-3000:]) from None
-            ready_s = time.monotonic() - started
-            responses = asyncio.run(query(url, str(model)))
-            if name == "graphs":
-                try:
-                    forced = asyncio.run(teacher_forced(url, str(model)))
-                except Exception as exc:  # keep the mode comparison even if this check breaks
-                    forced = {"error": repr(exc)[:500]}
-        finally:
-            os.killpg(proc.pid, 15)
-            proc.wait(60)
+                forced = asyncio.run(teacher_forced(url, str(model)))
+            except Exception as exc:  # keep the mode comparison even if this check breaks
+                forced = {"error": repr(exc)[:500]}
     text = log_path.read_text(errors="replace")
     graph_lines = [l[-200:] for l in text.splitlines() if any(re.search(p, l) for p in GRAPH_LOG_PATTERNS)]
     runner_lines = [l[-200:] for l in text.splitlines() if "Using V2 Model Runner" in l or "tap attached to vLLM model runner V2" in l]

@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from probex.gpu_smoke import GRAPH_LOG_PATTERNS, MODES, PROMPTS, RUNNERS, build_model, max_tokens_for
-from probex.processes import WorkerExited, wait_until_healthy
+from probex.processes import logged_worker
 
 VARIANTS = ("plain", "zero", "steered", "gated", "generation")
 GATE_THRESHOLD = 0.5
@@ -136,31 +135,20 @@ def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Pa
            *MODES[mode]]
     if attention_backend:
         cmd += ["--attention-backend", attention_backend]
-    started = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            try:
-                wait_until_healthy(proc, url, timeout_s=900)
-            except WorkerExited as exc:
-                raise RuntimeError(f"{label} {exc}: " + log_path.read_text()[-3000:]) from None
-            ready_s = time.monotonic() - started
-            if settings is None:  # the first engine measures; later ones reuse, so runs compare
-                settings = calibrate(url, str(model), capture, probes[0])
-            load_probes(url, probes)  # the re-biased gate probe, swapped in live
-            alpha = settings["alpha"]
-            bodies = [body(str(model), p, max_tokens_for(i), xargs_for(v, alpha))
-                      for v in VARIANTS for i, p in enumerate(PROMPTS)]
-            responses = asyncio.run(post_all(url, bodies))
-            timing = None
-            if mode == "graphs":
-                timed(url, str(model), {})  # warm-up
-                timing = {"idle_s": timed(url, str(model), {}),
-                          "active_s": timed(url, str(model), xargs_for("steered", alpha))}
-        finally:
-            os.killpg(proc.pid, 15)
-            proc.wait(60)
+    url = f"http://127.0.0.1:{port}"
+    with logged_worker(cmd, env, log_path, url, label) as ready_s:
+        if settings is None:  # the first engine measures; later ones reuse, so runs compare
+            settings = calibrate(url, str(model), capture, probes[0])
+        load_probes(url, probes)  # the re-biased gate probe, swapped in live
+        alpha = settings["alpha"]
+        bodies = [body(str(model), p, max_tokens_for(i), xargs_for(v, alpha))
+                  for v in VARIANTS for i, p in enumerate(PROMPTS)]
+        responses = asyncio.run(post_all(url, bodies))
+        timing = None
+        if mode == "graphs":
+            timed(url, str(model), {})  # warm-up
+            timing = {"idle_s": timed(url, str(model), {}),
+                      "active_s": timed(url, str(model), xargs_for("steered", alpha))}
     text = log_path.read_text(errors="replace")
     graph_lines = [l[-200:] for l in text.splitlines() if any(re.search(p, l) for p in GRAPH_LOG_PATTERNS)]
     n = len(PROMPTS)

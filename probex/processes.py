@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import time
+from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -28,3 +33,27 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float | None
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"{url} not healthy after {timeout_s} s")
         time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def logged_worker(cmd: list[str], env: dict[str, str], log_path: Path, url: str, label: str,
+                  timeout_s: float = 900) -> Iterator[float]:
+    """Start `cmd` (output to `log_path`), wait until `url` serves, yield the seconds that took; stop it after.
+
+    The process gets its own session so stopping it takes vLLM's engine processes along.
+    """
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            try:
+                wait_until_healthy(proc, url, timeout_s=timeout_s)
+            except WorkerExited as exc:
+                raise RuntimeError(f"{label} {exc}: " + log_path.read_text()[-3000:]) from None
+            yield time.monotonic() - started
+        finally:
+            # The group outlives a worker that died on its own only while its engine processes
+            # do; once all are gone there is nothing to signal, and the real error must surface.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
