@@ -252,34 +252,45 @@ class ProbexMiddleware:
         return token == self.admin_token
 
     async def _probes_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        dirs = await self._artifact_route(scope, receive, send, _PROBE_SET)
+        if dirs is not None and self._retention_enabled:
+            self.retention.schedule(dirs)
+
+    async def _steering_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._artifact_route(scope, receive, send, _STEERING_SET)
+
+    async def _artifact_route(self, scope: Scope, receive: Receive, send: Send, kind: "_ArtifactSet") -> list[str] | None:
+        """GET lists the loaded set; PUT (admin) replaces it on every worker. Returns the new dirs after a swap."""
         method = scope["method"]
         if method not in ("GET", "PUT"):
-            return await _send_json(send, 405, openai_error(f"{method} not allowed on /probex/probes", status=405))
-        if method == "PUT":
-            if not self.admin_token:
-                return await _send_json(send, 403, openai_error("live swap is disabled: the worker was started without an admin token", status=403))
-            if not self._is_admin(scope):
-                return await _send_json(send, 401, openai_error("admin token required (Authorization: Bearer <token>)", status=401))
+            await _send_json(send, 405, openai_error(f"{method} not allowed on {kind.path}", status=405))
+            return None
         engine = _engine_client(scope)
         if method == "GET":
-            listing = await engine.collective_rpc("probex_list_probes")
-            return await _send_json(send, 200, listing[0])
+            await _send_json(send, 200, (await engine.collective_rpc(kind.list_rpc))[0])
+            return None
+        if not self.admin_token:
+            await _send_json(send, 403, openai_error(f"{kind.swap_disabled}: the worker was started without an admin token", status=403))
+            return None
+        if not self._is_admin(scope):
+            await _send_json(send, 401, openai_error("admin token required (Authorization: Bearer <token>)", status=401))
+            return None
         raw = await _read_body(receive)
         try:
-            payload = json.loads(raw)
-            dirs = payload["probes"]
+            dirs = json.loads(raw)[kind.body_key]
             if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
                 raise TypeError
         except (ValueError, KeyError, TypeError):
-            return await _send_json(send, 400, openai_error('body must be {"probes": ["/path/to/probe-dir", ...]}', status=400, param="probes"))
+            await _send_json(send, 400, openai_error(f'body must be {{"{kind.body_key}": ["/path/to/{kind.dir_word}-dir", ...]}}', status=400, param=kind.body_key))
+            return None
         async with self._swap_lock:
-            result = _every_rank(await engine.collective_rpc("probex_load_probes", args=(dirs,)))
+            result = _every_rank(await engine.collective_rpc(kind.load_rpc, args=(dirs,)))
             self._listings = None
         if not result.get("ok"):
-            return await _send_json(send, 400, openai_error(result["error"], status=400, param="probes", code="probe_rejected"))
-        if self._retention_enabled:
-            self.retention.schedule(dirs)
-        return await _send_json(send, 200, result)
+            await _send_json(send, 400, openai_error(result["error"], status=400, param=kind.body_key, code=kind.rejected_code))
+            return None
+        await _send_json(send, 200, result)
+        return dirs
 
     async def _current_listings(self, scope: Scope) -> tuple[dict, dict]:
         listings = self._listings
@@ -289,32 +300,6 @@ class ProbexMiddleware:
             probes = (await engine.collective_rpc("probex_list_probes"))[0]
             listings = self._listings = (steering, probes)
         return listings
-
-    async def _steering_route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        method = scope["method"]
-        if method not in ("GET", "PUT"):
-            return await _send_json(send, 405, openai_error(f"{method} not allowed on /probex/steering", status=405))
-        if method == "PUT":
-            if not self.admin_token:
-                return await _send_json(send, 403, openai_error("replacing steering vectors is disabled: the worker was started without an admin token", status=403))
-            if not self._is_admin(scope):
-                return await _send_json(send, 401, openai_error("admin token required (Authorization: Bearer <token>)", status=401))
-        engine = _engine_client(scope)
-        if method == "GET":
-            return await _send_json(send, 200, (await engine.collective_rpc("probex_list_steering"))[0])
-        raw = await _read_body(receive)
-        try:
-            dirs = json.loads(raw)["vectors"]
-            if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            return await _send_json(send, 400, openai_error('body must be {"vectors": ["/path/to/vector-dir", ...]}', status=400, param="vectors"))
-        async with self._swap_lock:
-            result = _every_rank(await engine.collective_rpc("probex_load_steering", args=(dirs,)))
-            self._listings = None
-        if not result.get("ok"):
-            return await _send_json(send, 400, openai_error(result["error"], status=400, param="vectors", code="steering_rejected"))
-        return await _send_json(send, 200, result)
 
     async def _health(self, scope: Scope, send: Send) -> None:
         listing = (await _engine_client(scope).collective_rpc("probex_list_probes"))[0]
@@ -492,6 +477,25 @@ def _decode_json(raw: bytes) -> Any:
 
 def _encode_json(payload: Any) -> bytes:
     return _json_encoder.encode(payload)
+
+
+@dataclass(frozen=True)
+class _ArtifactSet:
+    """What differs between the two live-swappable sets a worker serves (probes, steering vectors)."""
+
+    path: str
+    list_rpc: str
+    load_rpc: str
+    body_key: str
+    dir_word: str
+    swap_disabled: str
+    rejected_code: str
+
+
+_PROBE_SET = _ArtifactSet("/probex/probes", "probex_list_probes", "probex_load_probes", "probes", "probe",
+                          "live swap is disabled", "probe_rejected")
+_STEERING_SET = _ArtifactSet("/probex/steering", "probex_list_steering", "probex_load_steering", "vectors", "vector",
+                             "replacing steering vectors is disabled", "steering_rejected")
 
 
 def _every_rank(results: list[dict]) -> dict:
