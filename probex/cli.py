@@ -122,8 +122,9 @@ def main(argv: list[str] | None = None) -> int | None:
         from probex.serve import run_embedded
 
         worker_args = extra or ["--max-model-len", "4096", "--gpu-memory-utilization", "0.25"]
-        run_embedded(Path(args.config), str(resolve_model(args.model)), args.host, args.port, args.worker_port,
-                     args.redis, worker_args)
+        resolve_model(args.model)  # refuse now, not after the gateway's banner, if it is not fetched
+        # The name, not the resolved path, goes to the worker: it then serves the model under that name.
+        run_embedded(Path(args.config), args.model, args.host, args.port, args.worker_port, args.redis, worker_args)
     elif args.command == "extract":
         from probex.extract import run_extract
 
