@@ -108,17 +108,38 @@ class _PromptAccumulator:
     done: bool = False
 
 
+_NO_ROWS = np.empty((0, 0), dtype=np.float32)
+
+
 @dataclass
 class StepEvents:
-    """What one step produced, ready to be encoded and sent to the API server."""
+    """What one step produced, ready to be encoded and sent to the API server.
+
+    Sampled tokens are kept as parallel columns (request ids, token indexes, one [n, k]
+    array of raw scores) rather than one dict per token: at 64 decoding requests per step
+    this is most of what the transfer thread builds, on a thread that shares the GIL with
+    the engine loop, and the array goes on the wire as one block of bytes.
+    """
 
     table: ProbeTable
     prompt: list[dict] = field(default_factory=list)
-    tokens: list[dict] = field(default_factory=list)
+    token_req_ids: list[str] = field(default_factory=list)
+    token_indexes: list[int] = field(default_factory=list)
+    token_raw: np.ndarray = field(default_factory=lambda: _NO_ROWS)
     finished: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.prompt or self.tokens or self.finished)
+        return bool(self.prompt or self.token_req_ids or self.finished)
+
+    @property
+    def tokens(self) -> list[dict]:
+        """The sampled tokens one dict each (for reading and tests; the wire uses the columns)."""
+        return [{"req": r, "index": i, "raw": row} for r, i, row in
+                zip(self.token_req_ids, self.token_indexes, self.token_raw.tolist())]
+
+    def wire_tokens(self) -> dict:
+        return {"req": self.token_req_ids, "index": self.token_indexes,
+                "raw": np.ascontiguousarray(self.token_raw, dtype=np.float32).tobytes()}
 
 
 class ScoreBook:
@@ -155,18 +176,16 @@ class ScoreBook:
         sampled = np.flatnonzero(c + n >= p)  # a prefill chunk that stops short samples nothing
         if not len(sampled):
             return events
-        rows = (starts + n - 1)[sampled]
-        indexes = (c + n - p)[sampled].tolist()
-        sampled_raw = raw[rows].tolist()
+        indexes = (c + n - p)[sampled]
         req_ids = layout.req_ids
-        for i, index, values in zip(sampled.tolist(), indexes, sampled_raw):
-            req_id = req_ids[i]
-            if index == 0:
-                acc = self._prompts.get(req_id)
-                if acc is not None and not acc.done:
-                    acc.done = True
-                    events.prompt.append(_prompt_summary(req_id, acc))
-            events.tokens.append({"req": req_id, "index": index, "raw": values})
+        events.token_req_ids = [req_ids[i] for i in sampled.tolist()]
+        events.token_indexes = indexes.tolist()
+        events.token_raw = raw[(starts + n - 1)[sampled]]
+        for i in sampled[indexes == 0].tolist():  # first sampled token: the prompt is complete
+            acc = self._prompts.get(req_ids[i])
+            if acc is not None and not acc.done:
+                acc.done = True
+                events.prompt.append(_prompt_summary(req_ids[i], acc))
         return events
 
     def _accumulator(self, req_id: str, table: ProbeTable, prompt_len: int) -> _PromptAccumulator:

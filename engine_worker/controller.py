@@ -128,6 +128,7 @@ class TapController:
             "tapped_layers": sorted(self.taps),
             "slots_per_layer": {str(l): t.capacity for l, t in self.taps.items()},
             "capture": self.capture_dir is not None,
+            "transfer": self.transfer.describe(),
             "probes": [
                 {
                     "name": p.name,
@@ -309,7 +310,7 @@ class TapController:
                     "v": table.version,
                     "probes": table.describe(),
                     "prompt": events.prompt,
-                    "tokens": events.tokens,
+                    "tokens": events.wire_tokens(),
                     "finished": events.finished,
                 }
             )

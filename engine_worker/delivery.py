@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import zmq
 
 log = logging.getLogger("probex.delivery")
@@ -64,19 +65,40 @@ class RequestScores:
 
     prompt: dict | None = None
     prompt_probes: list[ProbeInfo] | None = None
-    tokens: dict[int, tuple[list[float], list[ProbeInfo]]] = field(default_factory=dict)
+    tokens: dict[int, tuple[list[float], list[ProbeInfo]]] = field(default_factory=dict)  # calibrated
     contiguous: int = 0  # tokens 0..contiguous-1 are all in: O(1) answers for every stream chunk
     finished: bool = False
     touched: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def add_token(self, index: int, raw: list[float], probes: list[ProbeInfo]) -> None:
-        self.tokens[index] = (raw, probes)
+    def add_token(self, index: int, scores: list[float], probes: list[ProbeInfo]) -> None:
+        """`scores`: calibrated, one per probe of `probes` (the set that scored this token)."""
+        self.tokens[index] = (scores, probes)
         while self.contiguous in self.tokens:
             self.contiguous += 1
 
     def has_tokens_below(self, count: int) -> bool:
         return self.contiguous >= count
+
+
+def token_raw_scores(tokens: dict, num_probes: int) -> np.ndarray:
+    """[n, num_probes] raw scores of a message's sampled tokens (sent as float32 bytes)."""
+    return np.frombuffer(tokens["raw"], dtype=np.float32).reshape(len(tokens["req"]), num_probes)
+
+
+class _ProbeSet:
+    """One probe-table version as the hub sees it: names and calibration, vectorised."""
+
+    def __init__(self, probes: list[ProbeInfo]) -> None:
+        self.probes = probes
+        self._slope = np.array([p.slope for p in probes], dtype=np.float64)
+        self._intercept = np.array([p.intercept for p in probes], dtype=np.float64)
+
+    def calibrate(self, raw: np.ndarray) -> np.ndarray:
+        """sigmoid(slope * raw + intercept) per column, overflow-safe like probes.scoring.calibrate."""
+        z = raw.astype(np.float64) * self._slope + self._intercept
+        e = np.exp(-np.abs(z))
+        return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 class ScoreHub:
@@ -86,10 +108,14 @@ class ScoreHub:
         self.address = address
         self.retention_s = retention_s
         self._requests: dict[str, RequestScores] = {}
-        self._tables: dict[int, list[ProbeInfo]] = {}
+        self._tables: dict[int, _ProbeSet] = {}
         self._task: asyncio.Task | None = None
         self._socket = None
         self.messages_received = 0
+        self._external_ids: dict[str, str] = {}  # engine request id -> ours, saves a regex per token
+        # How long responses were held back waiting for scores (the cost the tap adds to
+        # latency, if any), split by first chunk (prompt summary) and later tokens.
+        self.waits = {"prompt": WaitStats(), "tokens": WaitStats()}
 
     def start(self) -> None:
         if self._task is not None:
@@ -119,18 +145,29 @@ class ScoreHub:
     def ingest(self, message: dict) -> None:
         self.messages_received += 1
         version = message["v"]
-        probes = self._tables.get(version)
-        if probes is None:
-            probes = [ProbeInfo(*p) for p in message["probes"]]
-            self._tables[version] = probes
+        table = self._tables.get(version)
+        if table is None:
+            table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
+        probes = table.probes
         for event in message.get("prompt", ()):
             state = self._state(external_request_id(event["req"]))
             state.prompt, state.prompt_probes = event, probes
             state.changed.set()
-        for event in message.get("tokens", ()):
-            state = self._state(external_request_id(event["req"]))
-            state.add_token(event["index"], event["raw"], probes)
-            state.changed.set()
+        tokens = message.get("tokens")
+        if tokens and tokens["req"]:
+            # One vectorised calibration per step instead of one math.exp per token and
+            # probe later, on the event loop that also relays every chunk.
+            scores = table.calibrate(token_raw_scores(tokens, len(probes))).tolist()
+            external = self._external_ids
+            if len(external) > 100_000:  # ids are never reused: forgetting them all is safe
+                external.clear()
+            for req, index, values in zip(tokens["req"], tokens["index"], scores):
+                key = external.get(req)
+                if key is None:
+                    key = external[req] = external_request_id(req)
+                state = self._state(key)
+                state.add_token(index, values, probes)
+                state.changed.set()
         for req in message.get("finished", ()):
             state = self._requests.get(external_request_id(req))
             if state is not None:
@@ -163,14 +200,41 @@ class ScoreHub:
     async def wait_for(self, key: str, *, prompt: bool, tokens: int, timeout: float) -> bool:
         """Wait until the prompt summary (if asked) and tokens [0, tokens) are in; False on timeout."""
         state = self._state(key)
-        deadline = time.monotonic() + timeout
-        while not ((state.prompt is not None or not prompt) and state.has_tokens_below(tokens)):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            state.changed.clear()
-            try:
-                await asyncio.wait_for(state.changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                return False
-        return True
+        stats = self.waits["prompt" if prompt else "tokens"]
+        stats.calls += 1
+        if (state.prompt is not None or not prompt) and state.has_tokens_below(tokens):
+            return True
+        start = time.monotonic()
+        deadline = start + timeout
+        try:
+            while not ((state.prompt is not None or not prompt) and state.has_tokens_below(tokens)):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                state.changed.clear()
+                try:
+                    await asyncio.wait_for(state.changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    return False
+            return True
+        finally:
+            stats.add(time.monotonic() - start)
+
+    def wait_stats(self) -> dict[str, dict[str, float | int]]:
+        return {kind: stats.as_dict() for kind, stats in self.waits.items()}
+
+
+@dataclass
+class WaitStats:
+    calls: int = 0  # every wait_for, including those whose scores were already in
+    waited: int = 0  # those that had to wait
+    waited_s: float = 0.0
+    max_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.waited += 1
+        self.waited_s += seconds
+        self.max_s = max(self.max_s, seconds)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"calls": self.calls, "waited": self.waited, "waited_s": self.waited_s, "max_s": self.max_s}

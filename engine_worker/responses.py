@@ -38,6 +38,10 @@ def prompt_scores(state: RequestScores) -> dict[str, dict]:
 
 def generated_scores(state: RequestScores, start: int, stop: int) -> dict[str, list[float | None]]:
     """Calibrated scores of generated tokens [start, stop) per probe; None where a token has none."""
+    entries = [state.tokens.get(index) for index in range(start, stop)]
+    if entries and all(e is not None and e[1] is entries[0][1] for e in entries):
+        # The usual stream chunk: every token in, scored by one probe set — transpose.
+        return {probe.name: list(column) for probe, column in zip(entries[0][1], zip(*(e[0] for e in entries)))}
     names: dict[str, list[float | None]] = {}
     for index in range(start, stop):
         entry = state.tokens.get(index)
@@ -45,10 +49,10 @@ def generated_scores(state: RequestScores, start: int, stop: int) -> dict[str, l
             for values in names.values():
                 values.append(None)
             continue
-        raw, probes = entry
+        scores, probes = entry
         for column, probe in enumerate(probes):
             values = names.setdefault(probe.name, [None] * (index - start))
-            values.append(calibrate(raw[column], probe.slope, probe.intercept))
+            values.append(scores[column])
         for name, values in names.items():
             if len(values) < index - start + 1:
                 values.append(None)

@@ -836,6 +836,64 @@ def steering_effect(url: str, model: str, input_len: int, seed: int, probe_layer
     }
 
 
+def probex_health(url: str) -> dict[str, Any] | None:
+    import httpx
+
+    try:
+        return httpx.get(url + "/probex/health", timeout=30).json()
+    except Exception:  # diagnostics only: a benchmark must not fail over them
+        return None
+
+
+def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
+    """What the tap's delivery did during one measured phase, from two /probex/health snapshots.
+
+    transfer: per engine step, submit -> scores on the host (`landed`) and bookkeeping +
+    publish (`consume`), on the worker's transfer thread. score_waits: how often and how long
+    the API server held a response chunk back because its scores had not arrived yet — the
+    only way delivery can add to client-visible latency.
+    """
+    if not before or not after:
+        return {}
+    out: dict[str, Any] = {}
+    t0, t1 = before.get("transfer") or {}, after.get("transfer") or {}
+    steps = t1.get("steps", 0) - t0.get("steps", 0)
+    if steps > 0:
+        out["transfer"] = {
+            "steps": steps,
+            "landed_mean_ms": (t1["landed_s"] - t0["landed_s"]) / steps * 1e3,
+            "consume_mean_ms": (t1["consume_s"] - t0["consume_s"]) / steps * 1e3,
+            "landed_max_ms_so_far": t1["landed_max_s"] * 1e3,
+            "consume_max_ms_so_far": t1["consume_max_s"] * 1e3,
+            "waits_for_staging": t1.get("waits_for_staging", 0) - t0.get("waits_for_staging", 0),
+        }
+    w0, w1 = before.get("score_waits") or {}, after.get("score_waits") or {}
+    for kind, end in w1.items():
+        start = w0.get(kind, {})
+        calls = end["calls"] - start.get("calls", 0)
+        waited = end["waited"] - start.get("waited", 0)
+        seconds = end["waited_s"] - start.get("waited_s", 0.0)
+        out[f"{kind}_waits"] = {
+            "chunks": calls, "waited": waited,
+            "mean_ms_per_chunk": seconds / calls * 1e3 if calls else math.nan,
+            "mean_ms_when_waiting": seconds / waited * 1e3 if waited else 0.0,
+            "max_ms_so_far": end["max_s"] * 1e3,
+        }
+    return out
+
+
+def delivery_line(delivery: dict[str, Any]) -> str:
+    parts = []
+    if "transfer" in delivery:
+        t = delivery["transfer"]
+        parts.append(f"transfer: landed {t['landed_mean_ms']:.3f} ms, consume {t['consume_mean_ms']:.3f} ms per step")
+    for kind in ("prompt", "tokens"):
+        w = delivery.get(f"{kind}_waits")
+        if w and w["chunks"]:
+            parts.append(f"{kind} chunks held {w['waited']}/{w['chunks']} (mean {w['mean_ms_when_waiting']:.3f} ms when held)")
+    return "; ".join(parts)
+
+
 def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int], num_prompts: dict[int, int],
                   warmup: dict[int, int], input_len: int, output_len: int, seed: int,
                   probe_names: Sequence[str], record: dict[str, Any], save: Callable[[], None],
@@ -867,9 +925,12 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         asyncio.run(run_phase(server.url, model, warm, c, min(output_len, 16), None, xargs))
         prompts = random_prompts(num_prompts[c], input_len, seed * 1_000_003 + c * 2)
         before = scrape_server_metrics(server.url)
+        health_before = probex_health(server.url) if worker else None
         results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, output_len, expect, xargs))
         entry = summarize(results, wall, cpu, expected_tokens=output_len)
         entry["server"] = server_means_ms(before, scrape_server_metrics(server.url))
+        if health_before is not None:
+            entry["delivery"] = delivery_delta(health_before, probex_health(server.url))
         if worker:
             entry["scores"] = score_coverage(results, len(probe_names))
         else:
@@ -887,6 +948,8 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
               f"{entry['tpot_ms']['p50']:7.3f} ms  ITL p50 {entry['itl_ms']['p50']:7.3f} ms  "
               f"{entry['output_tokens_per_s']:9.1f} tok/s  failed {entry['failed']}"
               + (f"  scores {entry['scores']['coverage']:.1%}" if "scores" in entry else ""), flush=True)
+        if entry.get("delivery"):
+            print("            " + delivery_line(entry["delivery"]), flush=True)
     if plan.kind in STEERED_KINDS and steer is not None:
         effect = record["checks"]["steering_effect"] = steering_effect(
             server.url, model, input_len, seed, probe_layers or {}, steer, plan.kind)
@@ -901,7 +964,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     kinds = parse_setups(args.setups)
     concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
-    num_prompts = {c: args.num_prompts or max(8, 4 * c) for c in concurrencies}
+    num_prompts = {c: args.num_prompts or max(16, 4 * c) for c in concurrencies}
     warmup = {c: args.warmup if args.warmup is not None else max(2, c) for c in concurrencies}
     config = MODEL_CONFIGS[args.model_config]
     layers = tuple(args.probe_layers) if args.probe_layers else default_probe_layers(config["num_hidden_layers"])

@@ -11,6 +11,7 @@ import torch
 
 from engine_worker.bookkeeping import StepLayout
 from engine_worker.controller import TapController
+from engine_worker.delivery import token_raw_scores
 from engine_worker.score_transfer import ScoreTransfer
 from engine_worker.tap import LayerTap
 from probes.artifact import ProbeArtifact, ReadPoint, ServedModel, save_probe
@@ -74,7 +75,7 @@ def test_steps_are_scored_published_in_order_and_match_w_dot_x(setup, threaded):
     for tap in taps.values():
         tap.scores.fill_(1e9)
     assert controller.flush()
-    assert [m["tokens"][0]["index"] for m in published] == [0, 1, 2]
+    assert [m["tokens"]["index"][0] for m in published] == [0, 1, 2]
     first = published[0]
     assert [p["req"] for p in first["prompt"]] == ["a", "b"]
     # request a's last prompt token is row 4 of step 0; probe "first" reads layer 1
@@ -86,9 +87,11 @@ def test_steps_are_scored_published_in_order_and_match_w_dot_x(setup, threaded):
     want_mean = float((streams_by_step[0][3][5:8] @ w3 + b3).mean())
     assert first["prompt"][1]["mean_raw"][1] == pytest.approx(want_mean, rel=1e-5)
     # step 2: rows are in the order b, a; a's generated token 2 is row 1
-    a_token = next(t for t in published[2]["tokens"] if t["req"] == "a")
-    assert a_token["index"] == 2
-    assert a_token["raw"][0] == pytest.approx(float(streams_by_step[2][1][1] @ w1 + b1), rel=1e-5)
+    tokens = published[2]["tokens"]
+    a_row = tokens["req"].index("a")
+    assert tokens["index"][a_row] == 2
+    raw = token_raw_scores(tokens, len(published[2]["probes"]))
+    assert raw[a_row, 0] == pytest.approx(float(streams_by_step[2][1][1] @ w1 + b1), rel=1e-5)
     controller.transfer.close()
 
 
@@ -155,4 +158,7 @@ def test_engine_waits_for_a_staging_buffer_instead_of_dropping_steps():
     assert done.wait(5)
     assert transfer.flush()
     assert seen == [0, 1, 2] and transfer.waits_for_staging == 1
+    stats = transfer.describe()
+    assert stats["steps"] == 3 and stats["waits_for_staging"] == 1
+    assert stats["consume_max_s"] >= 0.25  # the first consume was held ~0.3 s
     transfer.close()

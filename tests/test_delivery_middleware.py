@@ -7,6 +7,8 @@ middleware's own rules, which are easier to break subtly than to see break.
 import asyncio
 import json
 
+import numpy as np
+
 import pytest
 
 from engine_worker.delivery import ScoreHub, external_request_id
@@ -86,7 +88,7 @@ def run_stream(chunks, feed):
         await middleware(scope, receive, send)
         text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
         events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
-        return [json.loads(e) for e in events if e != "[DONE]"], events[-1], len(hub)
+        return [json.loads(e) for e in events if e != "[DONE]"], events[-1], len(hub), hub.wait_stats()
 
     return asyncio.run(go())
 
@@ -102,15 +104,16 @@ def test_each_chunk_waits_for_and_carries_its_own_token_scores():
 
     def feed(hub, engine_id, i):
         start = sum(tokens_in_chunk[:i])
-        message = {"v": 1, "probes": PROBES, "tokens": [
-            {"req": engine_id, "index": j, "raw": [float(j)]} for j in range(start, start + tokens_in_chunk[i])
-        ]}
+        indexes = list(range(start, start + tokens_in_chunk[i]))
+        message = {"v": 1, "probes": PROBES, "tokens": {
+            "req": [engine_id] * len(indexes), "index": indexes,
+            "raw": np.array([[float(j)] for j in indexes], dtype=np.float32).tobytes()}}
         if i == 0:
             message["prompt"] = [{"req": engine_id, "prompt_tokens": 2, "tokens_scored": 2,
                                   "last_raw": [0.0], "mean_raw": [0.0], "max_raw": [0.0]}]
         hub.ingest(message)
 
-    out, last, remaining = run_stream(chunks, feed)
+    out, last, remaining, waits = run_stream(chunks, feed)
     assert last == "[DONE]" and remaining == 0
     # The role chunk carries no token, so it does not wait; the prompt part must then ride
     # on the first content chunk at the latest.
@@ -121,12 +124,17 @@ def test_each_chunk_waits_for_and_carries_its_own_token_scores():
     assert len(out[2]["probex"]["scores"]["p"]["generated"]["scores"]) == 2
     assert "probex" not in out[3]
     assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c for c in out)
+    # Scores arrive 50 ms after their chunk here, so both content chunks were held back, and
+    # the hub's account of it (what `probex bench engine` reads) says so.
+    assert waits["prompt"]["calls"] == 1 and waits["prompt"]["waited"] == 1
+    assert waits["tokens"]["calls"] == 1 and waits["tokens"]["waited"] == 1
+    assert 0.04 < waits["prompt"]["waited_s"] and 0.04 < waits["tokens"]["max_s"] < 1.0
 
 
 def test_missing_scores_do_not_hang_the_stream(monkeypatch):
     monkeypatch.setenv("PROBEX_SCORE_WAIT_S", "0.2")
     chunks = [{"delta": {"content": "a"}, "token_ids": [7]}]
-    out, last, _ = run_stream(chunks, lambda hub, engine_id, i: None)
+    out, last, _, _ = run_stream(chunks, lambda hub, engine_id, i: None)
     assert last == "[DONE]"
     assert out[0].get("probex", {}).get("scores", {}) == {}
 
