@@ -80,6 +80,9 @@ class TapController:
         self.probes: list[ProbeArtifact] = []
         self.book = ScoreBook()
         self.steps = 0
+        # Time the runner adapters spend in ProbeX code on the engine thread (layout, buffer
+        # staging, hand-off), summed: what the tap adds to the host side of every step.
+        self.engine_thread_s = 0.0
         self._capture_requests: dict[str, dict[int, np.ndarray]] = {}
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
@@ -129,6 +132,7 @@ class TapController:
             "slots_per_layer": {str(l): t.capacity for l, t in self.taps.items()},
             "capture": self.capture_dir is not None,
             "transfer": self.transfer.describe(),
+            "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s},
             "probes": [
                 {
                     "name": p.name,

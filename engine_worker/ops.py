@@ -33,7 +33,13 @@ def tap(
     capture_out: torch.Tensor,
 ) -> None:
     rows = hidden.shape[0]
-    stream = hidden.float() + residual.float()
+    if hidden.dtype == torch.float32:
+        stream = hidden + residual.float()  # never in place: `hidden` is the model's own tensor
+    else:
+        # `.float()` made a fresh copy, so adding into it is safe; the add promotes the
+        # residual exactly (bf16 -> fp32 loses nothing). One kernel fewer per layer and step
+        # than casting both, which is most of the op's cost at decode, where rows are few.
+        stream = hidden.float().add_(residual)
     torch.addmm(bias, stream, weight.t(), out=scores_out[:rows])
     if capture_out.shape[0] > 0:
         # Indices past this step's rows (stale or padding) are clamped instead of checked on

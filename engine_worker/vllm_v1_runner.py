@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import numpy as np
 
@@ -84,12 +85,16 @@ def _tapped_forward(model_forward):
         if controller is None or scheduler_output is None:
             return model_forward(self, *args, **kwargs)
         self._probex_scheduler_output = None  # dummy/profile runs after this see none
+        started = time.perf_counter()
         layout = _step_layout(self, scheduler_output)
         controller.before_forward(layout, _capture_requests(self, layout), _steering_requests(self, layout))
+        before = time.perf_counter()
         output = model_forward(self, *args, **kwargs)
+        after = time.perf_counter()
         finished = scheduler_output.finished_req_ids
         _forget(self, finished)
         controller.after_forward(layout, finished)
+        controller.engine_thread_s += (before - started) + (time.perf_counter() - after)
         return output
 
     return wrapper

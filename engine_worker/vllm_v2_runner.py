@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import numpy as np
 
@@ -83,11 +84,13 @@ def _layout_before_forward(prepare_inputs):
         batch = prepare_inputs(self, scheduler_output, *args, **kwargs)
         controller = controller_of(self)
         if controller is not None:
+            started = time.perf_counter()
             layout = _step_layout(self, batch)
             flags, steering = self._probex_capture_flags, self._probex_steering
             controller.before_forward(layout, {r for r in layout.req_ids if flags.get(r)},
                                       {r: steering[r] for r in layout.req_ids if r in steering})
             self._probex_layout = layout
+            controller.engine_thread_s += time.perf_counter() - started
         return batch
 
     return wrapper
@@ -100,6 +103,7 @@ def _scores_after_forward(execute_model):
         controller = controller_of(self)
         if controller is None:
             return output
+        started = time.perf_counter()
         layout, self._probex_layout = self._probex_layout, None
         finished = list(scheduler_output.finished_req_ids or ())
         for req_id in finished:
@@ -109,6 +113,7 @@ def _scores_after_forward(execute_model):
             controller.after_forward(layout, finished)
         elif finished:
             controller.after_idle_step(finished)  # nothing ran, but requests ended
+        controller.engine_thread_s += time.perf_counter() - started
         return output
 
     return wrapper

@@ -848,8 +848,9 @@ def probex_health(url: str) -> dict[str, Any] | None:
 def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
     """What the tap's delivery did during one measured phase, from two /probex/health snapshots.
 
-    transfer: per engine step, submit -> scores on the host (`landed`) and bookkeeping +
-    publish (`consume`), on the worker's transfer thread. score_waits: how often and how long
+    engine_thread: time in ProbeX hooks on the engine thread per step (the runner adapters'
+    layout, buffer staging and hand-off). transfer: per engine step, submit -> scores on the
+    host (`landed`) and bookkeeping + publish (`consume`), on the worker's transfer thread. score_waits: how often and how long
     the API server held a response chunk back because its scores had not arrived yet — the
     only way delivery can add to client-visible latency.
     """
@@ -867,6 +868,11 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "consume_max_ms_so_far": t1["consume_max_s"] * 1e3,
             "waits_for_staging": t1.get("waits_for_staging", 0) - t0.get("waits_for_staging", 0),
         }
+    e0, e1 = before.get("engine_thread") or {}, after.get("engine_thread") or {}
+    engine_steps = e1.get("steps", 0) - e0.get("steps", 0)
+    if engine_steps > 0:
+        out["engine_thread"] = {"steps": engine_steps,
+                                "hook_mean_ms": (e1["hook_s"] - e0["hook_s"]) / engine_steps * 1e3}
     w0, w1 = before.get("score_waits") or {}, after.get("score_waits") or {}
     for kind, end in w1.items():
         start = w0.get(kind, {})
@@ -884,6 +890,8 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
 
 def delivery_line(delivery: dict[str, Any]) -> str:
     parts = []
+    if "engine_thread" in delivery:
+        parts.append(f"engine thread: {delivery['engine_thread']['hook_mean_ms']:.3f} ms of ProbeX hooks per step")
     if "transfer" in delivery:
         t = delivery["transfer"]
         parts.append(f"transfer: landed {t['landed_mean_ms']:.3f} ms, consume {t['consume_mean_ms']:.3f} ms per step")

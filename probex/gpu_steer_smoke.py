@@ -154,7 +154,7 @@ class SharedSettings:
 
 def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Path, out: Path,
              settings: SharedSettings, measures: bool, attention_backend: str = "FLASH_ATTN",
-             parallel: bool = False) -> dict:
+             parallel: bool = False, dtype: str = "") -> dict:
     label = f"{runner}-{mode}"
     port = 8300 + list(MODES).index(mode) + 10 * list(RUNNERS).index(runner)
     capture = out / f"capture-{label}"
@@ -169,6 +169,8 @@ def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Pa
            *MODES[mode]]
     if attention_backend:
         cmd += ["--attention-backend", attention_backend]
+    if dtype:
+        cmd += ["--dtype", dtype]
     if parallel:
         # A fixed KV cache skips vLLM's memory profiling, which assumes no other process
         # changes its GPU memory meanwhile - untrue for engines starting together.
@@ -273,6 +275,8 @@ def main() -> None:
     parser.add_argument("--runners", default="v1,v2")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--attention-backend", default="FLASH_ATTN", help="'' to let vLLM choose (CPU dry runs)")
+    parser.add_argument("--dtype", default="", help="e.g. float32: compiled and eager kernels then agree token for "
+                        "token (FlashAttention has no fp32: pair with --attention-backend TRITON_ATTN)")
     parser.add_argument("--parallel", action="store_true",
                         help="start every engine at once (correctness only: no timing; set PROBEX_SMOKE_MEMORY to fit)")
     parser.add_argument("--reanalyze", type=Path, metavar="JSON",
@@ -301,7 +305,7 @@ def main() -> None:
     def run(job: tuple[str, str]) -> dict:
         runner, mode = job
         return run_mode(runner, mode, model, probes, vector, args.out, settings, measures=job == jobs[0],
-                        attention_backend=args.attention_backend, parallel=args.parallel)
+                        attention_backend=args.attention_backend, parallel=args.parallel, dtype=args.dtype)
 
     if args.parallel:
         from concurrent.futures import ThreadPoolExecutor

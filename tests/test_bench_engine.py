@@ -479,6 +479,12 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
                 scores = e["scores"]
                 assert scores["coverage"] == 1.0 and scores["scored_tokens"] == e["output_tokens"], (where, scores)
                 assert scores["requests_with_all_prompt_scores"] == scores["requests"], (where, scores)
+                # the worker's own account of delivery during the phase (from /probex/health)
+                delivery = e["delivery"]
+                assert delivery["engine_thread"]["steps"] > 0 and delivery["engine_thread"]["hook_mean_ms"] > 0, where
+                assert delivery["transfer"]["steps"] > 0 and delivery["transfer"]["consume_mean_ms"] > 0, where
+                # every request's first content chunk asked for its prompt scores once
+                assert delivery["prompt_waits"]["chunks"] == scores["requests"], (where, delivery)
             else:
                 assert e["responses_with_probex_field"] == 0, where
     # dummy weights sample ids the SmolLM2 tokenizer (49152 tokens) lacks: served as empty text, counted all the same

@@ -7,6 +7,7 @@ from, and that dummy/idle steps are handled.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +20,7 @@ class RecordingController:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.steering: list[dict] = []
+        self.engine_thread_s = 0.0  # the adapters add their hook time here
 
     def before_forward(self, layout, capture, steering=None):
         self.calls.append(("before", list(layout.req_ids), layout.num_scheduled.tolist(),
@@ -63,6 +65,7 @@ class FakeV2Runner:
             if not scheduler_output.num_scheduled_tokens:
                 return None
             self.prepare_inputs(scheduler_output)
+        time.sleep(getattr(self, "forward_s", 0.0))
         self.forwards += 1
         return None
 
@@ -141,3 +144,22 @@ def test_v1_adapter_reads_steering_from_sampling_params_once_per_request():
     assert v1._steering_requests(runner, layout) == first
     v1._forget(runner, {"a"})
     assert "a" not in runner._probex_steering
+
+
+def test_v2_adapter_counts_its_own_engine_thread_time_and_not_the_forward(monkeypatch):
+    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    controller = RecordingController()
+    slow_hook = controller.before_forward
+
+    def before_forward(*args, **kwargs):
+        time.sleep(0.01)
+        return slow_hook(*args, **kwargs)
+
+    controller.before_forward = before_forward
+    runner = wrapped_runner_class()(controller)
+    runner.load_model()
+    runner.forward_s = 0.2
+    runner.execute_model(sched(new=[new_req("a")], scheduled={"a": 4}, computed={"a": 0}))
+    runner.execute_model(sched(scheduled={"a": 1}, computed={"a": 4}))
+    # two steps of a 10 ms hook, none of the 200 ms forwards
+    assert 0.02 <= controller.engine_thread_s < 0.2

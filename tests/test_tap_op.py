@@ -67,3 +67,17 @@ def test_too_many_probes_for_the_slots_is_an_error():
         assert "3 probes exceed the 2 slots" in str(exc)
     else:
         raise AssertionError("expected a refusal")
+
+
+def test_op_reads_hidden_plus_residual_in_fp32_and_leaves_its_inputs_alone():
+    tap = LayerTap(layer=0, hidden_size=H, capacity=K, max_rows=8)
+    rng = np.random.default_rng(5)
+    tap.load(rng.normal(size=(K, H)).astype(np.float32), rng.normal(size=K).astype(np.float32))
+    for dtype in (torch.bfloat16, torch.float32):
+        hidden, residual = torch.randn(5, H).to(dtype), torch.randn(5, H).to(dtype)
+        before_h, before_r = hidden.clone(), residual.clone()
+        tap(hidden, residual)
+        stream = hidden.float() + residual.float()
+        expected = stream @ tap.weight.t() + tap.bias
+        torch.testing.assert_close(tap.scores[:5], expected, rtol=0, atol=1e-5)
+        assert torch.equal(hidden, before_h) and torch.equal(residual, before_r), dtype
