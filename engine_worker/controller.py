@@ -248,6 +248,12 @@ class TapController:
 
     # -- per step ----------------------------------------------------------------------------
 
+    @property
+    def needs_layout_before_forward(self) -> bool:
+        """Steering and capture rows are staged before the forward; probe scores need the
+        layout only afterwards, so adapters can build it off the pre-launch path."""
+        return bool(self.steers) or self.capture_dir is not None
+
     def before_forward(self, layout: StepLayout, capture_req_ids: set[str] | frozenset = frozenset(),
                        steering: Mapping[str, SteerRequest] | None = None) -> None:
         if self.steers:

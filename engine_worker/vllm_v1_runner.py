@@ -86,11 +86,15 @@ def _tapped_forward(model_forward):
             return model_forward(self, *args, **kwargs)
         self._probex_scheduler_output = None  # dummy/profile runs after this see none
         started = time.perf_counter()
-        layout = _step_layout(self, scheduler_output)
-        controller.before_forward(layout, _capture_requests(self, layout), _steering_requests(self, layout))
+        layout = None
+        if controller.needs_layout_before_forward:
+            layout = _step_layout(self, scheduler_output)
+            controller.before_forward(layout, _capture_requests(self, layout), _steering_requests(self, layout))
         before = time.perf_counter()
         output = model_forward(self, *args, **kwargs)
         after = time.perf_counter()
+        if layout is None:  # scores only: read the layout once the forward is launched
+            layout = _step_layout(self, scheduler_output)
         finished = scheduler_output.finished_req_ids
         _forget(self, finished)
         controller.after_forward(layout, finished)

@@ -53,7 +53,8 @@ def _after_load_model(load_model):
         if install_controller(self) is not None:
             self._probex_capture_flags = {}
             self._probex_steering = {}  # req id -> SteerRequest, steered requests only
-            self._probex_layout = None
+            self._probex_layout = None  # built before the forward (steering or capture on)
+            self._probex_batch = None  # or the step's batch, to build it after the launch
             log.info("probex: tap attached to vLLM model runner V2")
         return result
 
@@ -83,7 +84,11 @@ def _layout_before_forward(prepare_inputs):
     def wrapper(self, scheduler_output, *args, **kwargs):
         batch = prepare_inputs(self, scheduler_output, *args, **kwargs)
         controller = controller_of(self)
-        if controller is not None:
+        if controller is not None and not controller.needs_layout_before_forward:
+            # Scores are only read after the forward: build the layout once it is launched,
+            # keeping this step's pre-launch host work as it is without ProbeX.
+            self._probex_batch = batch
+        elif controller is not None:
             started = time.perf_counter()
             layout = _step_layout(self, batch)
             flags, steering = self._probex_capture_flags, self._probex_steering
@@ -105,6 +110,9 @@ def _scores_after_forward(execute_model):
             return output
         started = time.perf_counter()
         layout, self._probex_layout = self._probex_layout, None
+        batch, self._probex_batch = self._probex_batch, None
+        if batch is not None:
+            layout = _step_layout(self, batch)
         finished = list(scheduler_output.finished_req_ids or ())
         for req_id in finished:
             self._probex_capture_flags.pop(req_id, None)

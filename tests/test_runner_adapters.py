@@ -21,6 +21,8 @@ class RecordingController:
         self.calls: list[tuple] = []
         self.steering: list[dict] = []
         self.engine_thread_s = 0.0  # the adapters add their hook time here
+        self.needs_layout_before_forward = True  # steering or capture on
+        self.after_layouts: list[tuple] = []
 
     def before_forward(self, layout, capture, steering=None):
         self.calls.append(("before", list(layout.req_ids), layout.num_scheduled.tolist(),
@@ -29,6 +31,8 @@ class RecordingController:
 
     def after_forward(self, layout, finished):
         self.calls.append(("after", list(layout.req_ids), sorted(finished)))
+        self.after_layouts.append((layout.num_scheduled.tolist(), layout.num_computed.tolist(),
+                                   layout.num_prompt.tolist()))
 
     def after_idle_step(self, finished):
         self.calls.append(("idle", sorted(finished)))
@@ -163,3 +167,18 @@ def test_v2_adapter_counts_its_own_engine_thread_time_and_not_the_forward(monkey
     runner.execute_model(sched(scheduled={"a": 1}, computed={"a": 4}))
     # two steps of a 10 ms hook, none of the 200 ms forwards
     assert 0.02 <= controller.engine_thread_s < 0.2
+
+
+def test_v2_adapter_builds_the_layout_after_the_launch_when_only_scores_are_read(monkeypatch):
+    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    controller = RecordingController()
+    controller.needs_layout_before_forward = False
+    runner = wrapped_runner_class()(controller)
+    runner.load_model()
+    runner.execute_model(sched(new=[new_req("a"), new_req("b")], scheduled={"a": 7, "b": 3},
+                               computed={"a": 0, "b": 0}))
+    runner.execute_model(sched(scheduled={"b": 1}, computed={"b": 3}, finished={"a"}))
+    # the same layouts as when built before the forward, handed over after it; nothing before
+    assert controller.calls == [("after", ["b", "a"], []), ("after", ["b"], ["a"])]
+    assert controller.after_layouts == [([3, 7], [0, 0], [3, 7]), ([1], [3], [3])]
+    assert runner._probex_batch is None
