@@ -7,8 +7,9 @@ a threshold), strips scores unless the caller may see them, and records metrics 
 audit events. It speaks to workers over HTTP only.
 
 The two completion routes are the hot path: one plain ASGI application (no FastAPI request
-machinery, no Starlette response classes) relaying over one pooled aiohttp session. Health
-checks, probe pushes and the admin routes use FastAPI and httpx.
+machinery, no Starlette response classes) relaying over a small keep-alive HTTP/1.1 client of
+its own (`gateway.upstream_http`). Health checks, probe pushes and the admin routes use FastAPI
+and httpx.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import asyncio
 import json
 import logging
 import time
-import uuid
+from random import getrandbits as _random_bits  # request ids need to be unique, not secret: no syscall
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -34,6 +34,7 @@ from gateway.decisions import StreamJudge, Verdict, generated_scores, judge_gene
 from gateway.jsoncodec import dumps, loads, loads_strict
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Decision, LoadedPolicy, PolicyError, TenantView, load_policy
+from gateway.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeout
 from gateway.upstreams import NoHealthyUpstream, Upstream, UpstreamPool
 
 log = logging.getLogger("probex.gateway")
@@ -208,7 +209,6 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        completions.open()
         await pool.check_all()
         pool.start(config.health_interval_s)
         await audit.publish_policy_version(manager.current.version)
@@ -335,8 +335,7 @@ def require_admin(request: Request, policy: LoadedPolicy) -> None:
 
 _JSON = b"application/json"
 _SSE = b"text/event-stream; charset=utf-8"
-_UPSTREAM_HEADERS = {"content-type": "application/json"}
-_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+_UPSTREAM_ERRORS = (UpstreamError,)
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -383,17 +382,17 @@ def _parse_body(raw: bytes) -> tuple[dict, bool]:
     return body, plain
 
 
-@dataclass
 class _Call:
     """Book-keeping of one monitored request, for metrics and audit."""
 
-    request_id: str
-    tenant: TenantView
-    policy: LoadedPolicy
-    is_admin: bool
-    raw_body: bytes | None  # kept only when the audit records prompts
-    started: float = field(default_factory=time.perf_counter)
-    upstream_s: float = 0.0
+    __slots__ = ("request_id", "tenant", "policy", "is_admin", "raw_body", "started", "upstream_s")
+
+    def __init__(self, request_id: str, tenant: TenantView, policy: LoadedPolicy, is_admin: bool,
+                 raw_body: bytes | None, started: float, upstream_s: float = 0.0) -> None:
+        self.request_id, self.tenant, self.policy, self.is_admin = request_id, tenant, policy, is_admin
+        self.raw_body = raw_body  # kept only when the audit records prompts
+        self.started = started
+        self.upstream_s = upstream_s  # waiting for the worker, not the gateway's own time
 
     @property
     def expose_scores(self) -> bool:
@@ -415,21 +414,10 @@ class Completions:
     def __init__(self, config: GatewayConfig, manager: PolicyManager, pool: UpstreamPool, metrics: GatewayMetrics,
                  audit: AuditSink) -> None:
         self.config, self.manager, self.pool, self.metrics, self.audit = config, manager, pool, metrics, audit
-        self.session: aiohttp.ClientSession | None = None
-
-    def open(self) -> None:
-        """The pooled upstream session; made inside the server's event loop (from the lifespan)."""
-        connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0,
-                                         keepalive_timeout=4.0)  # below the 5 s keep-alive of uvicorn-based workers
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.upstream_timeout_s,
-                                        sock_connect=self.config.connect_timeout_s,
-                                        sock_read=self.config.upstream_timeout_s)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                             cookie_jar=aiohttp.DummyCookieJar())
+        self.client = UpstreamClient(connect_timeout=config.connect_timeout_s, read_timeout=config.upstream_timeout_s)
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        self.client.close()
 
     async def __call__(self, path: str, scope, receive, send) -> None:
         try:
@@ -444,6 +432,7 @@ class Completions:
             await _respond(send, 500, dumps(ApiError(500, "internal gateway error", kind="server_error").body()), [])
 
     async def handle(self, path: str, raw_headers, receive, send) -> None:
+        started = time.perf_counter()
         auth = declared = None
         for name, value in raw_headers:
             if name == b"authorization" and auth is None:
@@ -461,8 +450,6 @@ class Completions:
         if known and model not in known:
             raise ApiError(404, f"model {model!r} does not exist; available: {sorted(known)}", code="model_not_found",
                            param="model")
-        if self.session is None:  # served without the lifespan (a test client, say)
-            self.open()
         # The body goes to the worker byte for byte unless the gateway has to add to it.
         payload = raw if plain else json.dumps(body).encode()
         tenant = policy.tenant(tenant_name)
@@ -478,31 +465,44 @@ class Completions:
                 exact = json.loads(raw)  # the standard library keeps every number exactly as sent
                 exact["vllm_xargs"] = {**(exact.get("vllm_xargs") or {}), **added}
                 payload = json.dumps(exact).encode()
-        call = _Call(request_id=f"probex-gw-{uuid.uuid4().hex}", tenant=tenant, policy=policy,
-                     is_admin=is_admin, raw_body=raw if policy.policy.audit.include_prompt else None)
         try:
             upstream = self.pool.pick()
         except NoHealthyUpstream as exc:
             raise ApiError(502, f"{exc}; see /ready", kind="server_error", code="upstream_unavailable") from None
-        if body.get("stream"):
-            await self.stream(path, payload, call, upstream, receive, send)
-        else:
-            await self.whole(path, payload, call, upstream, send)
+        upstream.outstanding += 1
+        try:
+            try:
+                waited = time.perf_counter()
+                conn = await self.client.send(upstream.url, path, payload)
+                upstream_s = time.perf_counter() - waited
+                # The request is on its way: the book-keeping is done while the worker works.
+                call = _Call(f"probex-gw-{_random_bits(128):032x}", tenant, policy, is_admin,
+                             raw if policy.policy.audit.include_prompt else None, started, upstream_s)
+                waited = time.perf_counter()
+                response = await self.client.response(conn)
+                call.upstream_s += time.perf_counter() - waited
+            except _UPSTREAM_ERRORS as exc:
+                raise _upstream_failure(exc, upstream, self.metrics) from None
+            if body.get("stream"):
+                await self.stream(path, response, call, upstream, receive, send)
+            else:
+                await self.whole(path, response, call, upstream, send)
+        finally:
+            upstream.outstanding -= 1
 
     # -- whole responses
 
-    async def whole(self, path: str, payload: bytes, call: _Call, upstream: Upstream, send) -> None:
+    async def whole(self, path: str, response: UpstreamResponse, call: _Call, upstream: Upstream, send) -> None:
         metrics = self.metrics
-        upstream.outstanding += 1
-        sent = time.perf_counter()
+        status = response.status
+        waited = time.perf_counter()
         try:
-            async with self.session.post(upstream.url + path, data=payload, headers=_UPSTREAM_HEADERS) as r:
-                status, content = r.status, await r.read()
+            content = await response.read()
         except _UPSTREAM_ERRORS as exc:
             raise _upstream_failure(exc, upstream, metrics) from None
         finally:
-            upstream.outstanding -= 1
-            call.upstream_s += time.perf_counter() - sent
+            response.release()
+            call.upstream_s += time.perf_counter() - waited
         if status != 200:
             await _relay_upstream_error(send, status, content, upstream, call, metrics)
             return
@@ -543,25 +543,18 @@ class Completions:
 
     # -- streams
 
-    async def stream(self, path: str, payload: bytes, call: _Call, upstream: Upstream, receive, send) -> None:
+    async def stream(self, path: str, response: UpstreamResponse, call: _Call, upstream: Upstream, receive,
+                     send) -> None:
         metrics = self.metrics
-        upstream.outstanding += 1
-        sent = time.perf_counter()
-        try:
-            response = await self.session.post(upstream.url + path, data=payload, headers=_UPSTREAM_HEADERS)
-        except _UPSTREAM_ERRORS as exc:
-            upstream.outstanding -= 1
-            raise _upstream_failure(exc, upstream, metrics) from None
-        call.upstream_s += time.perf_counter() - sent
-        if response.status != 200:
+        status = response.status
+        if status != 200:
             try:
                 content = await response.read()
             except _UPSTREAM_ERRORS as exc:
                 raise _upstream_failure(exc, upstream, metrics) from None
             finally:
-                response.release()
-                upstream.outstanding -= 1
-            await _relay_upstream_error(send, response.status, content, upstream, call, metrics)
+                response.release()  # the connection may serve another request from here on
+            await _relay_upstream_error(send, status, content, upstream, call, metrics)
             return
         relay = _Relay(call, response, path, metrics)
         # The caller hanging up closes the upstream response, which aborts the request in the worker.
@@ -573,7 +566,7 @@ class Completions:
             watch.cancel()
             if not relay.released:
                 response.close()
-            upstream.outstanding -= 1
+            relay.record()
             await _account(call, relay.verdict, metrics, self.audit)
             _observe_overhead(call, metrics)
             if not relay.finished:
@@ -629,6 +622,8 @@ class Completions:
                 if out:
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                     out = []
+                    if relay.unrecorded:
+                        relay.record()
                 lines = await relay.read_lines()
                 if relay.gone:
                     return
@@ -650,7 +645,7 @@ class Completions:
         if relay.blocked:
             relay.close()
         elif relay.finished:
-            await relay.drain()
+            relay.release()
 
 
 class _CompletionRoute:
@@ -668,11 +663,11 @@ class _CompletionRoute:
 class _Relay:
     """One relayed stream: reads SSE lines from the worker, judges chunks, writes SSE bytes."""
 
-    __slots__ = ("call", "response", "content", "path", "metrics", "buffer", "head", "prompt_probex", "judge",
-                 "finished", "blocked", "gone", "done_sending", "released", "expose")
+    __slots__ = ("call", "response", "path", "metrics", "buffer", "head", "prompt_probex", "judge",
+                 "finished", "blocked", "gone", "done_sending", "released", "expose", "unrecorded")
 
-    def __init__(self, call: _Call, response: aiohttp.ClientResponse, path: str, metrics: GatewayMetrics) -> None:
-        self.call, self.response, self.content = call, response, response.content
+    def __init__(self, call: _Call, response: UpstreamResponse, path: str, metrics: GatewayMetrics) -> None:
+        self.call, self.response = call, response
         self.path, self.metrics = path, metrics
         self.buffer = b""
         self.head: list[dict | None] = []  # events read before the decision on the prompt; None is [DONE]
@@ -684,10 +679,18 @@ class _Relay:
         self.done_sending = False
         self.released = False  # the upstream connection went back to the pool
         self.expose = call.expose_scores
+        # Generated scores already judged, for the score histograms: recorded after the chunk is sent,
+        # so that the caller does not wait for them.
+        self.unrecorded: list[dict] = []
 
     @property
     def verdict(self) -> Verdict:
         return self.judge.verdict if self.judge is not None else Verdict()
+
+    def record(self) -> None:
+        for generated in self.unrecorded:
+            _record_generated(generated, self.metrics)
+        self.unrecorded.clear()
 
     def caller_gone(self, task: asyncio.Future) -> None:
         if self.done_sending or task.cancelled():
@@ -699,13 +702,8 @@ class _Relay:
         self.response.close()
         self.released = True
 
-    async def drain(self) -> None:
-        """Read the rest of the upstream stream so the connection goes back to the pool."""
-        try:
-            while await self.content.readany():
-                pass
-        except _UPSTREAM_ERRORS:
-            return
+    def release(self) -> None:
+        """The connection goes back to the pool once the rest of the upstream stream is in."""
         self.response.release()
         self.released = True
 
@@ -714,7 +712,7 @@ class _Relay:
         call = self.call
         while True:
             waited = time.perf_counter()
-            data = await self.content.readany()
+            data = await self.response.readany()
             call.upstream_s += time.perf_counter() - waited
             if not data:
                 if self.buffer:
@@ -779,7 +777,7 @@ class _Relay:
         probex = event.pop("probex", None)
         generated = generated_scores(probex)
         if generated:
-            _record_generated(generated, self.metrics)
+            self.unrecorded.append(generated)
             if self.judge.step(generated) is Decision.BLOCK:
                 out.append(b"data: " + dumps(_content_filter_chunk(event, self.path)) + b"\n\n")
                 out.append(_DONE)
@@ -798,7 +796,7 @@ def _prompt_text(body: dict) -> str:
 
 
 def _upstream_failure(exc: Exception, upstream: Upstream, metrics: GatewayMetrics) -> ApiError:
-    kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"
+    kind = "timeout" if isinstance(exc, UpstreamTimeout) else "connect"
     metrics.child(metrics.upstream_errors, upstream.url, kind).inc()
     if kind == "connect":
         upstream.healthy = False

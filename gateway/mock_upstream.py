@@ -7,6 +7,17 @@ of the prompt text, so tests can steer decisions:
 - generated token j of a prompt containing "escalate" scores min(0.99, 0.1 + 0.1 j).
 It proves nothing about monitoring (the engine tests do that); it isolates the gateway.
 
+A request may set its own token rate with a `mock_tokens_per_s` field (the gateway forwards
+the body as it is). Each token is due one interval after the previous one was due, so late
+timer wake-ups do not slow a stream down; a stream that falls a whole interval behind starts
+its schedule again instead of catching up in a burst (tests rely on tokens never arriving
+back to back).
+
+With `timestamps` (`--timestamps`) every stream chunk carries `"mock_ns": {"request": ..., "sent": ...}`:
+CLOCK_MONOTONIC nanoseconds (system-wide on Linux) when the request reached the mock and when the
+chunk was handed to the server. The gateway benchmark uses them to take the mock's own time out of
+what it measures.
+
     python -m gateway.mock_upstream --port 8100 --tokens-per-s 200
 """
 
@@ -29,7 +40,7 @@ WORDS = "The quick brown fox jumps over the lazy dog and keeps on running".split
 
 class MockState:
     def __init__(self, probes: list[str], tokens_per_s: float, max_tokens: int = 16,
-                 admin_token: str | None = None) -> None:
+                 admin_token: str | None = None, timestamps: bool = False) -> None:
         self.probes = probes
         self.tokens_per_s = tokens_per_s
         self.default_max_tokens = max_tokens
@@ -38,6 +49,7 @@ class MockState:
         self.requests_seen: list[dict] = []
         self.client_ports: list[int | None] = []  # per completion request: which connection it came on
         self.aborted = 0
+        self.timestamps = timestamps
 
 
 def _prompt_of(body: dict) -> str:
@@ -76,6 +88,7 @@ def create_mock_app(state: MockState) -> Starlette:
         return JSONResponse({"probes": state.probes, "retention": state.retention})
 
     async def completions(request: Request):
+        received = time.monotonic_ns()
         body = await request.json()
         state.requests_seen.append(body)
         state.client_ports.append(request.client.port if request.client else None)
@@ -97,9 +110,13 @@ def create_mock_app(state: MockState) -> Starlette:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-mock-{uuid.uuid4().hex[:12]}"
         created = int(time.time())
         words = [WORDS[j % len(WORDS)] + " " for j in range(n)]
+        rate = body.get("mock_tokens_per_s", state.tokens_per_s)
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not rate >= 0:  # NaN too
+            return JSONResponse({"error": {"message": "invalid mock_tokens_per_s", "type": "BadRequestError"}},
+                                status_code=400)
         if not body.get("stream"):
-            if state.tokens_per_s:
-                await asyncio.sleep(n / state.tokens_per_s)
+            if rate:
+                await asyncio.sleep(n / rate)
             scores = {name: {**prompt[name], "generated": {"scores": [_token_score(text, j) for j in range(n)],
                                                            "max": max(_token_score(text, j) for j in range(n))}}
                       for name in state.probes}
@@ -114,15 +131,21 @@ def create_mock_app(state: MockState) -> Starlette:
 
         async def events():
             obj = "chat.completion.chunk" if chat else "text_completion"
+            loop = asyncio.get_running_loop()
+            due = loop.time()
             try:
                 if chat:
                     first = {"id": rid, "object": obj, "created": created, "model": MODEL,
                              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                           "finish_reason": None}], "probex": {"scores": prompt}}
+                    if state.timestamps:
+                        first["mock_ns"] = {"request": received, "sent": time.monotonic_ns()}
                     yield b"data: " + json.dumps(first).encode() + b"\n\n"
                 for j, word in enumerate(words):
-                    if state.tokens_per_s:
-                        await asyncio.sleep(1 / state.tokens_per_s)
+                    if rate:
+                        now = loop.time()
+                        due = due + 1 / rate if due + 1 / rate > now else now + 1 / rate
+                        await asyncio.sleep(due - now)
                     piece = {"delta": {"content": word}} if chat else {"text": word}
                     scores = {name: {"generated": {"offset": j, "scores": [_token_score(text, j)]}}
                               for name in state.probes}
@@ -131,6 +154,8 @@ def create_mock_app(state: MockState) -> Starlette:
                     chunk = {"id": rid, "object": obj, "created": created, "model": MODEL,
                              "choices": [{"index": 0, **piece, "finish_reason": "length" if j == n - 1 else None}],
                              "probex": {"scores": scores}}
+                    if state.timestamps:
+                        chunk["mock_ns"] = {"request": received, "sent": time.monotonic_ns()}
                     yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
             except asyncio.CancelledError:
@@ -159,9 +184,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--tokens-per-s", type=float, default=200.0)
     parser.add_argument("--probe", action="append", default=["harmful-request"])
+    parser.add_argument("--timestamps", action="store_true", help="stamp every stream chunk with mock_ns (see above)")
+    parser.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                        help="event loop (uvloop's timers tick in whole milliseconds; asyncio's sleep as long "
+                             "as asked or longer)")
     args = parser.parse_args()
-    uvicorn.run(create_mock_app(MockState(args.probe, args.tokens_per_s)), host="127.0.0.1", port=args.port,
-                log_level="warning")
+    uvicorn.run(create_mock_app(MockState(args.probe, args.tokens_per_s, timestamps=args.timestamps)),
+                host="127.0.0.1", port=args.port, log_level="warning", loop=args.loop)
 
 
 if __name__ == "__main__":

@@ -36,13 +36,19 @@ class UpstreamPool:
         self._task: asyncio.Task | None = None
 
     def pick(self) -> Upstream:
-        healthy = [u for u in self.upstreams if u.healthy]
-        if not healthy:
+        best = None
+        for u in self.upstreams:  # on every request: a loop, not a list and a key function
+            if u.healthy and (best is None or u.outstanding < best.outstanding):
+                best = u
+        if best is None:
             raise NoHealthyUpstream("no healthy upstream worker")
-        return min(healthy, key=lambda u: u.outstanding)
+        return best
 
     @property
     def models(self) -> set[str]:
+        if len(self.upstreams) == 1:  # the common case, on every request: no new set
+            only = self.upstreams[0]
+            return only.models if only.healthy else set()
         return set().union(*(u.models for u in self.upstreams if u.healthy))
 
     async def check(self, upstream: Upstream) -> None:

@@ -481,3 +481,164 @@ def test_ungated_steer_steers_every_request_and_policy_checks_steer_rules(tmp_pa
         parse_policy("probes: {p: {path: x}}\nrules: [{probe: p, steer: {vector: v, alpha: 1.0}}]\n")
     with pytest.raises(PolicyError, match="finite"):
         parse_policy("probes: {p: {path: x}}\nrules: [{probe: p, steer: {vector: v, alpha: .nan, threshold: 0.5}}]\n")
+
+
+# -- the completion routes' HTTP client (gateway.upstream_http) against scripted servers -------
+
+
+def _scripted_server(answers):
+    """A TCP server answering the n-th request it reads with answers[n] (bytes; None: close without answering)."""
+    import asyncio
+
+    seen: list[bytes] = []
+
+    async def start():
+        async def handle(reader, writer):
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+                    return  # the client went away, or the test is over
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                seen.append(head + await reader.readexactly(length))
+                answer = answers[len(seen) - 1]
+                if answer is None:
+                    writer.close()
+                    return
+                if callable(answer):
+                    await answer(writer)
+                    return
+                writer.write(answer)
+                await writer.drain()
+
+        return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+    return start, seen
+
+
+def _client_run(answers, scenario, read_timeout=2.0):
+    import asyncio
+
+    from gateway.upstream_http import UpstreamClient
+
+    start, seen = _scripted_server(answers)
+
+    async def main():
+        server = await start()
+        url = "http://127.0.0.1:%d" % server.sockets[0].getsockname()[1]
+        client = UpstreamClient(connect_timeout=1.0, read_timeout=read_timeout)
+        try:
+            return await scenario(client, url)
+        finally:
+            client.close()
+            server.close()
+
+    return asyncio.run(main()), seen
+
+
+_CHUNKED = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"7\r\ndata: 1\r\n6\r\n\n\ndata\r\n4\r\n: 2\n\r\n1\r\n\n\r\n0\r\n\r\n")
+
+
+def test_upstream_client_reads_chunked_and_sized_bodies_and_reuses_the_connection():
+    sized = b'HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 9\r\n\r\n{"a": 1} '
+
+    async def scenario(client, url):
+        first = await client.post(url, "/v1/chat/completions", b'{"x": 1}')
+        status1, body1 = first.status, await first.read()
+        first.release()
+        second = await client.post(url, "/v1/completions", b"{}")
+        status2, body2 = second.status, await second.read()
+        second.release()
+        return status1, body1, status2, body2, len(client.origins[url].idle)
+
+    (status1, body1, status2, body2, idle), seen = _client_run([_CHUNKED, sized], scenario)
+    assert (status1, body1) == (200, b"data: 1\n\ndata: 2\n\n")
+    assert (status2, body2) == (404, b'{"a": 1} ')
+    assert idle == 1 and len(seen) == 2  # both requests on one connection
+    assert seen[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\n") and seen[0].endswith(b'\r\n\r\n{"x": 1}')
+
+
+def test_upstream_client_sends_again_when_an_idle_connection_was_closed():
+    async def scenario(client, url):
+        first = await client.post(url, "/v1/completions", b"{}")
+        await first.read()
+        first.release()
+        second = await client.post(url, "/v1/completions", b"{}")  # the server closes: sent again, new connection
+        return second.status, await second.read()
+
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    (status, body), seen = _client_run([ok, None, ok], scenario)
+    assert (status, body) == (200, b"ok") and len(seen) == 3
+
+
+def test_upstream_client_errors_timeouts_and_connection_close():
+    import asyncio
+
+    from gateway.upstream_http import UpstreamError, UpstreamTimeout
+
+    async def hang(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await asyncio.sleep(5)
+
+    async def timeout_scenario(client, url):
+        response = await client.post(url, "/v1/completions", b"{}")
+        assert await response.readany() == b"abc"
+        with pytest.raises(UpstreamTimeout):
+            await response.readany()
+        response.close()
+        return True
+
+    assert _client_run([hang], timeout_scenario, read_timeout=0.3)[0]
+
+    async def eof_body(writer):  # no length: the body ends with the connection, which is not reused
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")
+        await writer.drain()
+        writer.close()
+
+    async def eof_scenario(client, url):
+        response = await client.post(url, "/v1/completions", b"{}")
+        body = await response.read()
+        response.release()
+        return body, len(client.origins[url].idle)
+
+    assert _client_run([eof_body], eof_scenario)[0] == (b"until the end", 0)
+
+    async def garbage_scenario(client, url):
+        with pytest.raises(UpstreamError):
+            await client.post(url, "/v1/completions", b"{}")
+        return True
+
+    assert _client_run([b"SMTP ready\r\n\r\n"], garbage_scenario)[0]
+
+    async def refused(client, url):
+        with pytest.raises(UpstreamError, match="cannot connect"):
+            await client.post("http://127.0.0.1:1", "/v1/completions", b"{}")
+        return True
+
+    assert _client_run([], refused)[0]
+
+
+def test_bench_load_generator_reads_streams_and_mock_timestamps(tmp_path):
+    import asyncio
+
+    from gateway.mock_upstream import MockState, create_mock_app
+    from gateway.serving import ServerThread
+    from probex.bench_gateway import _one_stream, _request_bytes, _Stream
+
+    mock = ServerThread(create_mock_app(MockState(["harmful-request"], 0, timestamps=True))).start()
+    port = int(mock.url.rsplit(":", 1)[1])
+    try:
+        async def main():
+            _, conn = await asyncio.get_running_loop().create_connection(_Stream, "127.0.0.1", port)
+            try:
+                return [await _one_stream(conn, _request_bytes(port, 5, 1000.0), 5) for _ in range(2)]
+            finally:
+                conn.transport.close()
+
+        for sample in asyncio.run(main()):
+            assert len(sample["deliveries"]) == 5 and len(sample["gaps"]) == 4
+            assert 0 < sample["transit"] <= sample["ttft"] and all(0 < d < 1 for d in sample["deliveries"])
+            assert sample["total"] >= 4 / 1000.0  # paced at 1000 tokens/s
+    finally:
+        mock.stop()
