@@ -19,6 +19,8 @@ import msgspec
 import numpy as np
 import zmq
 
+from probes.scoring import calibrate_array
+
 log = logging.getLogger("probex.delivery")
 
 _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
@@ -95,10 +97,8 @@ class _ProbeSet:
         self._intercept = np.array([p.intercept for p in probes], dtype=np.float64)
 
     def calibrate(self, raw: np.ndarray) -> np.ndarray:
-        """sigmoid(slope * raw + intercept) per column, overflow-safe like probes.scoring.calibrate."""
-        z = raw.astype(np.float64) * self._slope + self._intercept
-        e = np.exp(-np.abs(z))
-        return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+        """[n, k] raw -> calibrated, each column with its own probe's slope and intercept."""
+        return calibrate_array(raw, self._slope, self._intercept)
 
 
 class ScoreHub:
@@ -149,8 +149,10 @@ class ScoreHub:
         if table is None:
             table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
         probes = table.probes
+        if len(self._external_ids) > 100_000:  # ids are never reused: forgetting them all is safe
+            self._external_ids.clear()
         for event in message.get("prompt", ()):
-            state = self._state(external_request_id(event["req"]))
+            state = self._state(self._external_id(event["req"]))
             state.prompt, state.prompt_probes = event, probes
             state.changed.set()
         tokens = message.get("tokens")
@@ -158,21 +160,21 @@ class ScoreHub:
             # One vectorised calibration per step instead of one math.exp per token and
             # probe later, on the event loop that also relays every chunk.
             scores = table.calibrate(token_raw_scores(tokens, len(probes))).tolist()
-            external = self._external_ids
-            if len(external) > 100_000:  # ids are never reused: forgetting them all is safe
-                external.clear()
             for req, index, values in zip(tokens["req"], tokens["index"], scores):
-                key = external.get(req)
-                if key is None:
-                    key = external[req] = external_request_id(req)
-                state = self._state(key)
+                state = self._state(self._external_id(req))
                 state.add_token(index, values, probes)
                 state.changed.set()
         for req in message.get("finished", ()):
-            state = self._requests.get(external_request_id(req))
+            state = self._requests.get(self._external_id(req))
             if state is not None:
                 state.finished = True
                 state.changed.set()
+
+    def _external_id(self, engine_request_id: str) -> str:
+        key = self._external_ids.get(engine_request_id)
+        if key is None:
+            key = self._external_ids[engine_request_id] = external_request_id(engine_request_id)
+        return key
 
     def _state(self, key: str) -> RequestScores:
         state = self._requests.get(key)

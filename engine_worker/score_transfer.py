@@ -165,8 +165,9 @@ class ScoreTransfer:
 class TransferStats:
     """Where a step's scores spend their time before they are published, for benchmarks.
 
-    `landed` is submit → the copy seen complete on the host (the rest of the forward, plus
-    the poll interval, plus any wait for the GIL or for earlier steps); `consume` is the
+    `landed` is submit → the copy seen complete on the host (the rest of the forward and of
+    any step still ahead of it on the GPU, the driver's wake-up, and any wait for earlier
+    steps' bookkeeping); `consume` is the
     bookkeeping and publish after it, all on the transfer thread. Sums and maxima only:
     cheap enough to keep on in production, and readers take differences between snapshots.
     """

@@ -34,6 +34,7 @@ import numpy as np
 from probes.artifact import ProbeArtifact, ReadPoint
 from probes.datasets import EmptyDatasetError, SingleClassError
 from probes.evaluate import auroc
+from probes.scoring import calibrate_array
 from probes.extract_hf import LayerActivations
 
 
@@ -58,9 +59,8 @@ class Calibration:
     intercept: float
 
     def apply(self, raw: np.ndarray) -> np.ndarray:
-        """sigmoid(slope * raw + intercept), vectorised; same formula as probes.scoring.calibrate."""
-        z = self.slope * np.asarray(raw, dtype=np.float64) + self.intercept
-        return 0.5 * (1.0 + np.tanh(0.5 * z))  # = sigmoid(z), without overflow for large |z|
+        """sigmoid(slope * raw + intercept), vectorised: probes.scoring.calibrate_array."""
+        return calibrate_array(raw, self.slope, self.intercept)
 
 
 # --------------------------------------------------------------------------- checks
