@@ -30,6 +30,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -150,6 +151,24 @@ PAIRS = ("graphs_vs_eager", "piecewise_vs_eager", "graphs_vs_piecewise")
 RUNNERS = {"v1": "0", "v2": "1"}  # VLLM_USE_V2_MODEL_RUNNER
 
 
+def side_by_side(env: dict[str, str]) -> list[str]:
+    """What engines starting on one GPU at the same time need: sets `env`, returns worker options."""
+    env["VLLM_DISABLE_COMPILE_CACHE"] = "1"  # engines compiling at once must not share cache files
+    # A fixed KV cache skips vLLM's memory profiling, which assumes no other process changes
+    # its GPU memory meanwhile (it asserts so) - untrue for engines starting together.
+    return ["--kv-cache-memory-bytes", str(2 << 30)]
+
+
+def run_jobs(run: Callable[[Any], Any], jobs: Sequence[Any], parallel: bool) -> list[Any]:
+    """`run(job)` for every job, all at once in threads (`parallel`) or one after another."""
+    if not parallel:
+        return [run(job) for job in jobs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(run, jobs))
+
+
 def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path, extra: list[str],
              attention_backend: str = "FLASH_ATTN", parallel: bool = False) -> tuple[list[dict], dict]:
     label = f"{runner}-{name}"
@@ -159,8 +178,6 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
     # Run one after the other, the compile cache stays on: the machine starts empty and every
     # run has the same tap configuration (part of the cache key), so later starts reuse graphs.
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner])
-    if parallel:
-        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"  # engines compiling at once must not share cache files
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model), "--port", str(port),
            *[f"--probe={p}" for p in probes], "--max-model-len", "1024",
            "--gpu-memory-utilization", os.environ.get("PROBEX_SMOKE_MEMORY", "0.3"),
@@ -168,9 +185,7 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
     if attention_backend:
         cmd += ["--attention-backend", attention_backend]
     if parallel:
-        # A fixed KV cache skips vLLM's memory profiling, which assumes no other process
-        # changes its GPU memory meanwhile (it asserts so) - untrue for engines starting together.
-        cmd += ["--kv-cache-memory-bytes", str(2 << 30)]
+        cmd += side_by_side(env)
     forced = None
     url = f"http://127.0.0.1:{port}"
     with logged_worker(cmd, env, log_path, url, label) as ready_s:
@@ -290,13 +305,7 @@ def main() -> None:
         runner, name = jobs[label]
         return run_mode(runner, name, model, probes, args.out, MODES[name], args.attention_backend, args.parallel)
 
-    if args.parallel:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            runs = dict(zip(jobs, pool.map(run, jobs)))
-    else:
-        runs = {label: run(label) for label in jobs}
+    runs = dict(zip(jobs, run_jobs(run, list(jobs), args.parallel)))
     result = {"modes": {label: info for label, (_, info) in runs.items()}}
     comparisons = all_comparisons({label: responses for label, (responses, _) in runs.items()})
     result["comparisons"] = comparisons

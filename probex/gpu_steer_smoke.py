@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from probex.gpu_smoke import GRAPH_LOG_PATTERNS, MODES, PROMPTS, RUNNERS, build_model, max_tokens_for
+from probex.gpu_smoke import (GRAPH_LOG_PATTERNS, MODES, PROMPTS, RUNNERS, build_model, max_tokens_for, run_jobs,
+                              side_by_side)
 from probex.processes import logged_worker
 
 VARIANTS = ("plain", "zero", "steered", "gated", "generation")
@@ -160,8 +161,6 @@ def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Pa
     capture = out / f"capture-{label}"
     log_path = out / f"worker-{label}.log"
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner])
-    if parallel:
-        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"  # engines compiling at once must not share cache files
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model), "--port", str(port),
            *[f"--probe={p}" for p in probes], "--steer-vector", str(vector), "--max-model-len", "1024",
            "--admin-token", ADMIN,
@@ -172,9 +171,7 @@ def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Pa
     if dtype:
         cmd += ["--dtype", dtype]
     if parallel:
-        # A fixed KV cache skips vLLM's memory profiling, which assumes no other process
-        # changes its GPU memory meanwhile - untrue for engines starting together.
-        cmd += ["--kv-cache-memory-bytes", str(2 << 30)]
+        cmd += side_by_side(env)
     url = f"http://127.0.0.1:{port}"
     with logged_worker(cmd, env, log_path, url, label) as ready_s:
         if measures:
@@ -298,7 +295,7 @@ def main() -> None:
         build_model(args.skeleton, model)
     hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     probes, vector = build_artifacts(args.work / "artifacts", hidden)
-    result: dict = {"runs": {}, "within": {}, "pairs": {}}
+    result: dict = {"runs": {}}
     settings = SharedSettings()
     jobs = [(runner, mode) for runner in args.runners.split(",") for mode in args.modes.split(",")]
 
@@ -307,13 +304,7 @@ def main() -> None:
         return run_mode(runner, mode, model, probes, vector, args.out, settings, measures=job == jobs[0],
                         attention_backend=args.attention_backend, parallel=args.parallel, dtype=args.dtype)
 
-    if args.parallel:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            runs = list(pool.map(run, jobs))
-    else:
-        runs = [run(job) for job in jobs]
+    runs = run_jobs(run, jobs, args.parallel)
     for (runner, mode), run_result in zip(jobs, runs):
         result["runs"][f"{runner}-{mode}"] = run_result
     analyse(result, args.runners.split(","), args.modes.split(","))
