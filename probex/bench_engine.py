@@ -67,7 +67,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -78,6 +77,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
+
+from probex.processes import free_port
 
 try:  # a few times faster than json on the 8k chunks/s of 64 streams; not on every GPU image
     import orjson
@@ -619,11 +620,6 @@ def server_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tup
 # ---------------------------------------------------------------------------------------------
 # servers
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -1408,7 +1404,7 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              f"from {', '.join(KINDS)}")
     parser.add_argument("--concurrency", default=None, help="comma-separated (default 1,8,64)")
     parser.add_argument("--num-prompts", type=int, default=None, help="measured requests per concurrency "
-                        "(default max(8, 4 x concurrency))")
+                        "(default max(16, 4 x concurrency))")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up requests per concurrency (default max(2, concurrency))")
     parser.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1024)")

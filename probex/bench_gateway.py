@@ -60,16 +60,13 @@ import httpx
 import numpy as np
 import yaml
 
+from probex.processes import free_port
+
 MODEL = "mock-model"
 # Goals of the gateway (issue 4): added TTFT p50 sequential, added p99 at 128 concurrent streams.
 GOAL_SEQUENTIAL_P50_MS = 0.6
 GOAL_CONCURRENT_P99_MS = 3.0
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(url: str, timeout: float = 30) -> None:
@@ -401,7 +398,7 @@ def run(out: Path, args) -> dict:
               "rules": [{"probe": "harmful-request", "prompt": {"flag": 0.5, "block": 0.9},
                          "generated": {"flag": 0.5, "block": 0.99}}]}
     (work / "policy.yaml").write_text(yaml.safe_dump(policy))
-    mock_port, gw_port = _free_port(), _free_port()
+    mock_port, gw_port = free_port(), free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # The mock on the standard asyncio loop: its sleeps last at least what is asked, while uvloop's
     # timers tick in whole milliseconds, which would make the mock's time to first token depend on

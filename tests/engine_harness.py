@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import numpy as np
 
 from probes.artifact import ProbeArtifact, ReadPoint, save_probe
 from probex.models import fetch_model
-from probex.processes import WorkerExited, wait_until_healthy
+from probex.processes import WorkerExited, free_port, wait_until_healthy
 
 MODEL_NAME = "smollm2-135m-instruct"
 HIDDEN = 576
@@ -44,11 +43,6 @@ PROMPTS = [
 def model_dir() -> Path:
     return fetch_model(MODEL_NAME)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_test_probes(root: Path) -> dict[str, Path]:

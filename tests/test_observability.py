@@ -298,7 +298,7 @@ class Prometheus:
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.fail("prometheus not found: `make setup` installs Debian's prometheus package")
-        from tests.engine_harness import free_port
+        from probex.processes import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-from probex.processes import logged_worker
-from tests.engine_harness import free_port
+from probex.processes import free_port, logged_worker
 
 SERVER = """
 import http.server, sys
