@@ -181,6 +181,16 @@ class UpstreamResponse(asyncio.Protocol):
         self.released = True
         self._fail(UpstreamError(f"connection to {self.origin.name} closed by the gateway"))
 
+    def send_request(self, request: bytes) -> None:
+        """Write the whole request. A transport that died before its `connection_lost` arrived
+        (a reset on an idle keep-alive connection, say) fails the connection instead of raising:
+        `head()` then reports it, and a reused connection counts as stale and is replaced."""
+        self.request = request
+        try:
+            self.transport.write(request)
+        except (RuntimeError, OSError) as exc:
+            self._fail(UpstreamError(f"{self.origin.name} closed the connection: {exc}"))
+
     # -- internals
 
     async def _wait(self, timeout: float) -> None:
@@ -314,8 +324,7 @@ class UpstreamClient:
         request = b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (
             origin.base, path.encode(), origin.host_header, len(body))
         conn = origin.take_idle() or await origin.connect()
-        conn.request = request + body
-        conn.transport.write(conn.request)
+        conn.send_request(request + body)
         return conn
 
     async def response(self, conn: UpstreamResponse) -> UpstreamResponse:
@@ -328,8 +337,7 @@ class UpstreamClient:
             # connection (what browsers do, and a fresh connection that fails this way is an error).
             conn.close()
             fresh = await conn.origin.connect()
-            fresh.request = conn.request
-            fresh.transport.write(fresh.request)
+            fresh.send_request(conn.request)
             return await self.response(fresh)
         except BaseException:
             conn.close()

@@ -572,6 +572,27 @@ def test_upstream_client_sends_again_when_an_idle_connection_was_closed():
     assert (status, body) == (200, b"ok") and len(seen) == 3
 
 
+def test_upstream_client_replaces_an_idle_connection_whose_transport_is_already_dead():
+    # uvloop can close a reset connection's handle before `connection_lost` reaches the
+    # protocol: the pooled connection still looks usable, and writing to it raises.
+    async def scenario(client, url):
+        first = await client.post(url, "/v1/completions", b"{}")
+        await first.read()
+        first.release()
+        pooled = client.origins[url].idle[-1]
+
+        def dead_write(data):
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+        pooled.transport.write = dead_write
+        second = await client.post(url, "/v1/completions", b"{}")
+        return second.status, await second.read(), second is pooled
+
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    (status, body, reused_dead), seen = _client_run([ok, ok], scenario)
+    assert (status, body) == (200, b"ok") and not reused_dead and len(seen) == 2
+
+
 def test_upstream_client_errors_timeouts_and_connection_close():
     import asyncio
 
