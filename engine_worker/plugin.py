@@ -19,11 +19,12 @@ def register() -> None:
     if _registered:
         return
     import engine_worker.ops  # noqa: F401  (torch.ops.probex.tap)
-    from engine_worker.vllm_models import patch_decoder_layers
+    from engine_worker.vllm_models import patch_decoder_layers, patch_engine_config
     from engine_worker.vllm_v1_runner import patch_v1_runner
     from engine_worker.vllm_v2_runner import patch_v2_runner
     from engine_worker.vllm_worker import patch_prefix_cache_bypass
 
+    patch_engine_config()  # before any VllmConfig exists in this process
     patch_decoder_layers()
     patch_v1_runner()
     patch_v2_runner()  # a no-op where vLLM has no V2 runner (the CPU backend)

@@ -144,21 +144,58 @@ _TAPS_BY_MODEL: dict[tuple[int, str], "weakref.WeakValueDictionary[int, LayerTap
 SEQUENCE_PARALLEL_FLAGS = ("enable_sp", "enable_sequence_parallelism", "fuse_gemm_comms", "enable_async_tp")
 
 
-def turn_off_sequence_parallelism(compilation_config) -> list[str]:
+def turn_off_sequence_parallelism(compilation_config, pin_unset: bool = False) -> list[str]:
     """Turn off every residual-sharding pass that is on; returns the flags it turned off.
 
     Idempotent (a second call finds them off and says nothing), so each decoder layer's
-    build can call it.
+    build can call it. `pin_unset` also sets flags the user left unset (None) to False, so
+    an optimisation level whose defaults turn sequence parallelism on cannot do so later.
     """
     pass_config = getattr(compilation_config, "pass_config", None)
     if pass_config is None:
         return []
-    turned_off = [flag for flag in SEQUENCE_PARALLEL_FLAGS if getattr(pass_config, flag, None)]
-    for flag in turned_off:
-        setattr(pass_config, flag, False)
+    values = {flag: getattr(pass_config, flag) for flag in SEQUENCE_PARALLEL_FLAGS if hasattr(pass_config, flag)}
+    turned_off = [flag for flag, value in values.items() if value]
+    for flag, value in values.items():
+        if value or (pin_unset and value is None):
+            setattr(pass_config, flag, False)
     if turned_off:
         log.warning(
             "probex: turned off %s (compilation_config.pass_config) while tapping: sequence parallelism shards"
             " the residual stream across tensor-parallel ranks, and the tap and steering ops need all of its"
             " rows on every rank", ", ".join(turned_off))
     return turned_off
+
+
+def patch_engine_config() -> bool:
+    """Sequence parallelism off while the engine's configuration is built, when a tap is configured.
+
+    The model-build switch in `_attach_tap` comes after vLLM has already planned around
+    sequence parallelism: compile ranges split at its token threshold, CUDA-graph sizes
+    rounded for it, and the model runner chosen (vLLM 0.25 falls back from runner V2 to V1
+    when it is on). Turning it off before `VllmConfig.__post_init__` validates keeps every
+    one of those decisions consistent with the graphs that are really built. Runs in the
+    process that builds the configuration (the API server, or the user's process for
+    `LLM(...)`); the plugin is loaded there before the configuration exists.
+    """
+    try:
+        from vllm.config import VllmConfig
+    except ImportError:
+        return False
+    return _patch_config_class(VllmConfig)
+
+
+def _patch_config_class(cls: type) -> bool:
+    original = cls.__dict__.get("__post_init__")
+    if original is None or getattr(original, _PATCHED_MARK, False):
+        return False
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        if TapConfig.from_additional_config(getattr(self, "additional_config", None)) is not None:
+            turn_off_sequence_parallelism(getattr(self, "compilation_config", None), pin_unset=True)
+        return original(self, *args, **kwargs)
+
+    setattr(__post_init__, _PATCHED_MARK, True)
+    cls.__post_init__ = __post_init__
+    return True

@@ -156,20 +156,28 @@ class SharedSettings:
 def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Path, out: Path,
              settings: SharedSettings, measures: bool, attention_backend: str = "FLASH_ATTN",
              parallel: bool = False, dtype: str = "") -> dict:
-    label = f"{runner}-{mode}"
     port = 8300 + list(MODES).index(mode) + 10 * list(RUNNERS).index(runner)
+    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner])
+    extra = list(MODES[mode]) + (["--dtype", dtype] if dtype else [])
+    # Timing engines that share the GPU with others would measure the others.
+    return run_engine(f"{runner}-{mode}", port, env, extra, model, probes, vector, out, settings, measures,
+                      attention_backend, parallel, timing=mode == "graphs" and not parallel)
+
+
+def run_engine(label: str, port: int, env: dict[str, str], extra: list[str], model: Path, probes: list[Path],
+               vector: Path, out: Path, settings: SharedSettings, measures: bool, attention_backend: str,
+               parallel: bool, timing: bool = False) -> dict:
+    """One `probex worker` with probes a10/c20 and the steering vector: the five variants of every prompt in
+    one batch (and, with `timing`, 8 x 128 tokens with the op idle vs every row steered)."""
     capture = out / f"capture-{label}"
     log_path = out / f"worker-{label}.log"
-    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner])
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model), "--port", str(port),
            *[f"--probe={p}" for p in probes], "--steer-vector", str(vector), "--max-model-len", "1024",
            "--admin-token", ADMIN,
            "--gpu-memory-utilization", os.environ.get("PROBEX_SMOKE_MEMORY", "0.3"), "--capture-dir", str(capture),
-           *MODES[mode]]
+           *extra]
     if attention_backend:
         cmd += ["--attention-backend", attention_backend]
-    if dtype:
-        cmd += ["--dtype", dtype]
     if parallel:
         cmd += side_by_side(env)
     url = f"http://127.0.0.1:{port}"
@@ -183,17 +191,16 @@ def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Pa
         bodies = [body(str(model), p, max_tokens_for(i), xargs_for(v, alpha))
                   for v in VARIANTS for i, p in enumerate(PROMPTS)]
         responses = asyncio.run(post_all(url, bodies))
-        timing = None
-        # Timing engines that share the GPU with others would measure the others.
-        if mode == "graphs" and not parallel:
+        timings = None
+        if timing:
             timed(url, str(model), {})  # warm-up
-            timing = {"idle_s": timed(url, str(model), {}),
-                      "active_s": timed(url, str(model), xargs_for("steered", alpha))}
+            timings = {"idle_s": timed(url, str(model), {}),
+                       "active_s": timed(url, str(model), xargs_for("steered", alpha))}
     text = log_path.read_text(errors="replace")
     graph_lines = [l[-200:] for l in text.splitlines() if any(re.search(p, l) for p in GRAPH_LOG_PATTERNS)]
     n = len(PROMPTS)
     by_variant = {v: responses[k * n:(k + 1) * n] for k, v in enumerate(VARIANTS)}
-    return {"settings": values, "ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:6], "timing": timing,
+    return {"settings": values, "ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:6], "timing": timings,
             "responses": {v: [strip(r) for r in rs] for v, rs in by_variant.items()}}
 
 

@@ -112,3 +112,44 @@ def test_only_tp_rank_zero_of_the_last_pipeline_stage_publishes(monkeypatch, tp_
     if not delivers:
         # No publisher at all on the other ranks: nothing to send, no socket opened.
         assert vllm_worker._publisher(tap) is None
+
+
+class FakeEngineConfig:
+    """Stands in for vLLM's VllmConfig: records what the pass flags were when its own validation ran."""
+
+    def __init__(self, passes: FakePassConfig, additional_config: dict | None) -> None:
+        self.compilation_config = SimpleNamespace(pass_config=passes)
+        self.additional_config = additional_config
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        self.flags_seen_by_validation = dict(vars(self.compilation_config.pass_config))
+
+
+def test_engine_config_validation_sees_sequence_parallelism_off_when_tapping(records):
+    class Config(FakeEngineConfig):
+        __post_init__ = FakeEngineConfig.__post_init__
+
+    assert vllm_models._patch_config_class(Config)
+    assert not vllm_models._patch_config_class(Config)  # a second plugin load patches nothing
+    tapping = Config(FakePassConfig(enable_sp=True, fuse_gemm_comms=True),
+                     TapConfig(layers=(1,), probe_dirs=()).to_additional_config())
+    seen = tapping.flags_seen_by_validation
+    assert seen["enable_sp"] is False and seen["fuse_gemm_comms"] is False
+    # Unset flags are pinned off too: an optimisation level's defaults only fill unset ones.
+    assert seen["enable_sequence_parallelism"] is False and seen["enable_async_tp"] is False
+    assert seen["fuse_allreduce_rms"] is None
+    assert len(records.messages) == 1 and "enable_sp, fuse_gemm_comms" in records.messages[0]
+
+    plain = Config(FakePassConfig(enable_sp=True), additional_config=None)  # no tap: the user's choice stands
+    assert plain.flags_seen_by_validation["enable_sp"] is True
+    assert plain.flags_seen_by_validation["fuse_gemm_comms"] is None
+
+
+def test_installed_vllm_config_class_is_patched_by_the_plugin():
+    from vllm.config import VllmConfig
+
+    from engine_worker import plugin
+
+    plugin.register()
+    assert getattr(VllmConfig.__dict__["__post_init__"], vllm_models._PATCHED_MARK, False)

@@ -1,0 +1,197 @@
+"""GPU check of tensor parallelism: the tap and steering at TP=2 against TP=1 (needs two GPUs).
+
+Runs on the 2-GPU machine (docs/gpu.md). The model has Llama-3.1-8B's architecture with random
+weights saved once as a checkpoint that every engine loads: `--load-format dummy` would let each
+rank initialise its own shards, so TP=2 and TP=1 would not serve the same weights.
+
+Engines, all with CUDA graphs (vLLM's default FULL_AND_PIECEWISE), started together (TP=1 on GPU 0):
+
+- `v1-tp1`, `v1-tp2`, `v2-tp1`, `v2-tp2`: model runner V1 / V2 forced, one or two GPUs;
+- `auto-tp2-sp`: two GPUs, runner left to vLLM, and sequence parallelism plus async TP asked for
+  in `--compilation-config`. ProbeX must turn both off before vLLM plans around them (log line),
+  so vLLM keeps its default runner and the scores still match TP=1.
+
+Each engine answers the steering smoke's batch (`probex.gpu_steer_smoke`: 8 prompts x plain,
+alpha 0, steered, gated, generation-only, one batch) with probes at layers 10 and 20 and the
+steering vector at layer 10; the steering strength and gate bias are measured once, by `v2-tp1`.
+TP=2 is then compared with TP=1 per runner: tokens, prompt scores, generated scores up to the
+first token where the two runs part (bf16 all-reduce sums in another order than one GPU's GEMM).
+
+    python3 -m probex.gpu_tp_smoke --skeleton .gpukit/model --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from probex.gpu_smoke import run_jobs
+from probex.gpu_steer_smoke import VARIANTS, SharedSettings, analyse, build_artifacts, run_engine
+
+# label -> (tensor-parallel size, VLLM_USE_V2_MODEL_RUNNER or None for vLLM's choice, extra worker args)
+SEQUENCE_PARALLEL_ASKED = ["--compilation-config", json.dumps({"pass_config": {"enable_sp": True,
+                                                                               "fuse_gemm_comms": True}})]
+ENGINES: dict[str, tuple[int, str | None, list[str]]] = {
+    "v2-tp1": (1, "1", []),
+    "v2-tp2": (2, "1", []),
+    "v1-tp1": (1, "0", []),
+    "v1-tp2": (2, "0", []),
+    "auto-tp2-sp": (2, None, SEQUENCE_PARALLEL_ASKED),
+}
+PAIRS = (("v2-tp1", "v2-tp2"), ("v1-tp1", "v1-tp2"), ("v2-tp1", "auto-tp2-sp"), ("v1-tp2", "v2-tp2"))
+LOG_PATTERNS = {
+    "sequence_parallel_turned_off": r"probex: turned off .*while tapping",
+    "runner_v2": r"Using V2 Model Runner|tap attached to vLLM model runner V2",
+    "runner_v2_refused": r"Model Runner V2 does not yet support",
+    "taps_built": r"probex: tapping decoder layer",
+}
+
+
+def build_checkpoint(skeleton: Path, dest: Path) -> None:
+    """Llama-3.1-8B config + tokenizer of `skeleton` + random bf16 weights (HF initialisation, on the GPU)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from probex.bench_engine import LLAMA_3_1_8B, write_model_dir
+
+    write_model_dir(LLAMA_3_1_8B, skeleton, dest)
+    config = LlamaConfig.from_pretrained(dest)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(dest)  # rewrites config.json with the same values
+    del model
+
+
+def log_facts(path: Path) -> dict:
+    text = path.read_text(errors="replace")
+    facts: dict = {}
+    for key, pattern in LOG_PATTERNS.items():
+        lines = [l[-240:] for l in text.splitlines() if re.search(pattern, l)]
+        facts[key] = {"count": len(lines), "first": lines[0] if lines else None}
+    return facts
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def compare_tp(one: dict, two: dict) -> dict:
+    """TP=1 vs TP=2 per variant: tokens, prompt scores (all read points), generated scores up to divergence."""
+    out = {}
+    for variant in VARIANTS:
+        pairs = list(zip(one["responses"][variant], two["responses"][variant]))
+        prompt_diffs, generated_diffs, spread, prefix = [], [], [], []
+        for a, b in pairs:
+            n = common_prefix(a["tokens"], b["tokens"])
+            prefix.append(n)
+            for name in a["scores"]:
+                pa, pb = a["scores"][name]["prompt"], b["scores"][name]["prompt"]
+                prompt_diffs += [abs(pa[k] - pb[k]) for k in ("last_raw", "mean", "max")]
+                spread.append(pa["last_raw"])
+                ga, gb = a["scores"][name]["generated"], b["scores"][name]["generated"]
+                upto = min(n + 1, len(ga), len(gb))  # token j's score depends on tokens < j only
+                generated_diffs += [abs(x - y) for x, y in zip(ga[:upto], gb[:upto])]
+        out[variant] = {
+            "identical_sequences": sum(a["tokens"] == b["tokens"] for a, b in pairs),
+            "common_prefix_tokens": prefix,
+            "max_abs_prompt_score_diff": max(prompt_diffs),
+            "max_abs_generated_score_diff": max(generated_diffs, default=0.0),
+            "compared_generated_scores": len(generated_diffs),
+            # the scale the differences are small against: spread of last-prompt raw scores
+            "prompt_last_raw_std": float(np.std(spread)),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skeleton", type=Path, help="tokenizer files (config.json is replaced by Llama-3.1-8B's)")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/probex-tp-smoke"))
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"subset of {','.join(ENGINES)}")
+    parser.add_argument("--attention-backend", default="FLASH_ATTN")
+    parser.add_argument("--reanalyze", type=Path, metavar="JSON", help="recompute the tables of a saved gpu_tp_smoke.json")
+    args = parser.parse_args()
+    if args.reanalyze:
+        saved = json.loads(args.reanalyze.read_text())
+        saved["tp_pairs"] = tp_pairs(saved["runs"])
+        args.reanalyze.write_text(json.dumps(saved, indent=1) + "\n")
+        report(saved)
+        return
+    if not (args.skeleton and args.out):
+        parser.error("--skeleton and --out are required unless --reanalyze is given")
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.work / "model"
+    if not (model / "model.safetensors.index.json").exists():
+        build_checkpoint(args.skeleton, model)
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    probes, vector = build_artifacts(args.work / "artifacts", hidden)
+    settings = SharedSettings()
+    labels = args.engines.split(",")
+
+    def run(label: str) -> dict:
+        tp, runner, extra = ENGINES[label]
+        env = dict(os.environ)
+        env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        if runner is not None:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = runner
+        port = 8500 + list(ENGINES).index(label)
+        result = run_engine(label, port, env, ["--tensor-parallel-size", str(tp), *extra], model, probes, vector,
+                            args.out, settings, measures=label == labels[0],
+                            attention_backend=args.attention_backend, parallel=True)
+        result["log"] = log_facts(args.out / f"worker-{label}.log")
+        return result
+
+    result: dict = {"engines": {l: {"tensor_parallel_size": ENGINES[l][0], "runner_env": ENGINES[l][1],
+                                    "extra_args": ENGINES[l][2]} for l in labels}}
+    result["runs"] = dict(zip(labels, run_jobs(run, labels, parallel=True)))
+    analyse_within(result)
+    result["tp_pairs"] = tp_pairs(result["runs"])
+    import torch
+    import vllm
+
+    result["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__,
+                          "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    (args.out / "gpu_tp_smoke.json").write_text(json.dumps(result, indent=1) + "\n")
+    report(result)
+
+
+def analyse_within(result: dict) -> None:
+    """The steering smoke's checks inside each engine (alpha 0 == plain, gate opens on some tokens, ...)."""
+    probe = {"runs": result["runs"]}
+    analyse(probe, runners=[], modes=[])
+    result["within"] = probe["within"]
+
+
+def tp_pairs(runs: dict) -> dict:
+    return {f"{a} vs {b}": compare_tp(runs[a], runs[b]) for a, b in PAIRS if a in runs and b in runs}
+
+
+def report(result: dict) -> None:
+    for label, run in result["runs"].items():
+        log = run.get("log", {})
+        print(f"{label}: ready {run['ready_s']} s; log: " + ", ".join(f"{k} x{v['count']}" for k, v in log.items()))
+        if label in result.get("within", {}):
+            w = result["within"][label]
+            print(f"   zero==plain {w['zero_tokens_equal_plain']}/{w['prompts']}, steered differ "
+                  f"{w['steered_tokens_differ']}, gate open per prompt {w['gate_open_generated_tokens']}")
+    print(f"{'pair':26} {'variant':10} {'same seqs':>9} {'prompt diff':>11} {'gen diff':>9} {'score std':>9}  prefix")
+    for pair, per_variant in result["tp_pairs"].items():
+        for variant, c in per_variant.items():
+            print(f"{pair:26} {variant:10} {c['identical_sequences']:>9} {c['max_abs_prompt_score_diff']:11.2e} "
+                  f"{c['max_abs_generated_score_diff']:9.2e} {c['prompt_last_raw_std']:9.2e}  {c['common_prefix_tokens']}")
+    if "versions" in result:
+        print(result["versions"])
+
+
+if __name__ == "__main__":
+    main()
