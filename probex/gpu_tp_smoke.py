@@ -131,7 +131,7 @@ def main() -> None:
         parser.error("--skeleton and --out are required unless --reanalyze is given")
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.work / "model"
-    if not (model / "model.safetensors.index.json").exists():
+    if not any(model.glob("*.safetensors")):
         build_checkpoint(args.skeleton, model)
     hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     probes, vector = build_artifacts(args.work / "artifacts", hidden)
