@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/probex-tp-smoke"))
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"subset of {','.join(ENGINES)}")
     parser.add_argument("--attention-backend", default="FLASH_ATTN")
+    parser.add_argument("--dtype", default="", help="float32 (with --attention-backend TRITON_ATTN and at most two"
+                        " engines, v2-tp1,v2-tp2: 32 GB of weights each): compares tokens without bf16 rounding in the way")
     parser.add_argument("--reanalyze", type=Path, metavar="JSON", help="recompute the tables of a saved gpu_tp_smoke.json")
     args = parser.parse_args()
     if args.reanalyze:
@@ -145,6 +147,7 @@ def main() -> None:
         if runner is not None:
             env["VLLM_USE_V2_MODEL_RUNNER"] = runner
         port = 8500 + list(ENGINES).index(label)
+        extra = [*extra, "--dtype", args.dtype] if args.dtype else extra
         result = run_engine(label, port, env, ["--tensor-parallel-size", str(tp), *extra], model, probes, vector,
                             args.out, settings, measures=label == labels[0],
                             attention_backend=args.attention_backend, parallel=True)
