@@ -113,12 +113,11 @@ _NO_ROWS = np.empty((0, 0), dtype=np.float32)
 
 @dataclass
 class StepEvents:
-    """What one step produced, ready to be encoded and sent to the API server.
+    """What one step produced for the requests in it: completed prompts, sampled tokens, ends.
 
     Sampled tokens are kept as parallel columns (request ids, token indexes, one [n, k]
     array of raw scores) rather than one dict per token: at 64 decoding requests per step
-    this is most of what the transfer thread builds, on a thread that shares the GIL with
-    the engine loop, and the array goes on the wire as one block of bytes.
+    that is one vectorised calibration in the API server instead of 64 x k scalar ones.
     """
 
     table: ProbeTable
@@ -137,9 +136,13 @@ class StepEvents:
         return [{"req": r, "index": i, "raw": row} for r, i, row in
                 zip(self.token_req_ids, self.token_indexes, self.token_raw.tolist())]
 
-    def wire_tokens(self) -> dict:
-        return {"req": self.token_req_ids, "index": self.token_indexes,
-                "raw": np.ascontiguousarray(self.token_raw, dtype=np.float32).tobytes()}
+
+def gather_scores(table: ProbeTable, step_rows: int, raw_by_layer: dict[int, np.ndarray]) -> np.ndarray:
+    """Assemble [rows, k] raw scores in probe-table column order from per-layer buffers."""
+    full = np.empty((step_rows, len(table.slots)), dtype=np.float32)
+    for layer, (slots, columns) in table.slot_columns_by_layer().items():
+        full[:, columns] = raw_by_layer[layer][:step_rows, slots]
+    return full
 
 
 class ScoreBook:
@@ -151,17 +154,10 @@ class ScoreBook:
     def __len__(self) -> int:
         return len(self._prompts)
 
-    def gather(self, table: ProbeTable, step_rows: int, raw_by_layer: dict[int, np.ndarray]) -> np.ndarray:
-        """Assemble [rows, k] raw scores in probe-table column order from per-layer buffers."""
-        full = np.empty((step_rows, len(table.slots)), dtype=np.float32)
-        for layer, (slots, columns) in table.slot_columns_by_layer().items():
-            full[:, columns] = raw_by_layer[layer][:step_rows, slots]
-        return full
-
     def record_step(self, layout: StepLayout, table: ProbeTable, raw: np.ndarray) -> StepEvents:
         # Runs with an empty probe set too: capture mode still needs to know when prompts end.
-        # Vectorised over requests: this runs every step for the whole batch, on a thread that
-        # shares the GIL with the engine loop.
+        # Vectorised over requests: this runs every step for the whole batch, on the API
+        # server's event loop (and in capture mode on the worker's transfer thread too).
         events = StepEvents(table=table)
         if not layout.req_ids:
             return events
@@ -216,3 +212,59 @@ def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
         "mean_raw": scored.mean(axis=0).tolist(),
         "max_raw": scored.max(axis=0).tolist(),
     }
+
+
+# -- the step on the wire ------------------------------------------------------------------------
+#
+# The worker sends each step as it came off the GPU: the layout and the [rows, k] raw block.
+# The books (prompt accumulators, which row is which token) are kept on the receiving side,
+# the API server: the worker's transfer thread shares the GIL with the engine loop, and
+# every microsecond of Python it runs per step can hold the next step's scheduling back.
+
+
+def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finished: list[str]) -> dict:
+    """One step for the wire: ids as a list, the per-request counts and the scores as raw bytes."""
+    return {
+        "v": table.version,
+        "probes": table.describe(),
+        "step": {
+            "req": layout.req_ids,
+            "scheduled": np.ascontiguousarray(layout.num_scheduled, dtype=np.int64).tobytes(),
+            "computed": np.ascontiguousarray(layout.num_computed, dtype=np.int64).tobytes(),
+            "prompt": np.ascontiguousarray(layout.num_prompt, dtype=np.int64).tobytes(),
+        },
+        "raw": np.ascontiguousarray(raw, dtype=np.float32).tobytes(),
+        "finished": finished,
+    }
+
+
+class StepReader:
+    """Receiving side of `step_message`: keeps the books and turns each step into its events."""
+
+    def __init__(self) -> None:
+        self.book = ScoreBook()
+        self._tables: dict[int, ProbeTable] = {}
+
+    def read(self, message: dict) -> StepEvents:
+        table = self._table(message["v"], message["probes"])
+        step = message["step"]
+        layout = StepLayout(
+            req_ids=list(step["req"]),
+            num_scheduled=np.frombuffer(step["scheduled"], dtype=np.int64),
+            num_computed=np.frombuffer(step["computed"], dtype=np.int64),
+            num_prompt=np.frombuffer(step["prompt"], dtype=np.int64),
+        )
+        raw = np.frombuffer(message["raw"], dtype=np.float32).reshape(layout.num_rows, len(table.slots))
+        events = self.book.record_step(layout, table, raw)
+        events.finished = self.book.finish(message.get("finished", ()))
+        return events
+
+    def _table(self, version: int, described: list[list]) -> ProbeTable:
+        table = self._tables.get(version)
+        if table is None:
+            # The receiving side needs names, read points and calibration; which buffer slot
+            # a probe sat in stays with the worker.
+            slots = tuple(ProbeSlot(name=name, layer=layer, slot=column, read=read, slope=slope, intercept=intercept)
+                          for column, (name, read, slope, intercept, layer) in enumerate(described))
+            table = self._tables[version] = ProbeTable(version=version, slots=slots)
+        return table

@@ -22,7 +22,7 @@ import numpy as np
 
 from probes.artifact import ProbeArtifact, ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import SteeringVector, check_vector_set, load_vector
-from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout
+from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout, gather_scores, step_message
 from engine_worker.score_transfer import ScoreTransfer, StagedStep
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
@@ -278,11 +278,19 @@ class TapController:
         for tap in self.taps.values():
             tap.set_capture_rows(index)
 
+    @property
+    def reads_scores(self) -> bool:
+        """False on a tensor-parallel rank that does not deliver and captures nothing: its
+        scores equal rank 0's, so copying them to the host would be work for nobody."""
+        return self.publish is not None or self.capture_dir is not None
+
     def after_forward(self, layout: StepLayout, finished: set[str] | list[str] = ()) -> None:
         """Hand the step to the transfer thread; returns without waiting for the device."""
         self.steps += 1
         if self._steer_warned and finished:
             self.forget(finished)
+        if not self.reads_scores:
+            return
         captured = None
         if self._capture_plan:
             # Capture is an offline extraction mode: a synchronous read is fine there.
@@ -299,31 +307,28 @@ class TapController:
         """A step that ran no forward still ends requests; their bookkeeping must be released."""
         if self._steer_warned:
             self.forget(finished)
-        self.transfer.submit(0, (StepLayout.empty(), self.table, list(finished), [], None))
+        if self.reads_scores:
+            self.transfer.submit(0, (StepLayout.empty(), self.table, list(finished), [], None))
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every submitted step has been processed and published."""
         return self.transfer.flush(timeout)
 
     def _consume_step(self, step: StagedStep) -> None:
+        """On the transfer thread: the step's raw block goes out as it is (`step_message`);
+        the API server keeps the books. Only capture mode keeps books here too, to know when
+        a captured prompt is complete."""
         layout, table, finished, capture_plan, captured = step.context
-        raw = self.book.gather(table, step.rows, step.scores())
-        events = self.book.record_step(layout, table, raw)
-        if captured is not None:
-            self._collect_capture(layout, events, capture_plan, captured)
-        events.finished = self.book.finish(finished)
-        for req_id in finished:
-            self._capture_requests.pop(req_id, None)
-        if events and self.publish is not None:
-            self.publish(
-                {
-                    "v": table.version,
-                    "probes": table.describe(),
-                    "prompt": events.prompt,
-                    "tokens": events.wire_tokens(),
-                    "finished": events.finished,
-                }
-            )
+        raw = gather_scores(table, step.rows, step.scores())
+        if self.capture_dir is not None:
+            events = self.book.record_step(layout, table, raw)
+            if captured is not None:
+                self._collect_capture(layout, events, capture_plan, captured)
+            self.book.finish(finished)
+            for req_id in finished:
+                self._capture_requests.pop(req_id, None)
+        if self.publish is not None and (layout.req_ids or finished):
+            self.publish(step_message(table, layout, raw, list(finished)))
 
     def _collect_capture(self, layout: StepLayout, events, capture_plan, captured: dict[int, np.ndarray]) -> None:
         prompt_len = dict(zip(layout.req_ids, layout.num_prompt.tolist()))

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from engine_worker.bookkeeping import StepReader
 from probes.scoring import calibrate_array
 
 log = logging.getLogger("probex.delivery")
@@ -113,6 +114,7 @@ class ScoreHub:
         self._socket = None
         self.messages_received = 0
         self._external_ids: dict[str, str] = {}  # engine request id -> ours, saves a regex per token
+        self._steps = StepReader()  # the books of every request's prompt, fed by the worker's steps
         # How long responses were held back waiting for scores (the cost the tap adds to
         # latency, if any), split by first chunk (prompt summary) and later tokens.
         self.waits = {"prompt": WaitStats(), "tokens": WaitStats()}
@@ -143,28 +145,41 @@ class ScoreHub:
                 last_sweep = now
 
     def ingest(self, message: dict) -> None:
+        """A worker's step message (`bookkeeping.step_message`: layout + raw block, read
+        through the books here), or a step's events directly (`prompt` summaries, `tokens`
+        columns, `finished`), which is what the books make of a step."""
         self.messages_received += 1
         version = message["v"]
         table = self._tables.get(version)
         if table is None:
             table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
+        if "step" in message:
+            events = self._steps.read(message)
+            self._apply(table, events.prompt, events.token_req_ids, events.token_indexes, events.token_raw,
+                        events.finished)
+            return
+        tokens = message.get("tokens") or {"req": [], "index": []}
+        raw = token_raw_scores(tokens, len(table.probes)) if tokens["req"] else None
+        self._apply(table, message.get("prompt", ()), tokens["req"], tokens["index"], raw, message.get("finished", ()))
+
+    def _apply(self, table: "_ProbeSet", prompt: list[dict], token_reqs: list[str], token_indexes: list[int],
+               token_raw: np.ndarray | None, finished: list[str]) -> None:
         probes = table.probes
         if len(self._external_ids) > 100_000:  # ids are never reused: forgetting them all is safe
             self._external_ids.clear()
-        for event in message.get("prompt", ()):
+        for event in prompt:
             state = self._state(self._external_id(event["req"]))
             state.prompt, state.prompt_probes = event, probes
             state.changed.set()
-        tokens = message.get("tokens")
-        if tokens and tokens["req"]:
+        if token_reqs:
             # One vectorised calibration per step instead of one math.exp per token and
             # probe later, on the event loop that also relays every chunk.
-            scores = table.calibrate(token_raw_scores(tokens, len(probes))).tolist()
-            for req, index, values in zip(tokens["req"], tokens["index"], scores):
+            scores = table.calibrate(token_raw).tolist()
+            for req, index, values in zip(token_reqs, token_indexes, scores):
                 state = self._state(self._external_id(req))
                 state.add_token(index, values, probes)
                 state.changed.set()
-        for req in message.get("finished", ()):
+        for req in finished:
             state = self._requests.get(self._external_id(req))
             if state is not None:
                 state.finished = True

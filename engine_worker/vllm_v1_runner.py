@@ -94,7 +94,7 @@ def _tapped_forward(model_forward):
         output = model_forward(self, *args, **kwargs)
         after = time.perf_counter()
         if layout is None:  # scores only: read the layout once the forward is launched
-            layout = _step_layout(self, scheduler_output)
+            layout = _step_layout(self, scheduler_output) if controller.reads_scores else StepLayout.empty()
         finished = scheduler_output.finished_req_ids
         _forget(self, finished)
         controller.after_forward(layout, finished)

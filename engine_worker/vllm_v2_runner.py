@@ -111,8 +111,8 @@ def _scores_after_forward(execute_model):
         started = time.perf_counter()
         layout, self._probex_layout = self._probex_layout, None
         batch, self._probex_batch = self._probex_batch, None
-        if batch is not None:
-            layout = _step_layout(self, batch)
+        if batch is not None:  # scores only: the layout is read now that the forward is launched
+            layout = _step_layout(self, batch) if controller.reads_scores else StepLayout.empty()
         finished = list(scheduler_output.finished_req_ids or ())
         for req_id in finished:
             self._probex_capture_flags.pop(req_id, None)

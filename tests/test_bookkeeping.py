@@ -1,6 +1,6 @@
 import numpy as np
 
-from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout
+from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout, StepReader, gather_scores, step_message
 from engine_worker.tap import ProbeSlot
 
 TABLE = ProbeTable(version=1, slots=(ProbeSlot("a", 3, 0, "last_prompt_token", 1.0, 0.0),))
@@ -82,7 +82,7 @@ def test_gather_orders_columns_by_table():
         version=1,
         slots=(ProbeSlot("x", 5, 1, "last_prompt_token", 1, 0), ProbeSlot("y", 2, 0, "last_prompt_token", 1, 0)),
     )
-    raw = ScoreBook().gather(table, 2, {5: np.array([[0, 10], [0, 11], [9, 9]]), 2: np.array([[20], [21], [9]])})
+    raw = gather_scores(table, 2, {5: np.array([[0, 10], [0, 11], [9, 9]]), 2: np.array([[20], [21], [9]])})
     np.testing.assert_array_equal(raw, [[10, 20], [11, 21]])
 
 
@@ -93,3 +93,26 @@ def test_an_empty_probe_set_still_reports_prompt_completion():
     events = book.record_step(layout([("r", 3, 0, 3)]), empty, np.zeros((3, 0), np.float32))
     assert [p["req"] for p in events.prompt] == ["r"] and events.prompt[0]["last_raw"] == []
     assert events.tokens == [{"req": "r", "index": 0, "raw": []}]
+
+
+def test_a_step_read_from_the_wire_gives_the_events_of_the_same_step_booked_locally():
+    """The worker sends layout + raw block; the API server's reader must book it exactly as
+    a ScoreBook next to the engine would, across steps (prefill chunks, decode, finish)."""
+    table = ProbeTable(version=4, slots=(ProbeSlot("x", 5, 1, "prompt_mean", 2.0, -1.0),
+                                         ProbeSlot("y", 2, 0, "last_prompt_token", 1.0, 0.0)))
+    steps = [
+        (layout([("a", 3, 0, 5), ("b", 2, 0, 2)]), []),  # a: first chunk of 5; b: whole prompt
+        (layout([("a", 2, 3, 5), ("b", 1, 2, 2)]), []),  # a: rest of its prompt; b decodes
+        (layout([("b", 1, 3, 2), ("a", 1, 5, 5)]), ["c"]),  # rows in another order; c unknown
+        (layout([]), ["a", "b"]),  # an idle step that only ends requests
+    ]
+    rng = np.random.default_rng(0)
+    local, reader = ScoreBook(), StepReader()
+    for step_layout, finished in steps:
+        raw = rng.standard_normal((step_layout.num_rows, 2)).astype(np.float32)
+        want = local.record_step(step_layout, table, raw)
+        want.finished = local.finish(finished)
+        got = reader.read(step_message(table, step_layout, raw, finished))
+        assert got.prompt == want.prompt and got.tokens == want.tokens and got.finished == want.finished
+        assert got.table.names == table.names and got.table.version == 4
+    assert len(reader.book) == 0 and len(local) == 0

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.bookkeeping import StepLayout
+from engine_worker.bookkeeping import StepLayout, StepReader
 from engine_worker.controller import TapController
-from engine_worker.delivery import token_raw_scores
 from engine_worker.score_transfer import ScoreTransfer
 from engine_worker.tap import LayerTap
 from probes.artifact import ProbeArtifact, ReadPoint, ServedModel, save_probe
@@ -75,23 +74,24 @@ def test_steps_are_scored_published_in_order_and_match_w_dot_x(setup, threaded):
     for tap in taps.values():
         tap.scores.fill_(1e9)
     assert controller.flush()
-    assert [m["tokens"]["index"][0] for m in published] == [0, 1, 2]
-    first = published[0]
-    assert [p["req"] for p in first["prompt"]] == ["a", "b"]
+    # The worker sends each step's layout and raw block; the API server's reader books them.
+    reader = StepReader()
+    events = [reader.read(m) for m in published]
+    assert [e.token_indexes[0] for e in events] == [0, 1, 2]
+    first = events[0]
+    assert [p["req"] for p in first.prompt] == ["a", "b"]
     # request a's last prompt token is row 4 of step 0; probe "first" reads layer 1
     w1, b1 = taps[1].weight[0], taps[1].bias[0]
     want = float(streams_by_step[0][1][4] @ w1 + b1)
-    assert first["prompt"][0]["last_raw"][0] == pytest.approx(want, rel=1e-5)
+    assert first.prompt[0]["last_raw"][0] == pytest.approx(want, rel=1e-5)
     # "second" (layer 3) mean over b's three prompt rows (rows 5..7)
     w3, b3 = taps[3].weight[0], taps[3].bias[0]
     want_mean = float((streams_by_step[0][3][5:8] @ w3 + b3).mean())
-    assert first["prompt"][1]["mean_raw"][1] == pytest.approx(want_mean, rel=1e-5)
+    assert first.prompt[1]["mean_raw"][1] == pytest.approx(want_mean, rel=1e-5)
     # step 2: rows are in the order b, a; a's generated token 2 is row 1
-    tokens = published[2]["tokens"]
-    a_row = tokens["req"].index("a")
-    assert tokens["index"][a_row] == 2
-    raw = token_raw_scores(tokens, len(published[2]["probes"]))
-    assert raw[a_row, 0] == pytest.approx(float(streams_by_step[2][1][1] @ w1 + b1), rel=1e-5)
+    a_row = events[2].token_req_ids.index("a")
+    assert events[2].token_indexes[a_row] == 2
+    assert events[2].token_raw[a_row, 0] == pytest.approx(float(streams_by_step[2][1][1] @ w1 + b1), rel=1e-5)
     controller.transfer.close()
 
 
@@ -114,10 +114,24 @@ def test_idle_step_releases_finished_requests(setup):
     run_step(taps, {l: torch.randn(3, HIDDEN) for l in taps})
     # a 6-token prompt, half prefilled: an open accumulator
     controller.after_forward(StepLayout(["a"], np.array([3]), np.array([0]), np.array([6])))
-    assert len(controller.book) == 1
+    reader = StepReader()
+    assert not reader.read(published[-1]) and len(reader.book) == 1
     controller.after_idle_step(["a"])
-    assert len(controller.book) == 0
-    assert published[-1]["finished"] == ["a"]
+    assert reader.read(published[-1]).finished == ["a"]
+    assert len(reader.book) == 0
+
+
+def test_a_rank_that_neither_delivers_nor_captures_copies_no_scores(setup):
+    """Tensor-parallel ranks other than the delivering one score the same rows; they skip
+    the device-to-host copy and the transfer thread entirely (steering still runs there)."""
+    taps, probes, _ = setup
+    controller = TapController(taps, served(), publish=None, threaded=False)
+    controller.load([str(p) for p in probes])
+    assert not controller.reads_scores
+    run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
+    controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])))
+    controller.after_idle_step(["a"])
+    assert controller.steps == 1 and controller.transfer.describe()["steps"] == 0
 
 
 def test_a_failing_consumer_does_not_stop_later_steps():

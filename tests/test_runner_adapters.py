@@ -22,6 +22,7 @@ class RecordingController:
         self.steering: list[dict] = []
         self.engine_thread_s = 0.0  # the adapters add their hook time here
         self.needs_layout_before_forward = True  # steering or capture on
+        self.reads_scores = True  # the delivering rank
         self.after_layouts: list[tuple] = []
 
     def before_forward(self, layout, capture, steering=None):
@@ -182,3 +183,18 @@ def test_v2_adapter_builds_the_layout_after_the_launch_when_only_scores_are_read
     assert controller.calls == [("after", ["b", "a"], []), ("after", ["b"], ["a"])]
     assert controller.after_layouts == [([3, 7], [0, 0], [3, 7]), ([1], [3], [3])]
     assert runner._probex_batch is None
+
+
+def test_v2_adapter_reads_no_layout_on_a_rank_that_reads_no_scores(monkeypatch):
+    """A tensor-parallel rank that does not deliver: steps are still counted and requests
+    still end, but no per-step layout is built for nobody to read."""
+    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    controller = RecordingController()
+    controller.needs_layout_before_forward = False
+    controller.reads_scores = False
+    runner = wrapped_runner_class()(controller)
+    runner.load_model()
+    runner.execute_model(sched(new=[new_req("a"), new_req("b")], scheduled={"a": 7, "b": 3},
+                               computed={"a": 0, "b": 0}))
+    runner.execute_model(sched(scheduled={"b": 1}, computed={"b": 3}, finished={"a"}))
+    assert controller.calls == [("after", [], []), ("after", [], ["a"])]
