@@ -1,0 +1,136 @@
+"""CPU benchmark of the worker's per-step hand-off: what ProbeX runs in the engine process per step.
+
+No engine and no GPU: CPU `LayerTap`s (2 layers x 4 probes, like `probex bench engine`), a
+`TapController` whose publisher encodes each message as the real one does (msgpack) and
+drops it, and a loop standing in for the engine thread that calls `after_forward` once per
+decode step of N requests. Reported per step:
+
+- `inline_us`: hook + consume on one thread (`threaded=False`): the CPU the hand-off costs;
+- `hook_us` with the transfer thread on, while between steps the engine thread runs
+  Python for `--python-us` (vLLM's scheduling and output processing) and then waits with
+  the GIL released for `--wait-us` (the GPU): what the engine thread pays once the two
+  threads share the GIL;
+- `step_us`: the whole stand-in step; against `baseline_step_us` (the same loop without
+  ProbeX) it is the slowdown;
+- `consume_us`: the transfer thread's wall time per step (waiting for the GIL included).
+
+    python3 -m probex.bench_handoff --out out/bench-handoff.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+HIDDEN = 64
+
+
+def _controller(threaded: bool, root: Path):
+    from engine_worker.controller import TapController
+    from engine_worker.tap import LayerTap
+    from probes.artifact import ProbeArtifact, ReadPoint, ServedModel, save_probe
+
+    served = ServedModel.from_hf_config({"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": 4,
+                                         "architectures": ["LlamaForCausalLM"]}, name="bench")
+    taps = {1: LayerTap(1, HIDDEN, capacity=4, max_rows=8192), 3: LayerTap(3, HIDDEN, capacity=4, max_rows=8192)}
+    reads = [ReadPoint.LAST_PROMPT_TOKEN, ReadPoint.PROMPT_MEAN]
+    rng = np.random.default_rng(0)
+    probes = [save_probe(ProbeArtifact(name=f"p{i}", layer=1 if i < 4 else 3, read=reads[i % 2],
+                                       weight=rng.standard_normal(HIDDEN).astype(np.float32), bias=0.0,
+                                       model={"name": "bench"}), root / f"p{i}") for i in range(8)]
+    encoder = msgspec.msgpack.Encoder()
+    controller = TapController(taps, served, lambda message: encoder.encode(message), threaded=threaded)
+    controller.load([str(p) for p in probes])
+    return controller
+
+
+def engine_steps(steps: int, python_us: float, wait_us: float, hook=None) -> tuple[float, float]:
+    """(mean step, mean hook) in seconds of the stand-in engine loop, with or without a per-step hook."""
+    hook_s = 0.0
+    began = time.perf_counter()
+    for step in range(steps):
+        if hook is not None:
+            started = time.perf_counter()
+            hook(step)
+            hook_s += time.perf_counter() - started
+        spin_until = time.perf_counter() + python_us * 1e-6
+        while time.perf_counter() < spin_until:
+            pass
+        if wait_us:
+            time.sleep(wait_us * 1e-6)  # releases the GIL, as a wait for the GPU does
+    return (time.perf_counter() - began) / steps, hook_s / steps
+
+
+def run(requests: int, steps: int, threaded: bool, python_us: float, wait_us: float) -> dict:
+    from engine_worker.bookkeeping import StepLayout
+
+    with tempfile.TemporaryDirectory() as tmp:
+        controller = _controller(threaded, Path(tmp))
+        ids = [f"req-{i}" for i in range(requests)]
+        prompt = 32
+        controller.after_forward(StepLayout(ids, np.full(requests, prompt), np.zeros(requests, np.int64),
+                                            np.full(requests, prompt)))
+        controller.flush()
+        consumed_before = controller.transfer.stats.consume_s
+        step_s, hook_s = engine_steps(steps, python_us, wait_us, lambda step: controller.after_forward(
+            StepLayout(ids, np.ones(requests, np.int64), np.full(requests, prompt + step), np.full(requests, prompt))))
+        controller.flush()
+        consumed_before = controller.transfer.stats.consume_s
+        hook = 0.0
+        began = time.perf_counter()
+        for step in range(steps):
+            layout = StepLayout(ids, np.ones(requests, np.int64), np.full(requests, prompt + step),
+                                np.full(requests, prompt))
+            started = time.perf_counter()
+            controller.after_forward(layout)
+            hook += time.perf_counter() - started
+            spin_until = time.perf_counter() + python_us * 1e-6
+            while time.perf_counter() < spin_until:
+                pass
+            if wait_us:
+                time.sleep(wait_us * 1e-6)  # releases the GIL, as a wait for the GPU does
+        step_s = (time.perf_counter() - began) / steps
+        controller.flush()
+        consumed = controller.transfer.stats.consume_s - consumed_before
+        controller.transfer.close()
+    return {"hook_us": hook_s * 1e6, "consume_us": consumed / steps * 1e6, "step_us": step_s * 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", default="8,64", help="decoding requests per step (comma-separated)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--python-us", type=float, default=1000.0,
+                        help="engine-thread Python work per step (µs) in the threaded measurement")
+    parser.add_argument("--wait-us", type=float, default=4000.0,
+                        help="engine-thread wait with the GIL released per step (µs), standing in for the GPU")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    results = []
+    baseline_step_us = engine_steps(args.steps, args.python_us, args.wait_us)[0] * 1e6
+    print(f"stand-in engine step without ProbeX: {baseline_step_us:.1f} µs", flush=True)
+    for n in (int(x) for x in args.requests.split(",")):
+        inline = run(n, args.steps, threaded=False, python_us=0.0, wait_us=0.0)
+        threaded = run(n, args.steps, threaded=True, python_us=args.python_us, wait_us=args.wait_us)
+        row = {"requests": n, "inline_us": round(inline["hook_us"], 1), "hook_us": round(threaded["hook_us"], 1),
+               "step_us": round(threaded["step_us"], 1), "baseline_step_us": round(baseline_step_us, 1), "consume_us": round(threaded["consume_us"], 1),
+               "python_us": args.python_us, "wait_us": args.wait_us}
+        results.append(row)
+        print(f"{n:3d} requests: inline (hook + consume, one thread) {row['inline_us']:7.1f} µs/step; "
+              f"transfer thread on: engine-thread hook {row['hook_us']:7.1f} µs, step {row['step_us']:7.1f} µs"
+              f" ({args.python_us:.0f} python + {args.wait_us:.0f} wait), consume {row['consume_us']:7.1f} µs wall",
+              flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results}, indent=1)
+                            + "\n")
+
+
+if __name__ == "__main__":
+    main()
