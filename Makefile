@@ -32,6 +32,7 @@ probes: setup
 # Benchmarks write JSON under out/. The engine benchmark needs a GPU (see docs/gpu.md).
 bench: setup
 	$(PY) -m probex.bench_gateway --out out/bench-gateway.json
+	$(PY) -m probex.bench_handoff --out out/bench-handoff.json
 
 # Engine benchmark: plain vLLM vs ProbeX tap (8 probes) vs enforce_eager at concurrency 1, 8, 64, Llama-3.1-8B
 # architecture with dummy weights. Needs an NVIDIA GPU (on the GPU machine: python3 -m probex.bench_engine ...,
