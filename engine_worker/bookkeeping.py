@@ -17,6 +17,7 @@ Conventions
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,9 +107,11 @@ class _PromptAccumulator:
     raw: np.ndarray  # [P, k] raw scores by position
     ran: np.ndarray  # [P] bool: the row was computed (not served from the prefix cache)
     done: bool = False
+    touched: float = field(default_factory=time.monotonic)
 
 
 _NO_ROWS = np.empty((0, 0), dtype=np.float32)
+_NO_RAN = np.empty(0, dtype=bool)
 
 
 @dataclass
@@ -167,6 +170,8 @@ class ScoreBook:
         for i in np.flatnonzero(prompt_count > 0).tolist():  # requests prefilling this step
             first, count, pos = int(starts[i]), int(prompt_count[i]), int(c[i])
             acc = self._accumulator(layout.req_ids[i], table, int(p[i]))
+            if acc.done:  # a preempted request recomputing its prompt: its summary went out already
+                continue
             acc.raw[pos : pos + count] = raw[first : first + count]
             acc.ran[pos : pos + count] = True
         sampled = np.flatnonzero(c + n >= p)  # a prefill chunk that stops short samples nothing
@@ -182,17 +187,31 @@ class ScoreBook:
             if acc is not None and not acc.done:
                 acc.done = True
                 events.prompt.append(_prompt_summary(req_ids[i], acc))
+                # Only the marker is needed until the request ends: free its rows now.
+                acc.raw, acc.ran = _NO_ROWS, _NO_RAN
         return events
 
     def _accumulator(self, req_id: str, table: ProbeTable, prompt_len: int) -> _PromptAccumulator:
         acc = self._prompts.get(req_id)
-        if acc is None or acc.table_version != table.version:
+        if acc is None or (acc.table_version != table.version and not acc.done):
             # A swap mid-prefill starts the aggregate afresh: mixing two probe sets' values
             # in one mean would be wrong, and tokens_scored then says what was really scored.
             acc = _PromptAccumulator(table.version, np.zeros((prompt_len, len(table.slots)), np.float32),
                                      np.zeros(prompt_len, dtype=bool))
             self._prompts[req_id] = acc
+        acc.touched = time.monotonic()
         return acc
+
+    def forget_stale(self, idle_s: float, now: float | None = None) -> int:
+        """Drop books not written for `idle_s`: a prompt being prefilled is written every step
+        it runs, so an idle one lost its end (a dropped message) and would hold its [P, k]
+        array for good. (A complete prompt's book is only a marker; dropping it just leaves
+        its request's end unreported, which nothing waits for.)"""
+        now = time.monotonic() if now is None else now
+        stale = [req_id for req_id, acc in self._prompts.items() if now - acc.touched > idle_s]
+        for req_id in stale:
+            del self._prompts[req_id]
+        return len(stale)
 
     def finish(self, req_ids: set[str] | list[str]) -> list[str]:
         done = []

@@ -280,8 +280,9 @@ class TapController:
 
     @property
     def reads_scores(self) -> bool:
-        """False on a tensor-parallel rank that does not deliver and captures nothing: its
-        scores equal rank 0's, so copying them to the host would be work for nobody."""
+        """False on a tensor-parallel rank other than the delivering one (which is also the
+        only one that captures): its scores equal that rank's, so copying them to the host
+        would be work for nobody."""
         return self.publish is not None or self.capture_dir is not None
 
     def after_forward(self, layout: StepLayout, finished: set[str] | list[str] = ()) -> None:

@@ -147,7 +147,8 @@ class ScoreHub:
     def ingest(self, message: dict) -> None:
         """A worker's step message (`bookkeeping.step_message`: layout + raw block, read
         through the books here), or a step's events directly (`prompt` summaries, `tokens`
-        columns, `finished`), which is what the books make of a step."""
+        columns, `finished`: what the books make of a step; the middleware's tests feed
+        these to pin its rules without building steps)."""
         self.messages_received += 1
         version = message["v"]
         table = self._tables.get(version)
@@ -210,6 +211,14 @@ class ScoreHub:
         stale = [k for k, s in self._requests.items() if now - s.touched > self.retention_s]
         for key in stale:
             del self._requests[key]
+        # A prompt still being prefilled is written every step it runs; one untouched for the
+        # whole retention window lost its end (a dropped message).
+        self._steps.book.forget_stale(self.retention_s, now)
+
+    @property
+    def open_prompt_books(self) -> int:
+        """Requests whose books are still open (prompt accumulators kept until they end)."""
+        return len(self._steps.book)
 
     def __len__(self) -> int:
         return len(self._requests)

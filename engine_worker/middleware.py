@@ -305,6 +305,7 @@ class ProbexMiddleware:
         listing = (await _engine_client(scope).collective_rpc("probex_list_probes"))[0]
         listing["score_messages_received"] = self.hub.messages_received
         listing["score_waits"] = self.hub.wait_stats()
+        listing["open_prompt_books"] = self.hub.open_prompt_books
         listing["retention"] = self.retention.values
         listing["retention_status"] = self.retention.status
         return await _send_json(send, 200, listing)

@@ -49,7 +49,8 @@ def install_controller(runner) -> TapController | None:
         raise RuntimeError(f"probex: layers {missing} were asked to be steered but the model has no steering op there")
     hf_config = runner.vllm_config.model_config.hf_config.to_dict()
     served = ServedModel.from_hf_config(hf_config, name=runner.vllm_config.model_config.model)
-    capture_dir = tap_config.capture_dir if tap_config.capture_enabled else None
+    # Every rank computes the same rows; one writes them (two would race on the same files).
+    capture_dir = tap_config.capture_dir if tap_config.capture_enabled and _is_delivering_rank() else None
     controller = TapController(taps, served, _publisher(tap_config), capture_dir, steers=steers)
     try:
         controller.load(list(tap_config.probe_dirs))

@@ -81,22 +81,6 @@ def run(requests: int, steps: int, threaded: bool, python_us: float, wait_us: fl
         step_s, hook_s = engine_steps(steps, python_us, wait_us, lambda step: controller.after_forward(
             StepLayout(ids, np.ones(requests, np.int64), np.full(requests, prompt + step), np.full(requests, prompt))))
         controller.flush()
-        consumed_before = controller.transfer.stats.consume_s
-        hook = 0.0
-        began = time.perf_counter()
-        for step in range(steps):
-            layout = StepLayout(ids, np.ones(requests, np.int64), np.full(requests, prompt + step),
-                                np.full(requests, prompt))
-            started = time.perf_counter()
-            controller.after_forward(layout)
-            hook += time.perf_counter() - started
-            spin_until = time.perf_counter() + python_us * 1e-6
-            while time.perf_counter() < spin_until:
-                pass
-            if wait_us:
-                time.sleep(wait_us * 1e-6)  # releases the GIL, as a wait for the GPU does
-        step_s = (time.perf_counter() - began) / steps
-        controller.flush()
         consumed = controller.transfer.stats.consume_s - consumed_before
         controller.transfer.close()
     return {"hook_us": hook_s * 1e6, "consume_us": consumed / steps * 1e6, "step_us": step_s * 1e6}

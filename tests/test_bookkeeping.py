@@ -116,3 +116,24 @@ def test_a_step_read_from_the_wire_gives_the_events_of_the_same_step_booked_loca
         assert got.prompt == want.prompt and got.tokens == want.tokens and got.finished == want.finished
         assert got.table.names == table.names and got.table.version == 4
     assert len(reader.book) == 0 and len(local) == 0
+
+
+def test_a_complete_prompt_keeps_only_a_marker_and_a_recomputed_prompt_is_not_reported_twice():
+    """After the summary the prompt's rows are freed; a preempted request that recomputes
+    its prompt (num_computed back to 0) must neither crash nor send a second summary."""
+    table = ProbeTable(version=1, slots=(ProbeSlot("x", 5, 0, "prompt_mean", 1.0, 0.0),))
+    book = ScoreBook()
+    first = book.record_step(layout([("a", 4, 0, 4)]), table, np.arange(4, dtype=np.float32).reshape(4, 1))
+    assert [p["mean_raw"] for p in first.prompt] == [[1.5]]
+    assert book._prompts["a"].raw.size == 0  # only the marker is left
+    again = book.record_step(layout([("a", 6, 0, 4)]), table, np.ones((6, 1), np.float32))  # recompute 4 + 2
+    assert again.prompt == [] and again.token_indexes == [2]
+    assert book.finish(["a"]) == ["a"] and len(book) == 0
+
+
+def test_books_left_open_by_a_lost_end_are_forgotten_after_the_retention_window():
+    table = ProbeTable(version=1, slots=(ProbeSlot("x", 5, 0, "prompt_mean", 1.0, 0.0),))
+    book = ScoreBook()
+    book.record_step(layout([("a", 2, 0, 8)]), table, np.zeros((2, 1), np.float32))  # half a prompt
+    assert book.forget_stale(idle_s=60.0) == 0 and len(book) == 1
+    assert book.forget_stale(idle_s=60.0, now=book._prompts["a"].touched + 61) == 1 and len(book) == 0

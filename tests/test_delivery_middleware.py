@@ -11,9 +11,12 @@ import numpy as np
 
 import pytest
 
+from engine_worker.bookkeeping import ProbeTable, StepLayout, step_message
 from engine_worker.delivery import ScoreHub, external_request_id
 from engine_worker.middleware import ProbexMiddleware, RequestRefused, inspect_request
+from engine_worker.tap import ProbeSlot
 from engine_worker.tap_config import TapConfig
+from probes.scoring import calibrate
 
 PROBES = [["p", "last_prompt_token", 1.0, 0.0, 3]]
 
@@ -148,3 +151,37 @@ def test_a_swap_refused_by_any_rank_is_reported_as_refused():
     assert _every_rank([refused, refused])["error"] == "bad file"
     split = _every_rank([ok, refused])
     assert split["ok"] is False and "1 of 2 workers" in split["error"]
+
+
+def test_scores_sent_as_worker_step_messages_reach_their_chunks():
+    """The wire as the worker sends it: each step's layout + raw block, booked by the hub."""
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    chunks = [
+        {"delta": {"role": "assistant"}, "token_ids": []},
+        {"delta": {"content": "a"}, "token_ids": [7]},
+        {"delta": {"content": "bc"}, "token_ids": [8, 9]},
+        {"delta": {}, "token_ids": [], "finish_reason": "stop"},
+    ]
+
+    def feed(hub, engine_id, i):
+        steps = {  # chunk i -> what the engine's steps produced by then (prompt of 2 tokens)
+            0: [((2, 0), [0.25, -1.0], [])],           # prefill: prompt rows, samples token 0 on row 1
+            1: [((1, 2), [0.5], [])],                  # token 1
+            2: [((1, 3), [2.0], [])],                  # token 2
+            3: [(None, [], [engine_id])],              # the request ends
+        }[i]
+        for counts, raw, finished in steps:
+            ids = [engine_id] if counts else []
+            layout = StepLayout(ids, np.array([counts[0]] if counts else [], np.int64),
+                                np.array([counts[1]] if counts else [], np.int64),
+                                np.array([2] if counts else [], np.int64))
+            hub.ingest(step_message(table, layout, np.array(raw, np.float32).reshape(-1, 1), finished))
+
+    out, last, remaining, _ = run_stream(chunks, feed)
+    assert last == "[DONE]" and remaining == 0
+    scores = out[1]["probex"]["scores"]["p"]
+    assert scores["prompt"]["last_raw"] == pytest.approx(-1.0) and scores["prompt"]["tokens_scored"] == 2
+    assert scores["generated"] == {"offset": 0, "scores": [pytest.approx(calibrate(-1.0, 1.0, 0.0))]}
+    later = out[2]["probex"]["scores"]["p"]["generated"]
+    assert later["offset"] == 1 and later["scores"] == [pytest.approx(calibrate(0.5, 1.0, 0.0)),
+                                                         pytest.approx(calibrate(2.0, 1.0, 0.0))]
