@@ -17,7 +17,7 @@ worker: setup
 	$(PROBEX) worker --model smollm2-135m-instruct --probe config/probes/harmful-request --port 8100
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=12 tests
 
 test-unit: setup
 	$(PY) -m pytest -q tests -m "not engine"
