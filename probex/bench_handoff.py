@@ -67,6 +67,25 @@ def engine_steps(steps: int, python_us: float, wait_us: float, hook=None) -> tup
     return (time.perf_counter() - began) / steps, hook_s / steps
 
 
+def wake_cost_us(sleep_s: float, repeats: int = 300) -> float:
+    """Mean time to build one 8-request StepLayout right after sleeping `sleep_s` (0: tight loop).
+
+    On a VM a thread back from a few milliseconds of sleep runs its first microseconds of
+    work several times slower (cold caches and clocks); the stand-in loop sleeps every
+    step, so its hook times carry that cost, which a GPU host's engine thread may not."""
+    from engine_worker.bookkeeping import StepLayout
+
+    ids = [f"req-{i}" for i in range(8)]
+    total = 0.0
+    for _ in range(repeats):
+        if sleep_s:
+            time.sleep(sleep_s)
+        started = time.perf_counter()
+        StepLayout(ids, np.ones(8, np.int64), np.full(8, 40), np.full(8, 32))
+        total += time.perf_counter() - started
+    return total / repeats * 1e6
+
+
 def run(requests: int, steps: int, threaded: bool, python_us: float, wait_us: float) -> dict:
     from engine_worker.bookkeeping import StepLayout
 
@@ -110,10 +129,14 @@ def main() -> None:
               f"transfer thread on: engine-thread hook {row['hook_us']:7.1f} µs, step {row['step_us']:7.1f} µs"
               f" ({args.python_us:.0f} python + {args.wait_us:.0f} wait), consume {row['consume_us']:7.1f} µs wall",
               flush=True)
+    wake = {"layout_us_tight_loop": round(wake_cost_us(0.0), 1),
+            "layout_us_after_sleep": round(wake_cost_us(args.wait_us * 1e-6), 1)}
+    print(f"one StepLayout: {wake['layout_us_tight_loop']} µs in a tight loop, {wake['layout_us_after_sleep']} µs"
+          f" right after a {args.wait_us:.0f} µs sleep (how much of the hook is waking up)", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results}, indent=1)
-                            + "\n")
+        args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results,
+                                        "wake": wake}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
