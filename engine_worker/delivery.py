@@ -84,11 +84,6 @@ class RequestScores:
         return self.contiguous >= count
 
 
-def token_raw_scores(tokens: dict, num_probes: int) -> np.ndarray:
-    """[n, num_probes] raw scores of a message's sampled tokens (sent as float32 bytes)."""
-    return np.frombuffer(tokens["raw"], dtype=np.float32).reshape(len(tokens["req"]), num_probes)
-
-
 class _ProbeSet:
     """One probe-table version as the hub sees it: names and calibration, vectorised."""
 
@@ -145,42 +140,30 @@ class ScoreHub:
                 last_sweep = now
 
     def ingest(self, message: dict) -> None:
-        """A worker's step message (`bookkeeping.step_message`: layout + raw block, read
-        through the books here), or a step's events directly (`prompt` summaries, `tokens`
-        columns, `finished`: what the books make of a step; the middleware's tests feed
-        these to pin its rules without building steps)."""
+        """One worker step (`bookkeeping.step_message`: layout + raw block), read through the
+        books here into prompt summaries, sampled-token scores and request ends."""
         self.messages_received += 1
         version = message["v"]
         table = self._tables.get(version)
         if table is None:
             table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
-        if "step" in message:
-            events = self._steps.read(message)
-            self._apply(table, events.prompt, events.token_req_ids, events.token_indexes, events.token_raw,
-                        events.finished)
-            return
-        tokens = message.get("tokens") or {"req": [], "index": []}
-        raw = token_raw_scores(tokens, len(table.probes)) if tokens["req"] else None
-        self._apply(table, message.get("prompt", ()), tokens["req"], tokens["index"], raw, message.get("finished", ()))
-
-    def _apply(self, table: "_ProbeSet", prompt: list[dict], token_reqs: list[str], token_indexes: list[int],
-               token_raw: np.ndarray | None, finished: list[str]) -> None:
+        events = self._steps.read(message)
         probes = table.probes
         if len(self._external_ids) > 100_000:  # ids are never reused: forgetting them all is safe
             self._external_ids.clear()
-        for event in prompt:
+        for event in events.prompt:
             state = self._state(self._external_id(event["req"]))
             state.prompt, state.prompt_probes = event, probes
             state.changed.set()
-        if token_reqs:
+        if events.token_req_ids:
             # One vectorised calibration per step instead of one math.exp per token and
             # probe later, on the event loop that also relays every chunk.
-            scores = table.calibrate(token_raw).tolist()
-            for req, index, values in zip(token_reqs, token_indexes, scores):
+            scores = table.calibrate(events.token_raw).tolist()
+            for req, index, values in zip(events.token_req_ids, events.token_indexes, scores):
                 state = self._state(self._external_id(req))
                 state.add_token(index, values, probes)
                 state.changed.set()
-        for req in finished:
+        for req in events.finished:
             state = self._requests.get(self._external_id(req))
             if state is not None:
                 state.finished = True

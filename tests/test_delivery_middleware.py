@@ -18,9 +18,6 @@ from engine_worker.tap import ProbeSlot
 from engine_worker.tap_config import TapConfig
 from probes.scoring import calibrate
 
-PROBES = [["p", "last_prompt_token", 1.0, 0.0, 3]]
-
-
 def test_engine_suffix_is_stripped():
     assert external_request_id("chatcmpl-probex-abc-0123abcd") == "chatcmpl-probex-abc"
     assert external_request_id("cmpl-probex-abc-1-0123abcd") == "cmpl-probex-abc-1"
@@ -96,6 +93,26 @@ def run_stream(chunks, feed):
     return asyncio.run(go())
 
 
+def step_feed(raw_by_chunk: list[list[float]]):
+    """A feed for `run_stream` sending what a worker sends: one step message per chunk, each
+    with that step's layout and raw rows (one probe, p), for a 2-token prompt. Step 0
+    prefills the prompt and samples token 0 from its last row; each later step samples one
+    token; after the given steps, an idle step ends the request."""
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+
+    def feed(hub, engine_id, i):
+        if i < len(raw_by_chunk):
+            scheduled, computed = (2, 0) if i == 0 else (1, 1 + i)
+            layout = StepLayout([engine_id], np.array([scheduled]), np.array([computed]), np.array([2]))
+            finished = []
+        else:
+            layout, finished = StepLayout.empty(), [engine_id]
+        raw = np.array(raw_by_chunk[i] if i < len(raw_by_chunk) else [], np.float32).reshape(-1, 1)
+        hub.ingest(step_message(table, layout, raw, finished))
+
+    return feed
+
+
 def test_each_chunk_waits_for_and_carries_its_own_token_scores():
     chunks = [
         {"delta": {"role": "assistant"}, "token_ids": []},
@@ -103,20 +120,7 @@ def test_each_chunk_waits_for_and_carries_its_own_token_scores():
         {"delta": {"content": "bc"}, "token_ids": [8, 9]},
         {"delta": {}, "token_ids": [], "finish_reason": "stop"},
     ]
-    tokens_in_chunk = [0, 1, 2, 0]
-
-    def feed(hub, engine_id, i):
-        start = sum(tokens_in_chunk[:i])
-        indexes = list(range(start, start + tokens_in_chunk[i]))
-        message = {"v": 1, "probes": PROBES, "tokens": {
-            "req": [engine_id] * len(indexes), "index": indexes,
-            "raw": np.array([[float(j)] for j in indexes], dtype=np.float32).tobytes()}}
-        if i == 0:
-            message["prompt"] = [{"req": engine_id, "prompt_tokens": 2, "tokens_scored": 2,
-                                  "last_raw": [0.0], "mean_raw": [0.0], "max_raw": [0.0]}]
-        hub.ingest(message)
-
-    out, last, remaining, waits = run_stream(chunks, feed)
+    out, last, remaining, waits = run_stream(chunks, step_feed([[0.0, 0.0], [1.0], [2.0]]))
     assert last == "[DONE]" and remaining == 0
     # The role chunk carries no token, so it does not wait; the prompt part must then ride
     # on the first content chunk at the latest.
@@ -155,7 +159,6 @@ def test_a_swap_refused_by_any_rank_is_reported_as_refused():
 
 def test_scores_sent_as_worker_step_messages_reach_their_chunks():
     """The wire as the worker sends it: each step's layout + raw block, booked by the hub."""
-    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
     chunks = [
         {"delta": {"role": "assistant"}, "token_ids": []},
         {"delta": {"content": "a"}, "token_ids": [7]},
@@ -163,21 +166,7 @@ def test_scores_sent_as_worker_step_messages_reach_their_chunks():
         {"delta": {}, "token_ids": [], "finish_reason": "stop"},
     ]
 
-    def feed(hub, engine_id, i):
-        steps = {  # chunk i -> what the engine's steps produced by then (prompt of 2 tokens)
-            0: [((2, 0), [0.25, -1.0], [])],           # prefill: prompt rows, samples token 0 on row 1
-            1: [((1, 2), [0.5], [])],                  # token 1
-            2: [((1, 3), [2.0], [])],                  # token 2
-            3: [(None, [], [engine_id])],              # the request ends
-        }[i]
-        for counts, raw, finished in steps:
-            ids = [engine_id] if counts else []
-            layout = StepLayout(ids, np.array([counts[0]] if counts else [], np.int64),
-                                np.array([counts[1]] if counts else [], np.int64),
-                                np.array([2] if counts else [], np.int64))
-            hub.ingest(step_message(table, layout, np.array(raw, np.float32).reshape(-1, 1), finished))
-
-    out, last, remaining, _ = run_stream(chunks, feed)
+    out, last, remaining, _ = run_stream(chunks, step_feed([[0.25, -1.0], [0.5], [2.0]]))
     assert last == "[DONE]" and remaining == 0
     scores = out[1]["probex"]["scores"]["p"]
     assert scores["prompt"]["last_raw"] == pytest.approx(-1.0) and scores["prompt"]["tokens_scored"] == 2
