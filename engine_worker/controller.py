@@ -83,6 +83,7 @@ class TapController:
         # Time the runner adapters spend in ProbeX code on the engine thread (layout, buffer
         # staging, hand-off), summed: what the tap adds to the host side of every step.
         self.engine_thread_s = 0.0
+        self.layout_s = 0.0  # the part of it spent reading the step's layout from the runner
         self._capture_requests: dict[str, dict[int, np.ndarray]] = {}
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
@@ -132,7 +133,7 @@ class TapController:
             "slots_per_layer": {str(l): t.capacity for l, t in self.taps.items()},
             "capture": self.capture_dir is not None,
             "transfer": self.transfer.describe(),
-            "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s},
+            "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s, "layout_s": self.layout_s},
             "probes": [
                 {
                     "name": p.name,

@@ -91,6 +91,10 @@ class ScoreTransfer:
         self._threaded = threaded
         self._thread: threading.Thread | None = None
         self.waits_for_staging = 0  # submits that found every buffer busy
+        # Engine-thread time in submit, split: enqueueing the copies and the event (`stage`)
+        # versus handing the step to the transfer thread (`handoff`, waits for a free buffer included).
+        self.stage_s = 0.0
+        self.handoff_s = 0.0
         self.consume_errors = 0
         self.stats = TransferStats()
         if threaded:
@@ -99,6 +103,7 @@ class ScoreTransfer:
 
     def submit(self, rows: int, context: Any) -> None:
         """Called on the engine thread right after the forward was enqueued."""
+        started = time.perf_counter()
         try:
             slot = self._free.get_nowait()
         except queue.Empty:
@@ -107,16 +112,20 @@ class ScoreTransfer:
                 log.warning("probex: all %d score staging buffers are in use; the engine waits for the transfer"
                             " thread (%d times so far)", self.depth, self.waits_for_staging)
             slot = self._free.get()
+        staging = time.perf_counter()
         for layer, src in self._sources.items():
             slot.buffers[layer][:rows].copy_(src[:rows], non_blocking=self._cuda)
         ready = slot.ready
         if ready is not None:
             ready.record()
-        step = StagedStep(rows=rows, context=context, _slot=slot, _ready=ready, submitted=time.perf_counter())
+        staged = time.perf_counter()
+        step = StagedStep(rows=rows, context=context, _slot=slot, _ready=ready, submitted=staged)
         if self._threaded:
             self._work.put(step)
+            self.handoff_s += (staging - started) + (time.perf_counter() - staged)
         else:
             self._process(step)
+        self.stage_s += staged - staging
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every submitted step was consumed (tests, shutdown). True if drained."""
@@ -159,7 +168,8 @@ class ScoreTransfer:
 
     def describe(self) -> dict[str, Any]:
         return {"depth": self.depth, "waits_for_staging": self.waits_for_staging,
-                "consume_errors": self.consume_errors, **self.stats.as_dict()}
+                "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
+                **self.stats.as_dict()}
 
 
 class TransferStats:

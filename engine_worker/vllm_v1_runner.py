@@ -89,12 +89,14 @@ def _tapped_forward(model_forward):
         layout = None
         if controller.needs_layout_before_forward:
             layout = _step_layout(self, scheduler_output)
+            controller.layout_s += time.perf_counter() - started
             controller.before_forward(layout, _capture_requests(self, layout), _steering_requests(self, layout))
         before = time.perf_counter()
         output = model_forward(self, *args, **kwargs)
         after = time.perf_counter()
         if layout is None:  # scores only: read the layout once the forward is launched
             layout = _step_layout(self, scheduler_output) if controller.reads_scores else StepLayout.empty()
+            controller.layout_s += time.perf_counter() - after
         finished = scheduler_output.finished_req_ids
         _forget(self, finished)
         controller.after_forward(layout, finished)

@@ -91,6 +91,7 @@ def _layout_before_forward(prepare_inputs):
         elif controller is not None:
             started = time.perf_counter()
             layout = _step_layout(self, batch)
+            controller.layout_s += time.perf_counter() - started
             flags, steering = self._probex_capture_flags, self._probex_steering
             controller.before_forward(layout, {r for r in layout.req_ids if flags.get(r)},
                                       {r: steering[r] for r in layout.req_ids if r in steering})
@@ -113,6 +114,7 @@ def _scores_after_forward(execute_model):
         batch, self._probex_batch = self._probex_batch, None
         if batch is not None:  # scores only: the layout is read now that the forward is launched
             layout = _step_layout(self, batch) if controller.reads_scores else StepLayout.empty()
+            controller.layout_s += time.perf_counter() - started
         finished = list(scheduler_output.finished_req_ids or ())
         for req_id in finished:
             self._probex_capture_flags.pop(req_id, None)

@@ -869,6 +869,11 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
     if engine_steps > 0:
         out["engine_thread"] = {"steps": engine_steps,
                                 "hook_mean_ms": (e1["hook_s"] - e0["hook_s"]) / engine_steps * 1e3}
+        # Where the hook's time goes: reading the layout, enqueueing copies + event, hand-off.
+        for part, source, key in (("layout", e1, "layout_s"), ("stage", t1, "stage_s"), ("handoff", t1, "handoff_s")):
+            start = (e0 if source is e1 else t0).get(key)
+            if key in source and start is not None:
+                out["engine_thread"][f"{part}_mean_ms"] = (source[key] - start) / engine_steps * 1e3
     w0, w1 = before.get("score_waits") or {}, after.get("score_waits") or {}
     for kind, end in w1.items():
         start = w0.get(kind, {})
@@ -887,7 +892,9 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
 def delivery_line(delivery: dict[str, Any]) -> str:
     parts = []
     if "engine_thread" in delivery:
-        parts.append(f"engine thread: {delivery['engine_thread']['hook_mean_ms']:.3f} ms of ProbeX hooks per step")
+        e = delivery["engine_thread"]
+        split = ", ".join(f"{k[:-8]} {e[k]:.3f}" for k in ("layout_mean_ms", "stage_mean_ms", "handoff_mean_ms") if k in e)
+        parts.append(f"engine thread: {e['hook_mean_ms']:.3f} ms of ProbeX hooks per step" + (f" ({split})" if split else ""))
     if "transfer" in delivery:
         t = delivery["transfer"]
         parts.append(f"transfer: landed {t['landed_mean_ms']:.3f} ms, consume {t['consume_mean_ms']:.3f} ms per step")

@@ -21,6 +21,7 @@ class RecordingController:
         self.calls: list[tuple] = []
         self.steering: list[dict] = []
         self.engine_thread_s = 0.0  # the adapters add their hook time here
+        self.layout_s = 0.0  # ... and the part of it spent reading the layout
         self.needs_layout_before_forward = True  # steering or capture on
         self.reads_scores = True  # the delivering rank
         self.after_layouts: list[tuple] = []
