@@ -84,7 +84,9 @@ async def post_all(url: str, bodies: list[dict]) -> list[dict]:
 
 def body(model: str, prompt: str, max_tokens: int, xargs: dict, **extra) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "return_token_ids": True, "vllm_xargs": {"probex_recompute": True, **xargs}, **extra}
+            "temperature": 0, "return_token_ids": True, "vllm_xargs": {"probex_recompute": True, **xargs},
+            # the top-2 gap at each token: how close greedy decoding was to a tie where two runs part ways
+            "logprobs": True, "top_logprobs": 2, **extra}
 
 
 def calibrate(url: str, model: str, capture: Path, gate_probe: Path) -> dict:
@@ -206,7 +208,10 @@ def run_engine(label: str, port: int, env: dict[str, str], extra: list[str], mod
 
 def strip(response: dict) -> dict:
     scores = response["probex"]["scores"]
+    content = (response["choices"][0].get("logprobs") or {}).get("content") or []
     return {"tokens": response["choices"][0]["token_ids"],
+            "top2_gap": [t["top_logprobs"][0]["logprob"] - t["top_logprobs"][1]["logprob"]
+                         if len(t.get("top_logprobs") or []) > 1 else None for t in content],
             "scores": {name: {"prompt": s["prompt"], "generated": s["generated"]["scores"]}
                        for name, s in scores.items()}}
 

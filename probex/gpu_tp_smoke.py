@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from probex.gpu_smoke import run_jobs
-from probex.gpu_steer_smoke import VARIANTS, SharedSettings, analyse, build_artifacts, run_engine
+from probex.gpu_steer_smoke import GATE_THRESHOLD, VARIANTS, SharedSettings, analyse, build_artifacts, run_engine
 
 # label -> (tensor-parallel size, VLLM_USE_V2_MODEL_RUNNER or None for vLLM's choice, extra worker args)
 SEQUENCE_PARALLEL_ASKED = ["--compilation-config", json.dumps({"pass_config": {"enable_sp": True,
@@ -84,15 +84,29 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def parting(prompt: int, token: int, a: dict, b: dict) -> dict:
+    """Where two runs' greedy tokens part: how near a tie each run was there (top-2 logprob
+    gap) and whether the gate (probe a10 > threshold) decided any generated token up to it
+    differently. Prompt rows are gated too, but their per-row scores are not delivered."""
+    gap = lambda r: (r.get("top2_gap") or [None] * (token + 1))[token]
+    ga, gb = a["scores"]["a10"]["generated"][: token + 1], b["scores"]["a10"]["generated"][: token + 1]
+    return {"prompt": prompt, "token": token, "top2_gap": [gap(a), gap(b)],
+            "gate_decisions_differ_at": [j for j, (x, y) in enumerate(zip(ga, gb))
+                                         if (x > GATE_THRESHOLD) != (y > GATE_THRESHOLD)],
+            "closest_gate_score_to_threshold": min((abs(x - GATE_THRESHOLD) for x in ga), default=None)}
+
+
 def compare_tp(one: dict, two: dict) -> dict:
     """TP=1 vs TP=2 per variant: tokens, prompt scores (all read points), generated scores up to divergence."""
     out = {}
     for variant in VARIANTS:
         pairs = list(zip(one["responses"][variant], two["responses"][variant]))
-        prompt_diffs, generated_diffs, spread, prefix = [], [], [], []
-        for a, b in pairs:
+        prompt_diffs, generated_diffs, spread, prefix, partings = [], [], [], [], []
+        for i, (a, b) in enumerate(pairs):
             n = common_prefix(a["tokens"], b["tokens"])
             prefix.append(n)
+            if n < min(len(a["tokens"]), len(b["tokens"])):
+                partings.append(parting(i, n, a, b))
             for name in a["scores"]:
                 pa, pb = a["scores"][name]["prompt"], b["scores"][name]["prompt"]
                 prompt_diffs += [abs(pa[k] - pb[k]) for k in ("last_raw", "mean", "max")]
@@ -106,6 +120,7 @@ def compare_tp(one: dict, two: dict) -> dict:
             "max_abs_prompt_score_diff": max(prompt_diffs),
             "max_abs_generated_score_diff": max(generated_diffs, default=0.0),
             "compared_generated_scores": len(generated_diffs),
+            "partings": partings,
             # the scale the differences are small against: spread of last-prompt raw scores
             "prompt_last_raw_std": float(np.std(spread)),
         }
@@ -192,6 +207,10 @@ def report(result: dict) -> None:
         for variant, c in per_variant.items():
             print(f"{pair:26} {variant:10} {c['identical_sequences']:>9} {c['max_abs_prompt_score_diff']:11.2e} "
                   f"{c['max_abs_generated_score_diff']:9.2e} {c['prompt_last_raw_std']:9.2e}  {c['common_prefix_tokens']}")
+            for p in c.get("partings", []):
+                gaps = ", ".join("n/a" if g is None else f"{g:.2e}" for g in p["top2_gap"])
+                print(f"{'':37} prompt {p['prompt']} parts at token {p['token']}: top-2 logprob gap {gaps};"
+                      f" gate decisions differ at {p['gate_decisions_differ_at']}")
     if "versions" in result:
         print(result["versions"])
 
