@@ -11,6 +11,10 @@ does. Checks that
 - `publish_step` returns without waiting for the GPU (its time per step is printed and
   compared with the step's GPU time).
 
+Like an engine, the loop runs at most two steps ahead of the GPU (vLLM waits for a step's
+sampled tokens before scheduling the one after next); unbounded, it would fill the ring
+and measure the ring's back-pressure instead.
+
     python3 -m probex.gpu_ring_check [--steps 300] [--rows 64]
 """
 
@@ -93,15 +97,18 @@ def main() -> None:
         started = time.perf_counter()
         writer.publish_step(args.rows, {"step": step})
         publish_s.append(time.perf_counter() - started)
+        if cuda and step >= 2:
+            gpu_s[step - 2][1].synchronize()  # the engine waits for a step's tokens two steps later
     writer.flush()
     out, _ = reader.communicate(timeout=120)
     followed = json.loads(out)
     gpu_ms = float(np.mean([b.elapsed_time(e) for b, e in gpu_s])) if cuda else float("nan")
     result = {"publish_us_mean": float(np.mean(publish_s) * 1e6), "publish_us_p99": float(np.percentile(publish_s, 99) * 1e6),
-              "gpu_ms_per_step": gpu_ms, "dropped": writer.dropped, **followed}
+              "gpu_ms_per_step": gpu_ms, "dropped": writer.dropped, "waits_for_space": writer.waits_for_space,
+              **followed}
     print(json.dumps(result, indent=1))
     ok = (followed.get("steps") == args.steps and followed.get("wrong_count") == 0 and writer.dropped == 0
-          and (not cuda or result["publish_us_mean"] * 1e-3 < gpu_ms / 4))
+          and (not cuda or result["publish_us_mean"] * 1e-3 < gpu_ms / 20))
     print("ring check:", "ok" if ok else "FAILED")
     sys.exit(0 if ok else 1)
 
