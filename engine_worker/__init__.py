@@ -8,10 +8,9 @@ Module map (engine internals are touched only by the `vllm_*` modules):
 - tap_config.py     the tap configuration carried in vLLM's additional_config
 - bookkeeping.py    rows of a step -> requests; per-request score accumulation (engine-agnostic)
 - controller.py     loads probe sets and steering vectors, fills per-row steering values before each
-                    forward, queues each step's scores for the API server, capture files
-- score_ring.py     each step's layout + scores in a shared-memory ring: async copies and a CUDA host
-                    function posting a semaphore, so no worker thread waits (or takes the GIL)
-- delivery.py       the API server's hub: follows the ring, keeps the books, wakes waiting responses
+                    forward, turns each step into score events, capture files
+- score_transfer.py device->host copy of each step's scores off the engine thread (pinned buffers + event)
+- delivery.py       score events from the worker process to the API server (ZMQ) and the hub there
 - responses.py      attaching scores to OpenAI response bodies and stream chunks
 - middleware.py     the ASGI middleware inside vLLM's API server (xargs checks, delivery, /probex routes)
 - vllm_models.py    decoder-layer patches (Llama, Mistral, Qwen2) that call the op

@@ -160,7 +160,7 @@ class ScoreBook:
     def record_step(self, layout: StepLayout, table: ProbeTable, raw: np.ndarray) -> StepEvents:
         # Runs with an empty probe set too: capture mode still needs to know when prompts end.
         # Vectorised over requests: this runs every step for the whole batch, on the API
-        # server's event loop (and in capture mode on the worker's engine thread too).
+        # server's event loop (and in capture mode on the worker's transfer thread too).
         events = StepEvents(table=table)
         if not layout.req_ids:
             return events
@@ -235,59 +235,55 @@ def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
 
 # -- the step on the wire ------------------------------------------------------------------------
 #
-# The worker sends each step as it came off the GPU (`score_ring`): the layout as a small
-# msgpack meta and the raw rows of every tapped layer's score buffer. The books (prompt
-# accumulators, which row is which token) are kept on the receiving side, the API server:
-# the worker's engine thread does as little per step as it can.
+# The worker sends each step as it came off the GPU: the layout and the [rows, k] raw block.
+# The books (prompt accumulators, which row is which token) are kept on the receiving side,
+# the API server: the worker's transfer thread shares the GIL with the engine loop, and
+# every microsecond of Python it runs per step can hold the next step's scheduling back.
 
 
-def table_meta(table: ProbeTable) -> dict:
-    """A probe table for the wire: each probe's name, read point, calibration, layer and slot."""
-    return {"v": table.version, "probes": [[s.name, s.read, s.slope, s.intercept, s.layer, s.slot] for s in table.slots]}
-
-
-def step_meta(table: ProbeTable, layout: StepLayout, finished: list[str]) -> dict:
-    """One step's layout for the wire (its scores travel beside it, per tapped layer)."""
+def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finished: list[str]) -> dict:
+    """One step for the wire: ids as a list, the per-request counts and the scores as raw bytes."""
     return {
         "v": table.version,
-        "req": layout.req_ids,
-        "scheduled": np.ascontiguousarray(layout.num_scheduled, dtype=np.int64).tobytes(),
-        "computed": np.ascontiguousarray(layout.num_computed, dtype=np.int64).tobytes(),
-        "prompt": np.ascontiguousarray(layout.num_prompt, dtype=np.int64).tobytes(),
+        "probes": table.describe(),
+        "step": {
+            "req": layout.req_ids,
+            "scheduled": np.ascontiguousarray(layout.num_scheduled, dtype=np.int64).tobytes(),
+            "computed": np.ascontiguousarray(layout.num_computed, dtype=np.int64).tobytes(),
+            "prompt": np.ascontiguousarray(layout.num_prompt, dtype=np.int64).tobytes(),
+        },
+        "raw": np.ascontiguousarray(raw, dtype=np.float32).tobytes(),
         "finished": finished,
     }
 
 
-class UnknownProbeTable(KeyError):
-    """A step names a probe-table version the reader never received."""
-
-
 class StepReader:
-    """Receiving side of `table_meta` / `step_meta`: keeps the books and turns each step into its events."""
+    """Receiving side of `step_message`: keeps the books and turns each step into its events."""
 
     def __init__(self) -> None:
         self.book = ScoreBook()
-        self.tables: dict[int, ProbeTable] = {}
+        self._tables: dict[int, ProbeTable] = {}
 
-    def read_table(self, meta: dict) -> ProbeTable:
-        slots = tuple(ProbeSlot(name=name, layer=layer, slot=slot, read=read, slope=slope, intercept=intercept)
-                      for name, read, slope, intercept, layer, slot in meta["probes"])
-        table = self.tables[meta["v"]] = ProbeTable(version=meta["v"], slots=slots)
-        for old in [v for v in self.tables if v < meta["v"] - 8]:  # steps in flight use the last few at most
-            del self.tables[old]
-        return table
-
-    def read_step(self, meta: dict, raw_by_layer: dict[int, np.ndarray]) -> StepEvents:
-        table = self.tables.get(meta["v"])
-        if table is None:
-            raise UnknownProbeTable(f"step scored with probe table v{meta['v']}, which never arrived")
+    def read(self, message: dict) -> StepEvents:
+        table = self._table(message["v"], message["probes"])
+        step = message["step"]
         layout = StepLayout(
-            req_ids=list(meta["req"]),
-            num_scheduled=np.frombuffer(meta["scheduled"], dtype=np.int64),
-            num_computed=np.frombuffer(meta["computed"], dtype=np.int64),
-            num_prompt=np.frombuffer(meta["prompt"], dtype=np.int64),
+            req_ids=list(step["req"]),
+            num_scheduled=np.frombuffer(step["scheduled"], dtype=np.int64),
+            num_computed=np.frombuffer(step["computed"], dtype=np.int64),
+            num_prompt=np.frombuffer(step["prompt"], dtype=np.int64),
         )
-        raw = gather_scores(table, layout.num_rows, raw_by_layer) if layout.req_ids else _NO_ROWS
+        raw = np.frombuffer(message["raw"], dtype=np.float32).reshape(layout.num_rows, len(table.slots))
         events = self.book.record_step(layout, table, raw)
-        events.finished = self.book.finish(meta.get("finished", ()))
+        events.finished = self.book.finish(message.get("finished", ()))
         return events
+
+    def _table(self, version: int, described: list[list]) -> ProbeTable:
+        table = self._tables.get(version)
+        if table is None:
+            # The receiving side needs names, read points and calibration; which buffer slot
+            # a probe sat in stays with the worker.
+            slots = tuple(ProbeSlot(name=name, layer=layer, slot=column, read=read, slope=slope, intercept=intercept)
+                          for column, (name, read, slope, intercept, layer) in enumerate(described))
+            table = self._tables[version] = ProbeTable(version=version, slots=slots)
+        return table

@@ -2,15 +2,12 @@
 
 A runner adapter owns one `TapController`; it describes each step as a `StepLayout`
 and calls `before_forward` / `after_forward`. The controller loads probe sets into the
-layer taps' static buffers, hands each step's scores to the API server and, in capture
-mode, saves residual rows for extraction.
+layer taps' static buffers, turns the step's raw scores into events, publishes them and,
+in capture mode, saves residual rows for extraction.
 
-Everything runs on the engine thread and nothing waits for the device: the step's layout
-and an asynchronous copy of its score rows go into a shared-memory ring
-(`score_ring.ScoreRingWriter`), which the API server reads and keeps the books of. The
-worker has no thread of its own (see score_ring.py for why). Capture mode is the exception:
-an offline extraction mode that reads rows back synchronously and keeps books here to
-know when a captured prompt is complete.
+Threads: `load`, `before_forward` and `after_forward` run on the engine thread;
+everything that reads scores (bookkeeping, capture files, publishing) runs on the
+`ScoreTransfer` thread, in step order, so the engine never waits for the device.
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ import numpy as np
 
 from probes.artifact import ProbeArtifact, ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import SteeringVector, check_vector_set, load_vector
-from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout, gather_scores, step_meta, table_meta
-from engine_worker.score_ring import ScoreRingWriter
+from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout, gather_scores, step_message
+from engine_worker.score_transfer import ScoreTransfer, StagedStep
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
@@ -63,12 +60,11 @@ class TapController:
         self,
         taps: dict[int, LayerTap],
         served: ServedModel,
-        ring_path: str | None = None,
+        publish: Callable[[dict], None] | None = None,
         capture_dir: str | None = None,
+        threaded: bool = True,
         steers: dict[int, LayerSteer] | None = None,
     ) -> None:
-        """`ring_path`: where to create the shared-memory ring the API server reads scores from
-        (None: scores are not delivered, e.g. a tensor-parallel rank other than the first)."""
         if not taps:
             raise ValueError("TapController needs at least one tapped layer")
         self.taps = dict(sorted(taps.items()))
@@ -78,19 +74,20 @@ class TapController:
         self.vector_version = 0
         self._steer_warned: set[tuple[str, str]] = set()
         self.served = served
+        self.publish = publish
         self.capture_dir = Path(capture_dir) if capture_dir else None
         self.table = ProbeTable(version=0, slots=())
         self.probes: list[ProbeArtifact] = []
-        self.book = ScoreBook()  # capture mode only
+        self.book = ScoreBook()
         self.steps = 0
-        # Time the runner adapters spend in ProbeX code on the engine thread (layout, the
-        # ring's copies and post), summed: what the tap adds to the host side of every step.
+        # Time the runner adapters spend in ProbeX code on the engine thread (layout, buffer
+        # staging, hand-off), summed: what the tap adds to the host side of every step.
         self.engine_thread_s = 0.0
         self.layout_s = 0.0  # the part of it spent reading the step's layout from the runner
         self._capture_requests: dict[str, dict[int, np.ndarray]] = {}
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
-        self.ring = (ScoreRingWriter(ring_path, {layer: tap.scores for layer, tap in self.taps.items()})
-                     if ring_path else None)
+        self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
+                                      self._consume_step, threaded=threaded)
 
     # -- probe sets ------------------------------------------------------------------------
 
@@ -126,8 +123,6 @@ class TapController:
             slots += [ProbeSlot(p.name, layer, i, p.read.value, p.slope, p.intercept) for i, p in enumerate(here)]
         self.probes = probes
         self.table = ProbeTable(version=self.table.version + 1, slots=tuple(slots))
-        if self.ring is not None:  # ahead of the steps it scores, in the same ordered ring
-            self.ring.publish_table(table_meta(self.table))
         log.info("probex: loaded probe set v%d: %s", self.table.version, ", ".join(self.table.names) or "(empty)")
         return self.table
 
@@ -137,7 +132,7 @@ class TapController:
             "tapped_layers": sorted(self.taps),
             "slots_per_layer": {str(l): t.capacity for l, t in self.taps.items()},
             "capture": self.capture_dir is not None,
-            "ring": self.ring.describe() if self.ring is not None else None,
+            "transfer": self.transfer.describe(),
             "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s, "layout_s": self.layout_s},
             "probes": [
                 {
@@ -289,19 +284,21 @@ class TapController:
         """False on a tensor-parallel rank other than the delivering one (which is also the
         only one that captures): its scores equal that rank's, so copying them to the host
         would be work for nobody."""
-        return self.ring is not None or self.capture_dir is not None
+        return self.publish is not None or self.capture_dir is not None
 
     def after_forward(self, layout: StepLayout, finished: set[str] | list[str] = ()) -> None:
-        """Queue the step's scores for the API server; returns without waiting for the device."""
+        """Hand the step to the transfer thread; returns without waiting for the device."""
         self.steps += 1
-        finished = list(finished)
         if self._steer_warned and finished:
             self.forget(finished)
-        if self.capture_dir is not None and (layout.req_ids or finished):
-            self._capture_step(layout, finished)
-        self._capture_plan = []
-        if self.ring is not None and (layout.req_ids or finished):
-            self.ring.publish_step(layout.num_rows, step_meta(self.table, layout, finished))
+        if not self.reads_scores:
+            return
+        captured = None
+        if self._capture_plan:
+            # Capture is an offline extraction mode: a synchronous read is fine there.
+            captured = {layer: tap.capture.cpu().numpy() for layer, tap in self.taps.items()}
+        context = (layout, self.table, list(finished), self._capture_plan, captured)
+        self.transfer.submit(layout.num_rows, context)
 
     def forget(self, finished: set[str] | list[str]) -> None:
         for req_id in finished:
@@ -310,26 +307,30 @@ class TapController:
 
     def after_idle_step(self, finished: set[str] | list[str]) -> None:
         """A step that ran no forward still ends requests; their bookkeeping must be released."""
-        self.after_forward(StepLayout.empty(), finished)
-        self.steps -= 1  # not a forward
+        if self._steer_warned:
+            self.forget(finished)
+        if self.reads_scores:
+            self.transfer.submit(0, (StepLayout.empty(), self.table, list(finished), [], None))
 
-    def flush(self) -> None:
-        """Wait until every step queued so far is readable by the API server (tests, shutdown)."""
-        if self.ring is not None:
-            self.ring.flush()
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every submitted step has been processed and published."""
+        return self.transfer.flush(timeout)
 
-    def _capture_step(self, layout: StepLayout, finished: list[str]) -> None:
-        """Capture mode, an offline extraction mode: rows and scores are read back synchronously,
-        and books are kept here to know when a captured prompt is complete."""
-        rows = layout.num_rows
-        raw = gather_scores(self.table, rows, {layer: tap.scores[:rows].cpu().numpy() for layer, tap in self.taps.items()})
-        events = self.book.record_step(layout, self.table, raw)
-        if self._capture_plan:
-            captured = {layer: tap.capture.cpu().numpy() for layer, tap in self.taps.items()}
-            self._collect_capture(layout, events, self._capture_plan, captured)
-        self.book.finish(finished)
-        for req_id in finished:
-            self._capture_requests.pop(req_id, None)
+    def _consume_step(self, step: StagedStep) -> None:
+        """On the transfer thread: the step's raw block goes out as it is (`step_message`);
+        the API server keeps the books. Only capture mode keeps books here too, to know when
+        a captured prompt is complete."""
+        layout, table, finished, capture_plan, captured = step.context
+        raw = gather_scores(table, step.rows, step.scores())
+        if self.capture_dir is not None:
+            events = self.book.record_step(layout, table, raw)
+            if captured is not None:
+                self._collect_capture(layout, events, capture_plan, captured)
+            self.book.finish(finished)
+            for req_id in finished:
+                self._capture_requests.pop(req_id, None)
+        if self.publish is not None and (layout.req_ids or finished):
+            self.publish(step_message(table, layout, raw, list(finished)))
 
     def _collect_capture(self, layout: StepLayout, events, capture_plan, captured: dict[int, np.ndarray]) -> None:
         prompt_len = dict(zip(layout.req_ids, layout.num_prompt.tolist()))

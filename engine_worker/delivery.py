@@ -1,11 +1,10 @@
-"""Scores from the worker process to the API-server process, and the hub there.
+"""Score events from the worker process to the API-server process, and the hub there.
 
-The worker (rank 0) queues each step in a shared-memory ring (`score_ring`); the API
-server's `ScoreHub` follows the ring, keeps the books (`bookkeeping.StepReader`) and keeps,
-per request, what has arrived, waking whoever is waiting to attach scores to a response or
-stream chunk. Requests are keyed by their external id: the engine appends "-<8 hex>" to the
-id the API server chose, and we strip that suffix so the middleware can ask by the id it
-put in `X-Request-Id`.
+The worker (rank 0) pushes one small msgpack message per step over ZMQ PUSH/PULL. The
+API server's `ScoreHub` keeps, per request, what has arrived and wakes whoever is
+waiting to attach scores to a response or stream chunk. Requests are keyed by their
+external id: the engine appends "-<8 hex>" to the id the API server chose, and we strip
+that suffix so the middleware can ask by the id it put in `X-Request-Id`.
 """
 
 from __future__ import annotations
@@ -16,10 +15,11 @@ import re
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
+import zmq
 
-from engine_worker.bookkeeping import ProbeTable, StepReader
-from engine_worker.score_ring import KIND_TABLE, RingFollower, RingRecord, ScoreRingReader
+from engine_worker.bookkeeping import StepReader
 from probes.scoring import calibrate_array
 
 log = logging.getLogger("probex.delivery")
@@ -29,6 +29,28 @@ _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 def external_request_id(engine_request_id: str) -> str:
     return _ENGINE_SUFFIX.sub("", engine_request_id)
+
+
+class ScorePublisher:
+    """Worker side: fire-and-forget PUSH; never blocks the engine loop."""
+
+    def __init__(self, address: str, high_water_mark: int = 100_000) -> None:
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.connect(address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self.dropped_messages = 0
+
+    def publish(self, message: dict) -> None:
+        try:
+            self._socket.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            # The API server is gone or far behind; counting beats stalling generation.
+            self.dropped_messages += 1
+            if self.dropped_messages in (1, 10, 100) or self.dropped_messages % 1000 == 0:
+                log.warning("probex: %d score messages dropped (API server not draining)", self.dropped_messages)
 
 
 @dataclass
@@ -65,10 +87,10 @@ class RequestScores:
 class _ProbeSet:
     """One probe-table version as the hub sees it: names and calibration, vectorised."""
 
-    def __init__(self, table: ProbeTable) -> None:
-        self.probes = [ProbeInfo(s.name, s.read, s.slope, s.intercept, s.layer) for s in table.slots]
-        self._slope = np.array([p.slope for p in self.probes], dtype=np.float64)
-        self._intercept = np.array([p.intercept for p in self.probes], dtype=np.float64)
+    def __init__(self, probes: list[ProbeInfo]) -> None:
+        self.probes = probes
+        self._slope = np.array([p.slope for p in probes], dtype=np.float64)
+        self._intercept = np.array([p.intercept for p in probes], dtype=np.float64)
 
     def calibrate(self, raw: np.ndarray) -> np.ndarray:
         """[n, k] raw -> calibrated, each column with its own probe's slope and intercept."""
@@ -76,23 +98,18 @@ class _ProbeSet:
 
 
 class ScoreHub:
-    """API-server side: follows the worker's score ring and answers "are request X's scores here yet?"."""
+    """API-server side: receives score messages and answers "are request X's scores here yet?"."""
 
-    def __init__(self, ring_path: str, retention_s: float = 300.0) -> None:
-        self.ring_path = ring_path
+    def __init__(self, address: str, retention_s: float = 300.0) -> None:
+        self.address = address
         self.retention_s = retention_s
         self._requests: dict[str, RequestScores] = {}
         self._tables: dict[int, _ProbeSet] = {}
         self._task: asyncio.Task | None = None
-        self._reader: ScoreRingReader | None = None
-        self._follower: RingFollower | None = None
-        self._posted = 0  # slots the worker has posted that are not read yet
-        self._last_sweep = time.monotonic()
+        self._socket = None
         self.messages_received = 0
-        self.ingest_errors = 0
         self._external_ids: dict[str, str] = {}  # engine request id -> ours, saves a regex per token
         self._steps = StepReader()  # the books of every request's prompt, fed by the worker's steps
-        self.ring_stats = RingStats()
         # How long responses were held back waiting for scores (the cost the tap adds to
         # latency, if any), split by first chunk (prompt summary) and later tokens.
         self.waits = {"prompt": WaitStats(), "tokens": WaitStats()}
@@ -100,54 +117,38 @@ class ScoreHub:
     def start(self) -> None:
         if self._task is not None:
             return
-        self._task = asyncio.get_running_loop().create_task(self._attach())
+        import zmq.asyncio
 
-    async def _attach(self) -> None:
-        """The worker creates the ring while its engine starts; wait for it, then follow it."""
-        reader = ScoreRingReader(self.ring_path)
-        waited = 0.0
-        while not reader.attach():
-            await asyncio.sleep(0.05)
-            waited += 0.05
-            if waited in (30.0, 300.0):
-                log.warning("probex: still waiting for the worker's score ring %s", self.ring_path)
-        self._reader = reader
-        loop = asyncio.get_running_loop()
-        self._follower = RingFollower(reader, loop.call_soon_threadsafe, self._on_posted)
-        log.info("probex: reading scores from %s", self.ring_path)
+        ctx = zmq.asyncio.Context.instance()
+        self._socket = ctx.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.bind(self.address)
+        self._task = asyncio.get_running_loop().create_task(self._receive_forever())
 
-    def _on_posted(self, count: int) -> None:
-        """On the event loop: `count` more slots are readable; read them all, in order."""
-        self._posted += count
-        reader = self._reader
-        while self._posted:
-            record = reader.read()
+    async def _receive_forever(self) -> None:
+        decoder = msgspec.msgpack.Decoder()
+        last_sweep = time.monotonic()
+        while True:
+            frame = await self._socket.recv()
             try:
-                self.ingest(record)
-            except Exception:  # a malformed step must not stop delivery for everyone
-                self.ingest_errors += 1
-                log.exception("probex: could not ingest score slot %d", record.seq)
-            finally:
-                reader.release(record)
-                self._posted -= 1
-        now = time.monotonic()
-        if now - self._last_sweep > 10:
-            self.sweep(now)
-            self._last_sweep = now
+                self.ingest(decoder.decode(frame))
+            except Exception:  # a malformed message must not stop delivery for everyone
+                log.exception("probex: could not ingest a score message")
+            now = time.monotonic()
+            if now - last_sweep > 10:
+                self.sweep(now)
+                last_sweep = now
 
-    def ingest(self, record: RingRecord) -> None:
-        """One slot of the ring: a probe table, or a worker step read through the books into
-        prompt summaries, sampled-token scores and request ends."""
-        started = time.perf_counter()
+    def ingest(self, message: dict) -> None:
+        """One worker step (`bookkeeping.step_message`: layout + raw block), read through the
+        books here into prompt summaries, sampled-token scores and request ends."""
         self.messages_received += 1
-        if record.kind == KIND_TABLE:
-            table = self._steps.read_table(record.meta)
-            self._tables[table.version] = _ProbeSet(table)
-            for old in [v for v in self._tables if v not in self._steps.tables]:
-                del self._tables[old]
-            return
-        events = self._steps.read_step(record.meta, record.raw_by_layer)
-        probes = (table := self._tables[events.table.version]).probes
+        version = message["v"]
+        table = self._tables.get(version)
+        if table is None:
+            table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
+        events = self._steps.read(message)
+        probes = table.probes
         if len(self._external_ids) > 100_000:  # ids are never reused: forgetting them all is safe
             self._external_ids.clear()
         for event in events.prompt:
@@ -167,11 +168,6 @@ class ScoreHub:
             if state is not None:
                 state.finished = True
                 state.changed.set()
-        self.ring_stats.add(time.monotonic_ns() - record.submitted_ns, time.perf_counter() - started)
-
-    def ring_status(self) -> dict:
-        return {"attached": self._reader is not None, "ingest_errors": self.ingest_errors,
-                "dropped_by_worker": self._reader.dropped if self._reader else 0, **self.ring_stats.as_dict()}
 
     def _external_id(self, engine_request_id: str) -> str:
         key = self._external_ids.get(engine_request_id)
@@ -235,29 +231,6 @@ class ScoreHub:
 
     def wait_stats(self) -> dict[str, dict[str, float | int]]:
         return {kind: stats.as_dict() for kind, stats in self.waits.items()}
-
-
-@dataclass
-class RingStats:
-    """Per worker step read from the ring, summed: `landed` is the worker's publish -> the API
-    server reading it (the rest of the forward, the copy, the driver's post, this event
-    loop's wake-up); `ingest` is the books and per-request updates here."""
-
-    steps: int = 0
-    landed_s: float = 0.0
-    landed_max_s: float = 0.0
-    ingest_s: float = 0.0
-
-    def add(self, landed_ns: int, ingest_s: float) -> None:
-        landed = landed_ns / 1e9
-        self.steps += 1
-        self.landed_s += landed
-        self.landed_max_s = max(self.landed_max_s, landed)
-        self.ingest_s += ingest_s
-
-    def as_dict(self) -> dict[str, float | int]:
-        return {"steps": self.steps, "landed_s": self.landed_s, "landed_max_s": self.landed_max_s,
-                "ingest_s": self.ingest_s}
 
 
 @dataclass

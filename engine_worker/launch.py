@@ -6,11 +6,12 @@ import argparse
 import json
 import os
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import check_vector_set, load_vector
-from engine_worker.score_ring import default_ring_path
 from engine_worker.tap_config import TapConfig
 
 MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
@@ -60,13 +61,14 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     if args.capture_dir:
         Path(args.capture_dir).mkdir(parents=True, exist_ok=True)
         capture_rows = 1 << 30  # clipped to the engine's rows per step when the tap is built
+    socket_path = Path(tempfile.gettempdir()) / f"probex-scores-{uuid.uuid4().hex[:12]}.sock"
     tap = TapConfig(
         layers=tuple(layers),
         probe_dirs=tuple(str(Path(p.source).resolve()) for p in probes),
         probes_per_layer=args.probes_per_layer,
         capture_rows=capture_rows,
         capture_dir=str(Path(args.capture_dir).resolve()) if args.capture_dir else None,
-        score_ring=default_ring_path(),
+        score_address=f"ipc://{socket_path}",
         steer_layers=tuple(steer_layers),
         steer_vectors_per_layer=args.steer_vectors,
         steer_vector_dirs=tuple(str(Path(v.source).resolve()) for v in vectors),

@@ -178,8 +178,8 @@ class ProbexMiddleware:
         self.app = app
         raw_config = os.environ.get(ENV_TAP_CONFIG)
         self.tap_config = tap_config or (TapConfig.from_additional_config(json.loads(raw_config)) if raw_config else None)
-        ring = self.tap_config.score_ring if self.tap_config else None
-        self.hub = hub if hub is not None else (ScoreHub(ring) if ring else None)
+        address = self.tap_config.score_address if self.tap_config else None
+        self.hub = hub if hub is not None else (ScoreHub(address) if address else None)
         self.admin_token = os.environ.get(ENV_ADMIN_TOKEN) or None
         self.score_wait_s = float(os.environ.get(ENV_SCORE_WAIT, "10"))
         self._swap_lock = asyncio.Lock()
@@ -304,7 +304,6 @@ class ProbexMiddleware:
     async def _health(self, scope: Scope, send: Send) -> None:
         listing = (await _engine_client(scope).collective_rpc("probex_list_probes"))[0]
         listing["score_messages_received"] = self.hub.messages_received
-        listing["score_ring_reader"] = self.hub.ring_status()
         listing["score_waits"] = self.hub.wait_stats()
         listing["open_prompt_books"] = self.hub.open_prompt_books
         listing["retention"] = self.retention.values

@@ -22,9 +22,8 @@ class TapConfig:
     # Rows per step the capture buffer can hold; 0 turns capture mode off (and its cost with it).
     capture_rows: int = 0
     capture_dir: str | None = None
-    # Shared-memory file the worker creates and queues each step's scores in; the API server
-    # follows it (engine_worker/score_ring.py). None: scores are not delivered.
-    score_ring: str | None = None
+    # ZMQ address the worker pushes score events to (the API server binds it).
+    score_address: str | None = None
     # Decoder layers whose output gets a steering op, the vector slots per steered layer
     # (fixed at startup, like probe slots) and the vectors loaded at startup.
     steer_layers: tuple[int, ...] = ()

@@ -51,7 +51,7 @@ def install_controller(runner) -> TapController | None:
     served = ServedModel.from_hf_config(hf_config, name=runner.vllm_config.model_config.model)
     # Every rank computes the same rows; one writes them (two would race on the same files).
     capture_dir = tap_config.capture_dir if tap_config.capture_enabled and _is_delivering_rank() else None
-    controller = TapController(taps, served, delivery_ring(tap_config), capture_dir, steers=steers)
+    controller = TapController(taps, served, _publisher(tap_config), capture_dir, steers=steers)
     try:
         controller.load(list(tap_config.probe_dirs))
         if steers:
@@ -62,10 +62,12 @@ def install_controller(runner) -> TapController | None:
     return controller
 
 
-def delivery_ring(tap_config: TapConfig) -> str | None:
-    """The score ring this process writes, if it delivers: one rank does; the others compute
-    the same scores and keep them to themselves (no ring, no copies)."""
-    return tap_config.score_ring if _is_delivering_rank() else None
+def _publisher(tap_config: TapConfig):
+    if not tap_config.score_address or not _is_delivering_rank():
+        return None
+    from engine_worker.delivery import ScorePublisher
+
+    return ScorePublisher(tap_config.score_address).publish
 
 
 def _is_delivering_rank() -> bool:

@@ -845,39 +845,38 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
     """What the tap's delivery did during one measured phase, from two /probex/health snapshots.
 
     engine_thread: time in ProbeX hooks on the engine thread per step (the runner adapters'
-    layout read, and `stage`: the ring's meta, copies and post). ring: per step read by the API
-    server, publish -> read there (`landed`) and the books + per-request updates (`ingest`);
-    steps the worker dropped (ring full) and times it waited for space. score_waits: how often
-    and how long the API server held a response chunk back because its scores had not
-    arrived yet — the only way delivery can add to client-visible latency.
+    layout, buffer staging and hand-off). transfer: per engine step, submit -> scores on the
+    host (`landed`) and bookkeeping + publish (`consume`), on the worker's transfer thread. score_waits: how often and how long
+    the API server held a response chunk back because its scores had not arrived yet — the
+    only way delivery can add to client-visible latency.
     """
     if not before or not after:
         return {}
     out: dict[str, Any] = {}
-    r0, r1 = before.get("score_ring_reader") or {}, after.get("score_ring_reader") or {}
-    w0, w1 = before.get("ring") or {}, after.get("ring") or {}
-    steps = r1.get("steps", 0) - r0.get("steps", 0)
+    t0, t1 = before.get("transfer") or {}, after.get("transfer") or {}
+    steps = t1.get("steps", 0) - t0.get("steps", 0)
     if steps > 0:
-        out["ring"] = {
+        out["transfer"] = {
             "steps": steps,
-            "landed_mean_ms": (r1["landed_s"] - r0["landed_s"]) / steps * 1e3,
-            "ingest_mean_ms": (r1["ingest_s"] - r0["ingest_s"]) / steps * 1e3,
-            "landed_max_ms_so_far": r1["landed_max_s"] * 1e3,
-            "dropped": w1.get("dropped", 0) - w0.get("dropped", 0),
-            "waits_for_space": w1.get("waits_for_space", 0) - w0.get("waits_for_space", 0),
+            "landed_mean_ms": (t1["landed_s"] - t0["landed_s"]) / steps * 1e3,
+            "consume_mean_ms": (t1["consume_s"] - t0["consume_s"]) / steps * 1e3,
+            "landed_max_ms_so_far": t1["landed_max_s"] * 1e3,
+            "consume_max_ms_so_far": t1["consume_max_s"] * 1e3,
+            "waits_for_staging": t1.get("waits_for_staging", 0) - t0.get("waits_for_staging", 0),
         }
     e0, e1 = before.get("engine_thread") or {}, after.get("engine_thread") or {}
     engine_steps = e1.get("steps", 0) - e0.get("steps", 0)
     if engine_steps > 0:
         out["engine_thread"] = {"steps": engine_steps,
                                 "hook_mean_ms": (e1["hook_s"] - e0["hook_s"]) / engine_steps * 1e3}
-        # Where the hook's time goes: reading the layout, and the ring's meta + copies + post.
-        for part, start, end, key in (("layout", e0, e1, "layout_s"), ("stage", w0, w1, "stage_s")):
-            if key in end and key in start:
-                out["engine_thread"][f"{part}_mean_ms"] = (end[key] - start[key]) / engine_steps * 1e3
-    q0, q1 = before.get("score_waits") or {}, after.get("score_waits") or {}
-    for kind, end in q1.items():
-        start = q0.get(kind, {})
+        # Where the hook's time goes: reading the layout, enqueueing copies + event, hand-off.
+        for part, source, key in (("layout", e1, "layout_s"), ("stage", t1, "stage_s"), ("handoff", t1, "handoff_s")):
+            start = (e0 if source is e1 else t0).get(key)
+            if key in source and start is not None:
+                out["engine_thread"][f"{part}_mean_ms"] = (source[key] - start) / engine_steps * 1e3
+    w0, w1 = before.get("score_waits") or {}, after.get("score_waits") or {}
+    for kind, end in w1.items():
+        start = w0.get(kind, {})
         calls = end["calls"] - start.get("calls", 0)
         waited = end["waited"] - start.get("waited", 0)
         seconds = end["waited_s"] - start.get("waited_s", 0.0)
@@ -894,12 +893,11 @@ def delivery_line(delivery: dict[str, Any]) -> str:
     parts = []
     if "engine_thread" in delivery:
         e = delivery["engine_thread"]
-        split = ", ".join(f"{k[:-8]} {e[k]:.3f}" for k in ("layout_mean_ms", "stage_mean_ms") if k in e)
+        split = ", ".join(f"{k[:-8]} {e[k]:.3f}" for k in ("layout_mean_ms", "stage_mean_ms", "handoff_mean_ms") if k in e)
         parts.append(f"engine thread: {e['hook_mean_ms']:.3f} ms of ProbeX hooks per step" + (f" ({split})" if split else ""))
-    if "ring" in delivery:
-        r = delivery["ring"]
-        parts.append(f"ring: landed {r['landed_mean_ms']:.3f} ms, ingest {r['ingest_mean_ms']:.3f} ms per step"
-                     + (f", {r['dropped']} dropped" if r["dropped"] else ""))
+    if "transfer" in delivery:
+        t = delivery["transfer"]
+        parts.append(f"transfer: landed {t['landed_mean_ms']:.3f} ms, consume {t['consume_mean_ms']:.3f} ms per step")
     for kind in ("prompt", "tokens"):
         w = delivery.get(f"{kind}_waits")
         if w and w["chunks"]:

@@ -1,19 +1,18 @@
 """CPU benchmark of the worker's per-step hand-off: what ProbeX runs in the engine process per step.
 
 No engine and no GPU: CPU `LayerTap`s (2 layers x 4 probes, like `probex bench engine`), a
-`TapController` writing its shared-memory score ring, and a loop standing in for the engine
-thread that calls `after_forward` once per decode step of N requests, running Python for
-`--python-us` (vLLM's scheduling and output processing) and then waiting with the GIL
-released for `--wait-us` (the GPU) between steps. A second process follows the ring and
-keeps the books, as the API server does. Reported per step:
+`TapController` whose publisher encodes each message as the real one does (msgpack) and
+drops it, and a loop standing in for the engine thread that calls `after_forward` once per
+decode step of N requests. Reported per step:
 
-- `hook_us`: the engine thread's time in ProbeX (layout meta, the rows' copy, the post);
+- `inline_us`: hook + consume on one thread (`threaded=False`): the CPU the hand-off costs;
+- `hook_us` with the transfer thread on, while between steps the engine thread runs
+  Python for `--python-us` (vLLM's scheduling and output processing) and then waits with
+  the GIL released for `--wait-us` (the GPU): what the engine thread pays once the two
+  threads share the GIL;
 - `step_us`: the whole stand-in step; against `baseline_step_us` (the same loop without
   ProbeX) it is the slowdown;
-- `reader_ingest_us`: the reading process's books per step (not in the engine process).
-
-On a GPU the copy is an asynchronous DMA and the post a CUDA host function, so `hook_us`
-there is the same Python minus the memcpy.
+- `consume_us`: the transfer thread's wall time per step (waiting for the GIL included).
 
     python3 -m probex.bench_handoff --out out/bench-handoff.json
 """
@@ -22,18 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 HIDDEN = 64
 
 
-def _controller(root: Path):
+def _controller(threaded: bool, root: Path):
     from engine_worker.controller import TapController
     from engine_worker.tap import LayerTap
     from probes.artifact import ProbeArtifact, ReadPoint, ServedModel, save_probe
@@ -46,39 +44,10 @@ def _controller(root: Path):
     probes = [save_probe(ProbeArtifact(name=f"p{i}", layer=1 if i < 4 else 3, read=reads[i % 2],
                                        weight=rng.standard_normal(HIDDEN).astype(np.float32), bias=0.0,
                                        model={"name": "bench"}), root / f"p{i}") for i in range(8)]
-    controller = TapController(taps, served, str(root / "scores.ring"))
+    encoder = msgspec.msgpack.Encoder()
+    controller = TapController(taps, served, lambda message: encoder.encode(message), threaded=threaded)
     controller.load([str(p) for p in probes])
     return controller
-
-
-def follow_ring(path: str, steps: int) -> dict:
-    """The API server's side, in its own process: read `steps` steps (after the table) through the books."""
-    from engine_worker.bookkeeping import StepReader
-    from engine_worker.score_ring import KIND_TABLE, ScoreRingReader
-
-    ring, books = ScoreRingReader(path), StepReader()
-    deadline = time.monotonic() + 60
-    while not ring.attach():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"no ring at {path}")
-        time.sleep(0.01)
-    read = tokens = 0
-    ingest_s = 0.0
-    while read < steps:
-        count = ring.wait(10.0)
-        if not count:
-            raise SystemExit(f"the writer stopped after {read} of {steps} steps")
-        for _ in range(count):
-            record = ring.read()
-            started = time.perf_counter()
-            if record.kind == KIND_TABLE:
-                books.read_table(record.meta)
-            else:
-                tokens += len(books.read_step(record.meta, record.raw_by_layer).token_req_ids)
-                ingest_s += time.perf_counter() - started
-                read += 1
-            ring.release(record)
-    return {"steps": read, "tokens": tokens, "ingest_us": ingest_s / read * 1e6}
 
 
 def engine_steps(steps: int, python_us: float, wait_us: float, hook=None) -> tuple[float, float]:
@@ -117,59 +86,49 @@ def wake_cost_us(sleep_s: float, repeats: int = 300) -> float:
     return total / repeats * 1e6
 
 
-def run(requests: int, steps: int, python_us: float, wait_us: float) -> dict:
+def run(requests: int, steps: int, threaded: bool, python_us: float, wait_us: float) -> dict:
     from engine_worker.bookkeeping import StepLayout
 
     with tempfile.TemporaryDirectory() as tmp:
-        controller = _controller(Path(tmp))
-        reader = subprocess.Popen([sys.executable, "-m", "probex.bench_handoff", "--follow", str(Path(tmp) / "scores.ring"),
-                                   "--steps", str(steps + 1)], stdout=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while (Path(tmp) / "scores.ring").exists():  # the reader unlinks the path once it has mapped the ring
-            if time.monotonic() > deadline or reader.poll() is not None:
-                raise SystemExit("the ring reader did not start")
-            time.sleep(0.01)
+        controller = _controller(threaded, Path(tmp))
         ids = [f"req-{i}" for i in range(requests)]
         prompt = 32
         controller.after_forward(StepLayout(ids, np.full(requests, prompt), np.zeros(requests, np.int64),
                                             np.full(requests, prompt)))
+        controller.flush()
+        consumed_before = controller.transfer.stats.consume_s
         step_s, hook_s = engine_steps(steps, python_us, wait_us, lambda step: controller.after_forward(
             StepLayout(ids, np.ones(requests, np.int64), np.full(requests, prompt + step), np.full(requests, prompt))))
-        out, _ = reader.communicate(timeout=120)
-        if reader.returncode != 0:
-            raise SystemExit(f"the ring reader failed (exit {reader.returncode})")
-        followed = json.loads(out)
-    if followed["tokens"] != requests * (steps + 1) or controller.ring.dropped:
-        raise SystemExit(f"the reader saw {followed['tokens']} tokens of {requests * (steps + 1)}"
-                         f" ({controller.ring.dropped} steps dropped)")
-    return {"hook_us": hook_s * 1e6, "step_us": step_s * 1e6, "reader_ingest_us": followed["ingest_us"]}
+        controller.flush()
+        consumed = controller.transfer.stats.consume_s - consumed_before
+        controller.transfer.close()
+    return {"hook_us": hook_s * 1e6, "consume_us": consumed / steps * 1e6, "step_us": step_s * 1e6}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="8,64", help="decoding requests per step (comma-separated)")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--python-us", type=float, default=1000.0, help="engine-thread Python work per step (µs)")
+    parser.add_argument("--python-us", type=float, default=1000.0,
+                        help="engine-thread Python work per step (µs) in the threaded measurement")
     parser.add_argument("--wait-us", type=float, default=4000.0,
                         help="engine-thread wait with the GIL released per step (µs), standing in for the GPU")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--follow", metavar="RING", help=argparse.SUPPRESS)  # the reading process
     args = parser.parse_args()
-    if args.follow:
-        print(json.dumps(follow_ring(args.follow, args.steps)))
-        return
     results = []
     baseline_step_us = engine_steps(args.steps, args.python_us, args.wait_us)[0] * 1e6
     print(f"stand-in engine step without ProbeX: {baseline_step_us:.1f} µs", flush=True)
     for n in (int(x) for x in args.requests.split(",")):
-        measured = run(n, args.steps, python_us=args.python_us, wait_us=args.wait_us)
-        row = {"requests": n, "hook_us": round(measured["hook_us"], 1), "step_us": round(measured["step_us"], 1),
-               "baseline_step_us": round(baseline_step_us, 1), "reader_ingest_us": round(measured["reader_ingest_us"], 1),
+        inline = run(n, args.steps, threaded=False, python_us=0.0, wait_us=0.0)
+        threaded = run(n, args.steps, threaded=True, python_us=args.python_us, wait_us=args.wait_us)
+        row = {"requests": n, "inline_us": round(inline["hook_us"], 1), "hook_us": round(threaded["hook_us"], 1),
+               "step_us": round(threaded["step_us"], 1), "baseline_step_us": round(baseline_step_us, 1), "consume_us": round(threaded["consume_us"], 1),
                "python_us": args.python_us, "wait_us": args.wait_us}
         results.append(row)
-        print(f"{n:3d} requests: engine-thread hook {row['hook_us']:7.1f} µs, step {row['step_us']:7.1f} µs"
-              f" ({args.python_us:.0f} python + {args.wait_us:.0f} wait; without ProbeX {baseline_step_us:.1f}),"
-              f" reader process books {row['reader_ingest_us']:7.1f} µs per step", flush=True)
+        print(f"{n:3d} requests: inline (hook + consume, one thread) {row['inline_us']:7.1f} µs/step; "
+              f"transfer thread on: engine-thread hook {row['hook_us']:7.1f} µs, step {row['step_us']:7.1f} µs"
+              f" ({args.python_us:.0f} python + {args.wait_us:.0f} wait), consume {row['consume_us']:7.1f} µs wall",
+              flush=True)
     wake = {"layout_us_tight_loop": round(wake_cost_us(0.0), 1),
             "layout_us_after_sleep": round(wake_cost_us(args.wait_us * 1e-6), 1)}
     print(f"one StepLayout: {wake['layout_us_tight_loop']} µs in a tight loop, {wake['layout_us_after_sleep']} µs"

@@ -1,8 +1,6 @@
 import numpy as np
-import pytest
 
-from engine_worker.bookkeeping import (ProbeTable, ScoreBook, StepLayout, StepReader, UnknownProbeTable, gather_scores,
-                                       step_meta, table_meta)
+from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout, StepReader, gather_scores, step_message
 from engine_worker.tap import ProbeSlot
 
 TABLE = ProbeTable(version=1, slots=(ProbeSlot("a", 3, 0, "last_prompt_token", 1.0, 0.0),))
@@ -110,24 +108,14 @@ def test_a_step_read_from_the_wire_gives_the_events_of_the_same_step_booked_loca
     ]
     rng = np.random.default_rng(0)
     local, reader = ScoreBook(), StepReader()
-    reader.read_table(table_meta(table))
     for step_layout, finished in steps:
         raw = rng.standard_normal((step_layout.num_rows, 2)).astype(np.float32)
         want = local.record_step(step_layout, table, raw)
         want.finished = local.finish(finished)
-        # On the wire the rows travel as each tapped layer's buffer: x sits in slot 1 of layer 5, y in slot 0 of layer 2.
-        buffers = {5: np.full((step_layout.num_rows, 2), np.nan, np.float32), 2: np.full((step_layout.num_rows, 2), np.nan, np.float32)}
-        buffers[5][:, 1], buffers[2][:, 0] = raw[:, 0], raw[:, 1]
-        got = reader.read_step(step_meta(table, step_layout, finished), buffers if step_layout.req_ids else {})
+        got = reader.read(step_message(table, step_layout, raw, finished))
         assert got.prompt == want.prompt and got.tokens == want.tokens and got.finished == want.finished
         assert got.table.names == table.names and got.table.version == 4
     assert len(reader.book) == 0 and len(local) == 0
-
-
-def test_a_step_naming_a_probe_table_that_never_arrived_is_refused():
-    table = ProbeTable(version=3, slots=(ProbeSlot("x", 5, 0, "prompt_mean", 1.0, 0.0),))
-    with pytest.raises(UnknownProbeTable, match="v3"):
-        StepReader().read_step(step_meta(table, layout([("a", 1, 0, 1)]), []), {5: np.zeros((1, 1), np.float32)})
 
 
 def test_a_complete_prompt_keeps_only_a_marker_and_a_recomputed_prompt_is_not_reported_twice():

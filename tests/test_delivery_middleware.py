@@ -8,12 +8,10 @@ import asyncio
 import json
 
 import numpy as np
-import torch
 
 import pytest
 
-from engine_worker.bookkeeping import ProbeTable, StepLayout, step_meta, table_meta
-from engine_worker.score_ring import ScoreRingWriter
+from engine_worker.bookkeeping import ProbeTable, StepLayout, step_message
 from engine_worker.delivery import ScoreHub, external_request_id
 from engine_worker.middleware import ProbexMiddleware, RequestRefused, inspect_request
 from engine_worker.tap import ProbeSlot
@@ -70,12 +68,10 @@ class FakeEngineApp:
         assert body["return_token_ids"] is True
 
 
-def run_stream(chunks, feed, ring_path=None):
-    """`feed(hub, engine_id, i)` delivers chunk i's scores; with `ring_path` the hub follows that ring."""
+def run_stream(chunks, feed):
     async def go():
-        hub = ScoreHub(str(ring_path) if ring_path else "/nonexistent/probex-test.ring")
-        if ring_path is None:
-            hub.start = lambda: None
+        hub = ScoreHub("inproc://unused")
+        hub.start = lambda: None
         app = FakeEngineApp(hub, chunks, lambda engine_id, i: feed(hub, engine_id, i))
         middleware = ProbexMiddleware(app, hub=hub, tap_config=TapConfig(layers=(3,)))
         sent = []
@@ -97,37 +93,34 @@ def run_stream(chunks, feed, ring_path=None):
     return asyncio.run(go())
 
 
-def step_feed(ring_path, raw_by_chunk: list[list[float]]):
-    """A feed for `run_stream` that works as a worker does: a shared-memory score ring with a
-    CPU score buffer (one probe, p, at layer 3), one step per chunk, for a 2-token prompt.
-    Step 0 prefills the prompt and samples token 0 from its last row; each later step samples
-    one token; after the given steps, an idle step ends the request."""
+def step_feed(raw_by_chunk: list[list[float]]):
+    """A feed for `run_stream` sending what a worker sends: one step message per chunk, each
+    with that step's layout and raw rows (one probe, p), for a 2-token prompt. Step 0
+    prefills the prompt and samples token 0 from its last row; each later step samples one
+    token; after the given steps, an idle step ends the request."""
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
-    scores = torch.zeros(8, 1)
-    writer = ScoreRingWriter(str(ring_path), {3: scores}, slots=4)
-    writer.publish_table(table_meta(table))
 
     def feed(hub, engine_id, i):
         if i < len(raw_by_chunk):
             scheduled, computed = (2, 0) if i == 0 else (1, 1 + i)
             layout = StepLayout([engine_id], np.array([scheduled]), np.array([computed]), np.array([2]))
             finished = []
-            scores[: len(raw_by_chunk[i]), 0] = torch.tensor(raw_by_chunk[i])  # what the op writes
         else:
             layout, finished = StepLayout.empty(), [engine_id]
-        writer.publish_step(layout.num_rows, step_meta(table, layout, finished))
+        raw = np.array(raw_by_chunk[i] if i < len(raw_by_chunk) else [], np.float32).reshape(-1, 1)
+        hub.ingest(step_message(table, layout, raw, finished))
 
     return feed
 
 
-def test_each_chunk_waits_for_and_carries_its_own_token_scores(tmp_path):
+def test_each_chunk_waits_for_and_carries_its_own_token_scores():
     chunks = [
         {"delta": {"role": "assistant"}, "token_ids": []},
         {"delta": {"content": "a"}, "token_ids": [7]},
         {"delta": {"content": "bc"}, "token_ids": [8, 9]},
         {"delta": {}, "token_ids": [], "finish_reason": "stop"},
     ]
-    out, last, remaining, waits = run_stream(chunks, step_feed(tmp_path / "s.ring", [[0.0, 0.0], [1.0], [2.0]]), tmp_path / "s.ring")
+    out, last, remaining, waits = run_stream(chunks, step_feed([[0.0, 0.0], [1.0], [2.0]]))
     assert last == "[DONE]" and remaining == 0
     # The role chunk carries no token, so it does not wait; the prompt part must then ride
     # on the first content chunk at the latest.
@@ -164,9 +157,8 @@ def test_a_swap_refused_by_any_rank_is_reported_as_refused():
     assert split["ok"] is False and "1 of 2 workers" in split["error"]
 
 
-def test_scores_sent_through_the_worker_ring_reach_their_chunks(tmp_path):
-    """The wire as the worker sends it: each step's layout + raw rows through the shared-memory
-    ring, followed by the hub's reader thread and booked on its event loop."""
+def test_scores_sent_as_worker_step_messages_reach_their_chunks():
+    """The wire as the worker sends it: each step's layout + raw block, booked by the hub."""
     chunks = [
         {"delta": {"role": "assistant"}, "token_ids": []},
         {"delta": {"content": "a"}, "token_ids": [7]},
@@ -174,7 +166,7 @@ def test_scores_sent_through_the_worker_ring_reach_their_chunks(tmp_path):
         {"delta": {}, "token_ids": [], "finish_reason": "stop"},
     ]
 
-    out, last, remaining, _ = run_stream(chunks, step_feed(tmp_path / "s.ring", [[0.25, -1.0], [0.5], [2.0]]), tmp_path / "s.ring")
+    out, last, remaining, _ = run_stream(chunks, step_feed([[0.25, -1.0], [0.5], [2.0]]))
     assert last == "[DONE]" and remaining == 0
     scores = out[1]["probex"]["scores"]["p"]
     assert scores["prompt"]["last_raw"] == pytest.approx(-1.0) and scores["prompt"]["tokens_scored"] == 2

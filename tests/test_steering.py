@@ -127,7 +127,7 @@ def test_difference_of_means():
 def make_controller(tmp_path: Path) -> TapController:
     taps = {1: LayerTap(1, HIDDEN, capacity=2, max_rows=32), 3: LayerTap(3, HIDDEN, capacity=2, max_rows=32)}
     steers = {2: LayerSteer(2, HIDDEN, capacity=2, max_rows=32, gate_taps=[taps[1]])}
-    controller = TapController(taps, served(), steers=steers)
+    controller = TapController(taps, served(), threaded=False, steers=steers)
     weight = np.ones(HIDDEN, np.float32)
     probes = [save_probe(ProbeArtifact(name, layer, ReadPoint.LAST_PROMPT_TOKEN, weight, 0.0, slope=2.0,
                                        intercept=1.0), tmp_path / name) for name, layer in (("g", 1), ("late", 3))]

@@ -108,9 +108,10 @@ def test_only_tp_rank_zero_of_the_last_pipeline_stage_publishes(monkeypatch, tp_
     monkeypatch.setattr(ps, "get_tp_group", lambda: SimpleNamespace(rank_in_group=tp_rank))
     monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(is_last_rank=last_pp))
     assert vllm_worker._is_delivering_rank() is delivers
-    tap = TapConfig(layers=(1,), score_ring="/tmp/probex-test-unused.ring")
-    # No ring at all on the other ranks: nothing to copy or send.
-    assert vllm_worker.delivery_ring(tap) == ("/tmp/probex-test-unused.ring" if delivers else None)
+    tap = TapConfig(layers=(1,), score_address="ipc:///tmp/probex-test-unused.sock")
+    if not delivers:
+        # No publisher at all on the other ranks: nothing to send, no socket opened.
+        assert vllm_worker._publisher(tap) is None
 
 
 class FakeEngineConfig:
