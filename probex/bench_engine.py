@@ -869,11 +869,12 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
     if engine_steps > 0:
         out["engine_thread"] = {"steps": engine_steps,
                                 "hook_mean_ms": (e1["hook_s"] - e0["hook_s"]) / engine_steps * 1e3}
-        # Where the hook's time goes: reading the layout, enqueueing copies + event, hand-off.
-        for part, source, key in (("layout", e1, "layout_s"), ("stage", t1, "stage_s"), ("handoff", t1, "handoff_s")):
-            start = (e0 if source is e1 else t0).get(key)
-            if key in source and start is not None:
-                out["engine_thread"][f"{part}_mean_ms"] = (source[key] - start) / engine_steps * 1e3
+        # Where the hook's time goes: reading the layout (the runner adapter), enqueueing the
+        # copies and the event (`stage`) and handing the step to the transfer thread.
+        parts = {"layout": (e0, e1, "layout_s"), "stage": (t0, t1, "stage_s"), "handoff": (t0, t1, "handoff_s")}
+        for part, (start, end, key) in parts.items():
+            if key in start and key in end:
+                out["engine_thread"][f"{part}_mean_ms"] = (end[key] - start[key]) / engine_steps * 1e3
     w0, w1 = before.get("score_waits") or {}, after.get("score_waits") or {}
     for kind, end in w1.items():
         start = w0.get(kind, {})

@@ -359,25 +359,30 @@ def test_analyze_means_over_repeats_and_overheads():
 
 
 def test_delivery_delta_reads_the_worker_and_hub_counters_per_phase():
-    """Per-step means between two /probex/health snapshots: the worker's hook (its layout and
-    ring shares), the hub's ring reading, and the chunks held for scores."""
+    """Per-step means between two /probex/health snapshots: the worker's hook and its parts,
+    the transfer thread, and the chunks the API server held for scores."""
     before = {"engine_thread": {"steps": 10, "hook_s": 0.001, "layout_s": 0.0002},
-              "ring": {"published": 11, "dropped": 0, "waits_for_space": 0, "stage_s": 0.0004},
-              "score_ring_reader": {"steps": 10, "landed_s": 0.05, "landed_max_s": 0.01, "ingest_s": 0.001},
+              "transfer": {"steps": 10, "landed_s": 0.05, "landed_max_s": 0.01, "consume_s": 0.001,
+                           "consume_max_s": 0.0002, "waits_for_staging": 0, "stage_s": 0.0004, "handoff_s": 0.0001},
               "score_waits": {"tokens": {"calls": 5, "waited": 1, "waited_s": 0.002, "max_s": 0.002}}}
     after = {"engine_thread": {"steps": 30, "hook_s": 0.003, "layout_s": 0.0006},
-             "ring": {"published": 31, "dropped": 2, "waits_for_space": 1, "stage_s": 0.0012},
-             "score_ring_reader": {"steps": 30, "landed_s": 0.25, "landed_max_s": 0.02, "ingest_s": 0.003},
+             "transfer": {"steps": 30, "landed_s": 0.25, "landed_max_s": 0.02, "consume_s": 0.003,
+                          "consume_max_s": 0.0003, "waits_for_staging": 1, "stage_s": 0.0012, "handoff_s": 0.0003},
              "score_waits": {"tokens": {"calls": 15, "waited": 3, "waited_s": 0.006, "max_s": 0.002}}}
     delta = be.delivery_delta(before, after)
     assert delta["engine_thread"] == pytest.approx({"steps": 20, "hook_mean_ms": 0.1, "layout_mean_ms": 0.02,
-                                                    "stage_mean_ms": 0.04})
-    assert delta["ring"] == pytest.approx({"steps": 20, "landed_mean_ms": 10.0, "ingest_mean_ms": 0.1,
-                                           "landed_max_ms_so_far": 20.0, "dropped": 2, "waits_for_space": 1})
+                                                    "stage_mean_ms": 0.04, "handoff_mean_ms": 0.01})
+    assert delta["transfer"] == pytest.approx({"steps": 20, "landed_mean_ms": 10.0, "consume_mean_ms": 0.1,
+                                               "landed_max_ms_so_far": 20.0, "consume_max_ms_so_far": 0.3,
+                                               "waits_for_staging": 1})
     assert delta["tokens_waits"]["waited"] == 2 and delta["tokens_waits"]["mean_ms_when_waiting"] == pytest.approx(2.0)
     line = be.delivery_line(delta)
-    assert "0.100 ms of ProbeX hooks per step (layout 0.020, stage 0.040)" in line and "2 dropped" in line
+    assert "0.100 ms of ProbeX hooks per step (layout 0.020, stage 0.040, handoff 0.010)" in line
     assert be.delivery_delta(None, after) == {}
+    # a worker from before the split reports the hook only
+    old = {"engine_thread": {"steps": 10, "hook_s": 0.001}}
+    assert be.delivery_delta(old, {"engine_thread": {"steps": 20, "hook_s": 0.002}})["engine_thread"] == \
+        pytest.approx({"steps": 10, "hook_mean_ms": 0.1})
 
 
 def test_problems_are_flagged():
