@@ -11,9 +11,16 @@ order.
 The wait must not compete with the engine thread for the GIL. `Event.query()` holds the
 GIL, so polling it (even with sleeps between polls) wakes the thread thousands of times a
 second and each wake-up takes the GIL from the engine loop — measured on the H200 as a few
-percent of decode speed at batch 8. `Event.synchronize()` releases the GIL, and events
-created with `blocking=True` make the driver put the waiting thread to sleep instead of
-spinning: one GIL acquisition per step, after the scores have landed.
+percent of decode speed at batch 8. Waiting in the driver (`cuEventSynchronize`) releases
+the GIL, and events created with CU_EVENT_BLOCKING_SYNC put the waiting thread to sleep
+instead of spinning: one GIL acquisition per step, after the scores have landed.
+
+The copies and the event go to the CUDA driver directly (`_CudaDriver`), not through
+torch: on the H200 host the engine thread spent two thirds of its hook in these calls,
+73-81 µs per step through torch (two `copy_`, one `Event.record`), which releases the GIL
+around every call and so lets vLLM's own I/O threads in halfway through the hook. Called
+through ctypes' PyDLL they keep the GIL for the microseconds they take. (Made after that
+measurement; not yet measured on the GPU itself.)
 
 Staging buffers come from a fixed pool, so nothing is allocated per step. If every
 buffer is still in use (the background thread fell `depth` steps behind), `submit`
@@ -25,6 +32,7 @@ keeps the engine-facing behaviour identical to the GPU path (and tested).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
@@ -37,6 +45,74 @@ import torch
 
 log = logging.getLogger("probex.transfer")
 
+class _CudaDriver:
+    """The per-step CUDA calls of the hand-off, made on the driver API through ctypes.
+
+    `lib` issues the engine thread's calls (copy, event record) holding the GIL: each
+    returns in microseconds, and releasing the GIL around it, as ctypes.CDLL and torch do,
+    lets other Python threads in the engine process in between. `waiting` waits for an
+    event with the GIL released, for the transfer thread.
+    """
+
+    CU_EVENT_BLOCKING_SYNC = 0x1  # the waiter sleeps in the driver instead of spinning
+    CU_EVENT_DISABLE_TIMING = 0x2
+
+    def __init__(self) -> None:
+        """On the engine thread, where torch has made the device's context current."""
+        self.lib = ctypes.PyDLL("libcuda.so.1")
+        self.waiting = ctypes.CDLL("libcuda.so.1")
+        for fn, argtypes in ((self.lib.cuMemcpyDtoHAsync_v2, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
+                             (self.lib.cuEventRecord, [ctypes.c_void_p, ctypes.c_void_p]),
+                             (self.lib.cuEventCreate, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+                             (self.lib.cuCtxGetCurrent, [ctypes.POINTER(ctypes.c_void_p)]),
+                             (self.lib.cuCtxSetCurrent, [ctypes.c_void_p]),
+                             (self.waiting.cuEventSynchronize, [ctypes.c_void_p])):
+            fn.argtypes = argtypes
+        torch.cuda.current_stream().synchronize()  # the context exists and is current on this thread
+        self.context = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(self.context)), "cuCtxGetCurrent")
+        if not self.context.value:
+            raise RuntimeError("probex: no CUDA context is current on the engine thread")
+
+    def bind_thread(self) -> None:
+        """Make the engine's context current on the calling (transfer) thread."""
+        self.check(self.lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def check(self, result: int, what: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"probex: {what} failed with CUDA driver error {result}")
+
+    def event(self) -> ctypes.c_void_p:
+        handle = ctypes.c_void_p()
+        self.check(self.lib.cuEventCreate(ctypes.byref(handle), self.CU_EVENT_BLOCKING_SYNC | self.CU_EVENT_DISABLE_TIMING),
+                   "cuEventCreate")
+        return handle
+
+    def current_stream(self) -> int:
+        """The stream the forward was just enqueued on (the copies must queue behind it)."""
+        return torch.cuda.current_stream().cuda_stream
+
+    def copy_to_host(self, host_ptr: int, device_ptr: int, nbytes: int, stream: int) -> None:
+        self.check(self.lib.cuMemcpyDtoHAsync_v2(host_ptr, device_ptr, nbytes, stream), "cuMemcpyDtoHAsync")
+
+    def record(self, event: ctypes.c_void_p, stream: int) -> None:
+        self.check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
+
+    def synchronize(self, event: ctypes.c_void_p) -> None:
+        self.check(self.waiting.cuEventSynchronize(event), "cuEventSynchronize")
+
+
+class _DeviceEvent:
+    """A slot's CUDA event as the transfer thread sees it: something to wait for."""
+
+    def __init__(self, driver: _CudaDriver) -> None:
+        self.driver = driver
+        self.handle = driver.event()
+
+    def synchronize(self) -> None:
+        self.driver.synchronize(self.handle)  # releases the GIL while it waits
+
+
 @dataclass
 class StagedStep:
     """One step's scores on their way to the host, plus whatever the consumer needs with them."""
@@ -44,7 +120,7 @@ class StagedStep:
     rows: int
     context: Any
     _slot: "_StagingSlot"
-    _ready: torch.cuda.Event | None
+    _ready: _DeviceEvent | None
     submitted: float = 0.0  # time.perf_counter() on the engine thread
 
     def scores(self) -> dict[int, np.ndarray]:
@@ -53,14 +129,16 @@ class StagedStep:
 
 
 class _StagingSlot:
-    def __init__(self, sources: dict[int, torch.Tensor], pin: bool) -> None:
+    def __init__(self, sources: dict[int, torch.Tensor], driver: _CudaDriver | None, pin: bool) -> None:
+        # Pinned: the device writes into them by DMA, and an asynchronous copy needs that.
         self.buffers = {
             layer: torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             for layer, src in sources.items()
         }
+        self.host_ptrs = {layer: buf.data_ptr() for layer, buf in self.buffers.items()}
         # One event per slot, re-recorded each use: creating a CUDA event every step costs
-        # engine-thread time for nothing. blocking=True: the waiter sleeps, it does not spin.
-        self.ready = torch.cuda.Event(blocking=True) if pin else None
+        # engine-thread time for nothing.
+        self.ready = _DeviceEvent(driver) if driver is not None else None
 
 
 class ScoreTransfer:
@@ -76,17 +154,25 @@ class ScoreTransfer:
         consume: Callable[[StagedStep], None],
         depth: int = 8,
         threaded: bool = True,
+        driver: _CudaDriver | None = None,
     ) -> None:
+        """`driver`: the CUDA calls (tests pass a recording stand-in); made from libcuda when
+        the sources are on a CUDA device."""
         if depth < 1:
             raise ValueError("ScoreTransfer needs at least one staging buffer")
         self._sources = sources
         self._consume = consume
         device = next(iter(sources.values())).device if sources else torch.device("cpu")
         self._cuda = device.type == "cuda"
+        self._driver = driver if driver is not None else (_CudaDriver() if self._cuda else None)
+        if self._driver is not None and any(s.dtype != torch.float32 or not s.is_contiguous() for s in sources.values()):
+            raise ValueError("score buffers must be contiguous float32 tensors (a step's rows are copied as one block)")
+        # (address, bytes per row) of each source: fixed, the buffers are static
+        self._device_rows = {layer: (src.data_ptr(), src.stride(0) * src.element_size()) for layer, src in sources.items()}
         self.depth = depth
         self._free: queue.Queue[_StagingSlot] = queue.Queue()
         for _ in range(depth):
-            self._free.put(_StagingSlot(sources, pin=self._cuda))
+            self._free.put(_StagingSlot(sources, self._driver, pin=self._cuda))
         self._work: queue.Queue[StagedStep | None] = queue.Queue()
         self._threaded = threaded
         self._thread: threading.Thread | None = None
@@ -113,11 +199,17 @@ class ScoreTransfer:
                             " thread (%d times so far)", self.depth, self.waits_for_staging)
             slot = self._free.get()
         staging = time.perf_counter()
-        for layer, src in self._sources.items():
-            slot.buffers[layer][:rows].copy_(src[:rows], non_blocking=self._cuda)
         ready = slot.ready
         if ready is not None:
-            ready.record()
+            driver = ready.driver
+            stream = driver.current_stream()
+            if rows:
+                for layer, (device_ptr, row_bytes) in self._device_rows.items():
+                    driver.copy_to_host(slot.host_ptrs[layer], device_ptr, rows * row_bytes, stream)
+            driver.record(ready.handle, stream)
+        else:
+            for layer, src in self._sources.items():
+                slot.buffers[layer][:rows].copy_(src[:rows])
         staged = time.perf_counter()
         step = StagedStep(rows=rows, context=context, _slot=slot, _ready=ready, submitted=staged)
         if self._threaded:
@@ -144,6 +236,8 @@ class ScoreTransfer:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        if self._driver is not None:
+            self._driver.bind_thread()
         while True:
             step = self._work.get()
             try:

@@ -176,3 +176,75 @@ def test_engine_waits_for_a_staging_buffer_instead_of_dropping_steps():
     assert stats["steps"] == 3 and stats["waits_for_staging"] == 1
     assert stats["consume_max_s"] >= 0.25  # the first consume was held ~0.3 s
     transfer.close()
+
+
+class RecordingDriver:
+    """Stands in for the CUDA driver on the CPU: the copies are real memmoves between host
+    addresses, so the consumer sees what a device copy would have delivered."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.events = 0
+
+    def event(self):
+        self.events += 1
+        return f"event-{self.events}"
+
+    def current_stream(self) -> int:
+        return 7
+
+    def bind_thread(self) -> None:
+        self.calls.append(("bind", threading.current_thread().name))
+
+    def copy_to_host(self, host_ptr, device_ptr, nbytes, stream) -> None:
+        import ctypes
+
+        ctypes.memmove(host_ptr, device_ptr, nbytes)
+        self.calls.append(("copy", device_ptr, nbytes, stream))
+
+    def record(self, event, stream) -> None:
+        self.calls.append(("record", event, stream))
+
+    def synchronize(self, event) -> None:
+        self.calls.append(("wait", event))
+
+
+def test_on_a_device_each_step_is_one_driver_copy_per_layer_then_one_event_the_consumer_waits_for():
+    sources = {1: torch.zeros(8, 3), 4: torch.zeros(8, 3)}
+    driver = RecordingDriver()
+    seen = []
+    transfer = ScoreTransfer(sources, lambda step: seen.append({l: a.tolist() for l, a in step.scores().items()}),
+                             depth=2, threaded=False, driver=driver)
+    assert driver.events == 2  # one event per staging slot, made once
+    sources[1][:2] = torch.tensor([[1.0, 2, 3], [4, 5, 6]])
+    sources[4][:2] = -sources[1][:2]
+    transfer.submit(2, None)
+    row_bytes = 3 * 4
+    assert driver.calls == [("copy", sources[1].data_ptr(), 2 * row_bytes, 7),
+                            ("copy", sources[4].data_ptr(), 2 * row_bytes, 7),
+                            ("record", "event-1", 7), ("wait", "event-1")]
+    assert seen == [{1: [[1.0, 2, 3], [4, 5, 6]], 4: [[-1.0, -2, -3], [-4, -5, -6]]}]
+    driver.calls.clear()
+    transfer.submit(0, None)  # a step without rows (requests ending) copies nothing but is still ordered
+    assert driver.calls == [("record", "event-2", 7), ("wait", "event-2")]
+    assert transfer.stage_s > 0
+
+
+def test_a_score_buffer_that_is_not_one_float32_block_is_refused_when_copied_by_the_driver():
+    with pytest.raises(ValueError, match="contiguous float32"):
+        ScoreTransfer({0: torch.zeros(4, 2).t()}, lambda step: None, threaded=False, driver=RecordingDriver())
+    with pytest.raises(ValueError, match="contiguous float32"):
+        ScoreTransfer({0: torch.zeros(4, 2, dtype=torch.float64)}, lambda step: None, threaded=False,
+                      driver=RecordingDriver())
+
+
+def test_the_transfer_thread_binds_the_engine_context_before_its_first_wait():
+    source = torch.zeros(4, 1)
+    driver = RecordingDriver()
+    transfer = ScoreTransfer({0: source}, lambda step: None, depth=1, driver=driver)
+    transfer.submit(1, None)
+    assert transfer.flush()
+    transfer.close()
+    kinds = [c[0] for c in driver.calls]
+    assert sorted(kinds) == ["bind", "copy", "record", "wait"]
+    assert ("bind", "probex-score-transfer") in driver.calls and kinds.index("bind") < kinds.index("wait")
