@@ -168,9 +168,13 @@ def run_mode(runner: str, mode: str, model: Path, probes: list[Path], vector: Pa
 
 def run_engine(label: str, port: int, env: dict[str, str], extra: list[str], model: Path, probes: list[Path],
                vector: Path, out: Path, settings: SharedSettings, measures: bool, attention_backend: str,
-               parallel: bool, timing: bool = False) -> dict:
+               parallel: bool, timing: bool = False, capture_variants: tuple[str, ...] = ()) -> dict:
     """One `probex worker` with probes a10/c20 and the steering vector: the five variants of every prompt in
-    one batch (and, with `timing`, 8 x 128 tokens with the op idle vs every row steered)."""
+    one batch (and, with `timing`, 8 x 128 tokens with the op idle vs every row steered).
+
+    `capture_variants`: those variants' requests also capture their prompt rows, and the gate
+    probe's raw score on every prompt row is recorded (`gate_prompt_rows`): the gate decides
+    prompt rows too, and their scores are not otherwise delivered."""
     capture = out / f"capture-{label}"
     log_path = out / f"worker-{label}.log"
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model), "--port", str(port),
@@ -190,7 +194,8 @@ def run_engine(label: str, port: int, env: dict[str, str], extra: list[str], mod
             values = settings.wait()
         load_probes(url, probes)  # the re-biased gate probe, swapped in live
         alpha = values["alpha"]
-        bodies = [body(str(model), p, max_tokens_for(i), xargs_for(v, alpha))
+        bodies = [body(str(model), p, max_tokens_for(i),
+                       dict(xargs_for(v, alpha), **({"probex_capture": True} if v in capture_variants else {})))
                   for v in VARIANTS for i, p in enumerate(PROMPTS)]
         responses = asyncio.run(post_all(url, bodies))
         timings = None
@@ -202,8 +207,30 @@ def run_engine(label: str, port: int, env: dict[str, str], extra: list[str], mod
     graph_lines = [l[-200:] for l in text.splitlines() if any(re.search(p, l) for p in GRAPH_LOG_PATTERNS)]
     n = len(PROMPTS)
     by_variant = {v: responses[k * n:(k + 1) * n] for k, v in enumerate(VARIANTS)}
-    return {"settings": values, "ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:6], "timing": timings,
-            "responses": {v: [strip(r) for r in rs] for v, rs in by_variant.items()}}
+    result = {"settings": values, "ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:6], "timing": timings,
+              "responses": {v: [strip(r) for r in rs] for v, rs in by_variant.items()}}
+    if capture_variants:
+        result["gate_prompt_rows"] = gate_prompt_rows(capture, probes[0], {v: by_variant[v] for v in capture_variants})
+    return result
+
+
+def gate_prompt_rows(capture: Path, gate_probe: Path, responses: dict[str, list[dict]]) -> dict:
+    """The gate probe's raw score on every captured prompt row of each response, and the raw
+    threshold the gate compares it with."""
+    from safetensors.numpy import load_file
+
+    from engine_worker.steering import raw_threshold
+    from probes.artifact import load_probe
+
+    probe = load_probe(gate_probe)
+    raw = {}
+    for variant, rs in responses.items():
+        raw[variant] = []
+        for r in rs:
+            (path,) = capture.glob(f"{r['id']}-*.safetensors")
+            rows = load_file(str(path))[f"layer_{probe.layer}"].astype(np.float64)
+            raw[variant].append((rows @ probe.weight.astype(np.float64) + probe.bias).tolist())
+    return {"threshold_raw": raw_threshold(GATE_THRESHOLD, probe.slope, probe.intercept), "raw": raw}
 
 
 def strip(response: dict) -> dict:

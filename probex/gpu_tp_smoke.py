@@ -15,7 +15,10 @@ Each engine answers the steering smoke's batch (`probex.gpu_steer_smoke`: 8 prom
 alpha 0, steered, gated, generation-only, one batch) with probes at layers 10 and 20 and the
 steering vector at layer 10; the steering strength and gate bias are measured once, by `v2-tp1`.
 TP=2 is then compared with TP=1 per runner: tokens, prompt scores, generated scores up to the
-first token where the two runs part (bf16 all-reduce sums in another order than one GPU's GEMM).
+first token where the two runs part (bf16 all-reduce sums in another order than one GPU's GEMM),
+and where they part, how near a tie each run was (top-2 logprob gap) and whether the gate
+decided a generated token differently. The gated requests also capture their prompt rows at
+the gate's layer, so the gate's decision on every prompt row is compared too.
 
     python3 -m probex.gpu_tp_smoke --skeleton .gpukit/model --out "$OUT"
 """
@@ -96,6 +99,24 @@ def parting(prompt: int, token: int, a: dict, b: dict) -> dict:
             "closest_gate_score_to_threshold": min((abs(x - GATE_THRESHOLD) for x in ga), default=None)}
 
 
+def gate_row_flips(one: dict, two: dict, variant: str = "gated") -> dict | None:
+    """Prompt rows the gate decided differently in two runs (from `gate_prompt_rows`): each
+    with both raw scores, against how far the two runs' raw scores are apart anywhere."""
+    if "gate_prompt_rows" not in one or "gate_prompt_rows" not in two:
+        return None
+    threshold = one["gate_prompt_rows"]["threshold_raw"]
+    flips, largest_difference, closest = [], 0.0, float("inf")
+    for prompt, (a, b) in enumerate(zip(one["gate_prompt_rows"]["raw"][variant], two["gate_prompt_rows"]["raw"][variant])):
+        for row, (x, y) in enumerate(zip(a, b)):
+            largest_difference = max(largest_difference, abs(x - y))
+            closest = min(closest, abs(x - threshold))
+            if (x > threshold) != (y > threshold):
+                flips.append({"prompt": prompt, "row": row, "raw": [x, y]})
+    return {"threshold_raw": threshold, "rows_decided_differently": flips,
+            "prompts_with_a_flip": sorted({f["prompt"] for f in flips}),
+            "largest_raw_difference": largest_difference, "closest_row_to_threshold": closest}
+
+
 def compare_tp(one: dict, two: dict) -> dict:
     """TP=1 vs TP=2 per variant: tokens, prompt scores (all read points), generated scores up to divergence."""
     out = {}
@@ -124,6 +145,9 @@ def compare_tp(one: dict, two: dict) -> dict:
             # the scale the differences are small against: spread of last-prompt raw scores
             "prompt_last_raw_std": float(np.std(spread)),
         }
+    flips = gate_row_flips(one, two)
+    if flips is not None:
+        out["gated"]["gate_prompt_rows"] = flips
     return out
 
 
@@ -165,7 +189,7 @@ def main() -> None:
         extra = [*extra, "--dtype", args.dtype] if args.dtype else extra
         result = run_engine(label, port, env, ["--tensor-parallel-size", str(tp), *extra], model, probes, vector,
                             args.out, settings, measures=label == labels[0],
-                            attention_backend=args.attention_backend, parallel=True)
+                            attention_backend=args.attention_backend, parallel=True, capture_variants=("gated",))
         result["log"] = log_facts(args.out / f"worker-{label}.log")
         return result
 
@@ -211,6 +235,12 @@ def report(result: dict) -> None:
                 gaps = ", ".join("n/a" if g is None else f"{g:.2e}" for g in p["top2_gap"])
                 print(f"{'':37} prompt {p['prompt']} parts at token {p['token']}: top-2 logprob gap {gaps};"
                       f" gate decisions differ at {p['gate_decisions_differ_at']}")
+            rows = c.get("gate_prompt_rows")
+            if rows:
+                print(f"{'':37} prompt rows the gate decided differently: {len(rows['rows_decided_differently'])}"
+                      f" (prompts {rows['prompts_with_a_flip']}), raw scores at most"
+                      f" {rows['largest_raw_difference']:.2e} apart; closest row to the threshold"
+                      f" {rows['closest_row_to_threshold']:.2e}")
     if "versions" in result:
         print(result["versions"])
 

@@ -1,0 +1,33 @@
+"""The GPU smokes' analysis runs on the CPU too (`--reanalyze`); its comparisons are checked here on made-up runs."""
+
+from __future__ import annotations
+
+from probex.gpu_tp_smoke import compare_tp, gate_row_flips
+
+
+def run(tokens, a10_generated, gate_rows=None, gap=None):
+    response = {"tokens": tokens, "top2_gap": gap or [1.0] * len(tokens),
+                "scores": {"a10": {"prompt": {"last_raw": 0.5, "mean": 0.1, "max": 1.0}, "generated": a10_generated}}}
+    out = {"responses": {v: [response] for v in ("plain", "zero", "steered", "gated", "generation")}}
+    if gate_rows is not None:
+        out["gate_prompt_rows"] = {"threshold_raw": 0.0, "raw": {"gated": [gate_rows]}}
+    return out
+
+
+def test_a_prompt_row_on_the_other_side_of_the_gate_threshold_is_named():
+    one = run([1, 2, 3], [0.9, 0.1, 0.9], gate_rows=[-2.0, 0.004, 3.0])
+    two = run([1, 2, 4], [0.9, 0.1, 0.9], gate_rows=[-2.01, -0.003, 3.01], gap=[1.0, 1.0, 0.02])
+    flips = gate_row_flips(one, two)
+    assert flips["rows_decided_differently"] == [{"prompt": 0, "row": 1, "raw": [0.004, -0.003]}]
+    assert flips["prompts_with_a_flip"] == [0] and abs(flips["largest_raw_difference"] - 0.01) < 1e-12
+    gated = compare_tp(one, two)["gated"]
+    assert gated["gate_prompt_rows"] == flips
+    # where the tokens part, and that no generated-token gate decision differed up to there
+    (parting,) = gated["partings"]
+    assert parting["token"] == 2 and parting["top2_gap"] == [1.0, 0.02] and parting["gate_decisions_differ_at"] == []
+
+
+def test_runs_without_captured_rows_are_compared_without_them():
+    one, two = run([1, 2], [0.9, 0.1]), run([1, 2], [0.9, 0.1])
+    assert gate_row_flips(one, two) is None
+    assert "gate_prompt_rows" not in compare_tp(one, two)["gated"]
