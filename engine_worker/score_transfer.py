@@ -50,7 +50,8 @@ class _CudaDriver:
 
     `lib` issues the engine thread's calls (copy, event record) holding the GIL: each
     returns in microseconds, and releasing the GIL around it, as ctypes.CDLL and torch do,
-    lets other Python threads in the engine process in between. `waiting` waits for an
+    lets other Python threads in the engine process in between. (Only a full CUDA launch
+    queue could make one block, with the GIL held; vLLM keeps a step or two in flight.) `waiting` waits for an
     event with the GIL released, for the transfer thread.
     """
 
