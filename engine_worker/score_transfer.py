@@ -45,21 +45,33 @@ import torch
 
 log = logging.getLogger("probex.transfer")
 
+@dataclass(frozen=True)
+class _LayerCopy:
+    """One tapped layer's rows, device buffer -> a slot's pinned buffer: tensors and raw addresses."""
+
+    source: torch.Tensor
+    target: torch.Tensor
+    source_ptr: int
+    target_ptr: int
+    row_bytes: int
+
+
 class _CudaDriver:
     """The per-step CUDA calls of the hand-off, made on the driver API through ctypes.
 
     `lib` issues the engine thread's calls (copy, event record) holding the GIL: each
     returns in microseconds, and releasing the GIL around it, as ctypes.CDLL and torch do,
     lets other Python threads in the engine process in between. (Only a full CUDA launch
-    queue could make one block, with the GIL held; vLLM keeps a step or two in flight.) `waiting` waits for an
-    event with the GIL released, for the transfer thread.
+    queue could make one block, with the GIL held; vLLM keeps a step or two in flight.)
+    `waiting` waits for an event with the GIL released, for the transfer thread.
     """
 
     CU_EVENT_BLOCKING_SYNC = 0x1  # the waiter sleeps in the driver instead of spinning
     CU_EVENT_DISABLE_TIMING = 0x2
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         """On the engine thread, where torch has made the device's context current."""
+        self.device = device
         self.lib = ctypes.PyDLL("libcuda.so.1")
         self.waiting = ctypes.CDLL("libcuda.so.1")
         for fn, argtypes in ((self.lib.cuMemcpyDtoHAsync_v2, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
@@ -69,11 +81,12 @@ class _CudaDriver:
                              (self.lib.cuCtxSetCurrent, [ctypes.c_void_p]),
                              (self.waiting.cuEventSynchronize, [ctypes.c_void_p])):
             fn.argtypes = argtypes
-        torch.cuda.current_stream().synchronize()  # the context exists and is current on this thread
-        self.context = ctypes.c_void_p()
-        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(self.context)), "cuCtxGetCurrent")
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device).synchronize()  # the device's context exists and is current here
+            self.context = ctypes.c_void_p()
+            self.check(self.lib.cuCtxGetCurrent(ctypes.byref(self.context)), "cuCtxGetCurrent")
         if not self.context.value:
-            raise RuntimeError("probex: no CUDA context is current on the engine thread")
+            raise RuntimeError(f"probex: no CUDA context is current for {device} on the engine thread")
 
     def bind_thread(self) -> None:
         """Make the engine's context current on the calling (transfer) thread."""
@@ -91,10 +104,11 @@ class _CudaDriver:
 
     def current_stream(self) -> int:
         """The stream the forward was just enqueued on (the copies must queue behind it)."""
-        return torch.cuda.current_stream().cuda_stream
+        return torch.cuda.current_stream(self.device).cuda_stream
 
-    def copy_to_host(self, host_ptr: int, device_ptr: int, nbytes: int, stream: int) -> None:
-        self.check(self.lib.cuMemcpyDtoHAsync_v2(host_ptr, device_ptr, nbytes, stream), "cuMemcpyDtoHAsync")
+    def copy_rows(self, copy: _LayerCopy, rows: int, stream: int) -> None:
+        self.check(self.lib.cuMemcpyDtoHAsync_v2(copy.target_ptr, copy.source_ptr, rows * copy.row_bytes, stream),
+                   "cuMemcpyDtoHAsync")
 
     def record(self, event: ctypes.c_void_p, stream: int) -> None:
         self.check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
@@ -103,10 +117,44 @@ class _CudaDriver:
         self.check(self.waiting.cuEventSynchronize(event), "cuEventSynchronize")
 
 
+class _TorchCopies:
+    """The same calls through torch, for a CUDA-type device without libcuda.so.1 (ROCm's HIP
+    builds report their GPUs as "cuda"): correct, with torch's per-call cost."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def bind_thread(self) -> None:
+        pass
+
+    def event(self) -> torch.cuda.Event:
+        return torch.cuda.Event(blocking=True)  # the waiter sleeps instead of spinning
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def copy_rows(self, copy: _LayerCopy, rows: int, stream) -> None:
+        copy.target[:rows].copy_(copy.source[:rows], non_blocking=True)
+
+    def record(self, event: torch.cuda.Event, stream) -> None:
+        event.record(stream)
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()  # releases the GIL while it waits
+
+
+def _device_calls(device: torch.device):
+    try:
+        return _CudaDriver(device)
+    except OSError as exc:  # no libcuda.so.1
+        log.warning("probex: CUDA driver library not loadable (%s); copying scores through torch", exc)
+        return _TorchCopies(device)
+
+
 class _DeviceEvent:
     """A slot's CUDA event as the transfer thread sees it: something to wait for."""
 
-    def __init__(self, driver: _CudaDriver) -> None:
+    def __init__(self, driver) -> None:
         self.driver = driver
         self.handle = driver.event()
 
@@ -130,13 +178,14 @@ class StagedStep:
 
 
 class _StagingSlot:
-    def __init__(self, sources: dict[int, torch.Tensor], driver: _CudaDriver | None, pin: bool) -> None:
+    def __init__(self, sources: dict[int, torch.Tensor], driver, pin: bool) -> None:
         # Pinned: the device writes into them by DMA, and an asynchronous copy needs that.
         self.buffers = {
             layer: torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             for layer, src in sources.items()
         }
-        self.host_ptrs = {layer: buf.data_ptr() for layer, buf in self.buffers.items()}
+        self.copies = [_LayerCopy(src, self.buffers[layer], src.data_ptr(), self.buffers[layer].data_ptr(),
+                                  src.stride(0) * src.element_size()) for layer, src in sources.items()]
         # One event per slot, re-recorded each use: creating a CUDA event every step costs
         # engine-thread time for nothing.
         self.ready = _DeviceEvent(driver) if driver is not None else None
@@ -155,21 +204,20 @@ class ScoreTransfer:
         consume: Callable[[StagedStep], None],
         depth: int = 8,
         threaded: bool = True,
-        driver: _CudaDriver | None = None,
+        driver=None,
     ) -> None:
-        """`driver`: the CUDA calls (tests pass a recording stand-in); made from libcuda when
-        the sources are on a CUDA device."""
+        """`driver`: the device calls (tests pass a recording stand-in); made from libcuda
+        when the sources are on a CUDA device."""
         if depth < 1:
             raise ValueError("ScoreTransfer needs at least one staging buffer")
-        self._sources = sources
         self._consume = consume
         device = next(iter(sources.values())).device if sources else torch.device("cpu")
         self._cuda = device.type == "cuda"
-        self._driver = driver if driver is not None else (_CudaDriver() if self._cuda else None)
-        if self._driver is not None and any(s.dtype != torch.float32 or not s.is_contiguous() for s in sources.values()):
+        if any(s.dtype != torch.float32 or not s.is_contiguous() for s in sources.values()):
             raise ValueError("score buffers must be contiguous float32 tensors (a step's rows are copied as one block)")
-        # (address, bytes per row) of each source: fixed, the buffers are static
-        self._device_rows = {layer: (src.data_ptr(), src.stride(0) * src.element_size()) for layer, src in sources.items()}
+        self.max_rows = min((s.shape[0] for s in sources.values()), default=0)
+        self._driver = driver if driver is not None else (_device_calls(device) if self._cuda else None)
+        self._failed: BaseException | None = None  # the transfer thread could not start
         self.depth = depth
         self._free: queue.Queue[_StagingSlot] = queue.Queue()
         for _ in range(depth):
@@ -190,6 +238,10 @@ class ScoreTransfer:
 
     def submit(self, rows: int, context: Any) -> None:
         """Called on the engine thread right after the forward was enqueued."""
+        if self._failed is not None:
+            raise RuntimeError(f"probex: the score transfer thread failed to start: {self._failed}")
+        if not 0 <= rows <= self.max_rows:
+            raise ValueError(f"a step of {rows} rows does not fit the {self.max_rows}-row score buffers")
         started = time.perf_counter()
         try:
             slot = self._free.get_nowait()
@@ -201,16 +253,20 @@ class ScoreTransfer:
             slot = self._free.get()
         staging = time.perf_counter()
         ready = slot.ready
-        if ready is not None:
-            driver = ready.driver
-            stream = driver.current_stream()
-            if rows:
-                for layer, (device_ptr, row_bytes) in self._device_rows.items():
-                    driver.copy_to_host(slot.host_ptrs[layer], device_ptr, rows * row_bytes, stream)
-            driver.record(ready.handle, stream)
-        else:
-            for layer, src in self._sources.items():
-                slot.buffers[layer][:rows].copy_(src[:rows])
+        try:
+            if ready is not None:
+                driver = ready.driver
+                stream = driver.current_stream()
+                if rows:
+                    for copy in slot.copies:
+                        driver.copy_rows(copy, rows, stream)
+                driver.record(ready.handle, stream)
+            else:
+                for copy in slot.copies:
+                    copy.target[:rows].copy_(copy.source[:rows])
+        except BaseException:
+            self._free.put(slot)  # the step is lost, its buffer is not
+            raise
         staged = time.perf_counter()
         step = StagedStep(rows=rows, context=context, _slot=slot, _ready=ready, submitted=staged)
         if self._threaded:
@@ -238,7 +294,12 @@ class ScoreTransfer:
 
     def _run(self) -> None:
         if self._driver is not None:
-            self._driver.bind_thread()
+            try:
+                self._driver.bind_thread()
+            except Exception as exc:  # without the context no step can be waited for: say so at the next submit
+                self._failed = exc
+                log.exception("probex: the score transfer thread cannot use the engine's CUDA context")
+                return
         while True:
             step = self._work.get()
             try:

@@ -71,8 +71,10 @@ def _remember_scheduler_output(execute_model):
                 controller = controller_of(self)
                 finished = list(scheduler_output.finished_req_ids or ())
                 if controller is not None and finished:
+                    started = time.perf_counter()
                     _forget(self, finished)
                     controller.after_idle_step(finished)
+                    controller.engine_thread_s += time.perf_counter() - started
 
     return wrapper
 

@@ -871,10 +871,15 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
                                 "hook_mean_ms": (e1["hook_s"] - e0["hook_s"]) / engine_steps * 1e3}
         # Where the hook's time goes: reading the layout (the runner adapter), enqueueing the
         # copies and the event (`stage`) and handing the step to the transfer thread.
+        # The rest (`other`) is steering and capture staging and the adapters' own lines. Steps
+        # that only end requests (no forward) add to the parts but not to the step count.
         parts = {"layout": (e0, e1, "layout_s"), "stage": (t0, t1, "stage_s"), "handoff": (t0, t1, "handoff_s")}
+        measured = out["engine_thread"]
         for part, (start, end, key) in parts.items():
             if key in start and key in end:
-                out["engine_thread"][f"{part}_mean_ms"] = (end[key] - start[key]) / engine_steps * 1e3
+                measured[f"{part}_mean_ms"] = (end[key] - start[key]) / engine_steps * 1e3
+        if all(f"{part}_mean_ms" in measured for part in parts):
+            measured["other_mean_ms"] = measured["hook_mean_ms"] - sum(measured[f"{p}_mean_ms"] for p in parts)
     w0, w1 = before.get("score_waits") or {}, after.get("score_waits") or {}
     for kind, end in w1.items():
         start = w0.get(kind, {})
@@ -894,7 +899,8 @@ def delivery_line(delivery: dict[str, Any]) -> str:
     parts = []
     if "engine_thread" in delivery:
         e = delivery["engine_thread"]
-        split = ", ".join(f"{k[:-8]} {e[k]:.3f}" for k in ("layout_mean_ms", "stage_mean_ms", "handoff_mean_ms") if k in e)
+        split = ", ".join(f"{k[:-8]} {e[k]:.3f}" for k in ("layout_mean_ms", "stage_mean_ms", "handoff_mean_ms",
+                                                            "other_mean_ms") if k in e)
         parts.append(f"engine thread: {e['hook_mean_ms']:.3f} ms of ProbeX hooks per step" + (f" ({split})" if split else ""))
     if "transfer" in delivery:
         t = delivery["transfer"]

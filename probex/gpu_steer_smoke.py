@@ -216,7 +216,9 @@ def run_engine(label: str, port: int, env: dict[str, str], extra: list[str], mod
 
 def gate_prompt_rows(capture: Path, gate_probe: Path, responses: dict[str, list[dict]]) -> dict:
     """The gate probe's raw score on every captured prompt row of each response, and the raw
-    threshold the gate compares it with."""
+    threshold the gate compares it with. Recomputed here in float32 from the captured rows:
+    the device's own matmul may round differently, so a row within ~1e-4 of the threshold
+    may have been decided the other way there."""
     from safetensors.numpy import load_file
 
     from engine_worker.steering import raw_threshold
@@ -228,8 +230,8 @@ def gate_prompt_rows(capture: Path, gate_probe: Path, responses: dict[str, list[
         raw[variant] = []
         for r in rs:
             (path,) = capture.glob(f"{r['id']}-*.safetensors")
-            rows = load_file(str(path))[f"layer_{probe.layer}"].astype(np.float64)
-            raw[variant].append((rows @ probe.weight.astype(np.float64) + probe.bias).tolist())
+            rows = load_file(str(path))[f"layer_{probe.layer}"].astype(np.float32)
+            raw[variant].append((rows @ probe.weight.astype(np.float32) + np.float32(probe.bias)).tolist())
     return {"threshold_raw": raw_threshold(GATE_THRESHOLD, probe.slope, probe.intercept), "raw": raw}
 
 

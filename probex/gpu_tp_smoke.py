@@ -18,7 +18,9 @@ TP=2 is then compared with TP=1 per runner: tokens, prompt scores, generated sco
 first token where the two runs part (bf16 all-reduce sums in another order than one GPU's GEMM),
 and where they part, how near a tie each run was (top-2 logprob gap) and whether the gate
 decided a generated token differently. The gated requests also capture their prompt rows at
-the gate's layer, so the gate's decision on every prompt row is compared too.
+the gate's layer, and the gate probe's score on every prompt row, recomputed from them, is
+compared across the two runs (rows within ~1e-4 of the threshold may have gone the other way
+on the device).
 
     python3 -m probex.gpu_tp_smoke --skeleton .gpukit/model --out "$OUT"
 """
@@ -96,7 +98,7 @@ def parting(prompt: int, token: int, a: dict, b: dict) -> dict:
     return {"prompt": prompt, "token": token, "top2_gap": [gap(a), gap(b)],
             "gate_decisions_differ_at": [j for j, (x, y) in enumerate(zip(ga, gb))
                                          if (x > GATE_THRESHOLD) != (y > GATE_THRESHOLD)],
-            "closest_gate_score_to_threshold": min((abs(x - GATE_THRESHOLD) for x in ga), default=None)}
+            "closest_gate_score_to_threshold": min((abs(x - GATE_THRESHOLD) for x in ga + gb), default=None)}
 
 
 def gate_row_flips(one: dict, two: dict, variant: str = "gated") -> dict | None:
@@ -109,7 +111,7 @@ def gate_row_flips(one: dict, two: dict, variant: str = "gated") -> dict | None:
     for prompt, (a, b) in enumerate(zip(one["gate_prompt_rows"]["raw"][variant], two["gate_prompt_rows"]["raw"][variant])):
         for row, (x, y) in enumerate(zip(a, b)):
             largest_difference = max(largest_difference, abs(x - y))
-            closest = min(closest, abs(x - threshold))
+            closest = min(closest, abs(x - threshold), abs(y - threshold))
             if (x > threshold) != (y > threshold):
                 flips.append({"prompt": prompt, "row": row, "raw": [x, y]})
     return {"threshold_raw": threshold, "rows_decided_differently": flips,

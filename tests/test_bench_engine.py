@@ -371,13 +371,14 @@ def test_delivery_delta_reads_the_worker_and_hub_counters_per_phase():
              "score_waits": {"tokens": {"calls": 15, "waited": 3, "waited_s": 0.006, "max_s": 0.002}}}
     delta = be.delivery_delta(before, after)
     assert delta["engine_thread"] == pytest.approx({"steps": 20, "hook_mean_ms": 0.1, "layout_mean_ms": 0.02,
-                                                    "stage_mean_ms": 0.04, "handoff_mean_ms": 0.01})
+                                                    "stage_mean_ms": 0.04, "handoff_mean_ms": 0.01,
+                                                    "other_mean_ms": 0.03})
     assert delta["transfer"] == pytest.approx({"steps": 20, "landed_mean_ms": 10.0, "consume_mean_ms": 0.1,
                                                "landed_max_ms_so_far": 20.0, "consume_max_ms_so_far": 0.3,
                                                "waits_for_staging": 1})
     assert delta["tokens_waits"]["waited"] == 2 and delta["tokens_waits"]["mean_ms_when_waiting"] == pytest.approx(2.0)
     line = be.delivery_line(delta)
-    assert "0.100 ms of ProbeX hooks per step (layout 0.020, stage 0.040, handoff 0.010)" in line
+    assert "0.100 ms of ProbeX hooks per step (layout 0.020, stage 0.040, handoff 0.010, other 0.030)" in line
     assert be.delivery_delta(None, after) == {}
     # a worker from before the split reports the hook only
     old = {"engine_thread": {"steps": 10, "hook_s": 0.001}}

@@ -196,11 +196,11 @@ class RecordingDriver:
     def bind_thread(self) -> None:
         self.calls.append(("bind", threading.current_thread().name))
 
-    def copy_to_host(self, host_ptr, device_ptr, nbytes, stream) -> None:
+    def copy_rows(self, copy, rows, stream) -> None:
         import ctypes
 
-        ctypes.memmove(host_ptr, device_ptr, nbytes)
-        self.calls.append(("copy", device_ptr, nbytes, stream))
+        ctypes.memmove(copy.target_ptr, copy.source_ptr, rows * copy.row_bytes)
+        self.calls.append(("copy", copy.source_ptr, rows * copy.row_bytes, stream))
 
     def record(self, event, stream) -> None:
         self.calls.append(("record", event, stream))
@@ -228,6 +228,41 @@ def test_on_a_device_each_step_is_one_driver_copy_per_layer_then_one_event_the_c
     transfer.submit(0, None)  # a step without rows (requests ending) copies nothing but is still ordered
     assert driver.calls == [("record", "event-2", 7), ("wait", "event-2")]
     assert transfer.stage_s > 0
+    transfer.submit(1, None)
+    assert driver.events == 2  # the slots' events are reused, never made per step
+    with pytest.raises(ValueError, match="does not fit"):
+        transfer.submit(9, None)  # more rows than the buffers hold: refused, nothing copied past them
+
+
+def test_a_failing_device_call_loses_the_step_but_not_its_staging_buffer():
+    class Failing(RecordingDriver):
+        fail = True
+
+        def record(self, event, stream):
+            if self.fail:
+                raise RuntimeError("probex: cuEventRecord failed with CUDA driver error 700")
+            super().record(event, stream)
+
+    driver = Failing()
+    seen = []
+    transfer = ScoreTransfer({0: torch.zeros(4, 1)}, lambda step: seen.append(step.rows), depth=1, threaded=False,
+                             driver=driver)
+    with pytest.raises(RuntimeError, match="error 700"):
+        transfer.submit(1, None)
+    driver.fail = False
+    transfer.submit(2, None)  # the one buffer is free again: no wait, no hang
+    assert seen == [2] and transfer.waits_for_staging == 0
+
+
+def test_a_transfer_thread_that_cannot_bind_the_context_fails_the_next_step_loudly():
+    class Unbindable(RecordingDriver):
+        def bind_thread(self):
+            raise RuntimeError("probex: cuCtxSetCurrent failed with CUDA driver error 201")
+
+    transfer = ScoreTransfer({0: torch.zeros(4, 1)}, lambda step: None, depth=1, driver=Unbindable())
+    transfer._thread.join(timeout=5)
+    with pytest.raises(RuntimeError, match="failed to start: .*error 201"):
+        transfer.submit(1, None)
 
 
 def test_a_score_buffer_that_is_not_one_float32_block_is_refused_when_copied_by_the_driver():
@@ -248,3 +283,70 @@ def test_the_transfer_thread_binds_the_engine_context_before_its_first_wait():
     kinds = [c[0] for c in driver.calls]
     assert sorted(kinds) == ["bind", "copy", "record", "wait"]
     assert ("bind", "probex-score-transfer") in driver.calls and kinds.index("bind") < kinds.index("wait")
+
+
+class FakeCudaLibrary:
+    """Stands in for libcuda.so.1 as ctypes loads it: records each call and its argtypes."""
+
+    def __init__(self, calls: list) -> None:
+        self._calls = calls
+        self._functions: dict = {}
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._functions:
+            calls = self._calls
+
+            def function(*args):
+                calls.append((name, args))
+                if name in ("cuCtxGetCurrent", "cuEventCreate"):
+                    args[0]._obj.value = 0xC0DE if name == "cuCtxGetCurrent" else 0xE1
+                return 0
+
+            function.argtypes = None
+            self._functions[name] = function
+        return self._functions[name]
+
+
+def test_the_cuda_driver_calls_match_the_driver_api(monkeypatch):
+    import contextlib
+    import ctypes
+
+    from engine_worker import score_transfer
+
+    calls: list = []
+    library = FakeCudaLibrary(calls)
+    monkeypatch.setattr(ctypes, "PyDLL", lambda name: library)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: library)
+    stream = type("Stream", (), {"cuda_stream": 99, "synchronize": lambda self: None})()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    driver = score_transfer._CudaDriver(torch.device("cuda", 0))
+    assert library.cuMemcpyDtoHAsync_v2.argtypes == [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    assert library.cuEventRecord.argtypes == [ctypes.c_void_p, ctypes.c_void_p]
+    event = driver.event()
+    assert event.value == 0xE1 and calls[-1][1][1] == 3  # blocking sync, no timing
+    source, target = torch.zeros(8, 4), torch.zeros(8, 4)
+    copy = score_transfer._LayerCopy(source, target, 0x1000, 0x2000, 16)
+    driver.copy_rows(copy, 3, driver.current_stream())
+    assert calls[-1] == ("cuMemcpyDtoHAsync_v2", (0x2000, 0x1000, 48, 99))
+    driver.record(event, 99)
+    assert calls[-1] == ("cuEventRecord", (event, 99))
+    driver.bind_thread()
+    assert calls[-1][0] == "cuCtxSetCurrent" and calls[-1][1][0].value == 0xC0DE
+    monkeypatch.setattr(library, "cuEventSynchronize", lambda event: 700, raising=False)  # an error code
+    with pytest.raises(RuntimeError, match="cuEventSynchronize failed with CUDA driver error 700"):
+        driver.synchronize(event)
+
+
+def test_without_the_cuda_driver_library_scores_are_copied_through_torch(monkeypatch):
+    import ctypes
+
+    from engine_worker import score_transfer
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "PyDLL", missing)
+    assert isinstance(score_transfer._device_calls(torch.device("cuda", 0)), score_transfer._TorchCopies)

@@ -31,3 +31,16 @@ def test_runs_without_captured_rows_are_compared_without_them():
     one, two = run([1, 2], [0.9, 0.1]), run([1, 2], [0.9, 0.1])
     assert gate_row_flips(one, two) is None
     assert "gate_prompt_rows" not in compare_tp(one, two)["gated"]
+
+
+def test_a_generated_token_gate_decision_counts_up_to_and_including_the_parting_token():
+    # token 2 is where the runs part; the gate decided differently at token 1 (0.6 vs 0.4)
+    one = run([1, 2, 3, 9], [0.9, 0.6, 0.1, 0.9])
+    two = run([1, 2, 4, 9], [0.9, 0.4, 0.1, 0.2])
+    (parting,) = compare_tp(one, two)["gated"]["partings"]
+    assert parting["gate_decisions_differ_at"] == [1]
+    assert abs(parting["closest_gate_score_to_threshold"] - 0.1) < 1e-12  # 0.6 / 0.4, both runs looked at
+    # a difference only after the parting (token 3) is not part of it
+    later = run([1, 2, 4, 9], [0.9, 0.6, 0.1, 0.2])
+    (parting,) = compare_tp(one, later)["gated"]["partings"]
+    assert parting["gate_decisions_differ_at"] == []
