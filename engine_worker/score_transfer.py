@@ -219,10 +219,14 @@ class ScoreTransfer:
         self._driver = driver if driver is not None else (_device_calls(device) if self._cuda else None)
         self._failed: BaseException | None = None  # the transfer thread could not start
         self.depth = depth
-        self._free: queue.Queue[_StagingSlot] = queue.Queue()
+        # SimpleQueue (C, no Python-level lock or condition): a put and a get cost ~0.1 µs on
+        # the engine thread instead of ~3 µs for queue.Queue.
+        self._free: queue.SimpleQueue[_StagingSlot] = queue.SimpleQueue()
         for _ in range(depth):
             self._free.put(_StagingSlot(sources, self._driver, pin=self._cuda))
-        self._work: queue.Queue[StagedStep | None] = queue.Queue()
+        self._work: queue.SimpleQueue[StagedStep | None] = queue.SimpleQueue()
+        self._submitted = 0  # steps handed to the transfer thread (engine thread writes)
+        self._processed = 0  # steps it has finished with (transfer thread writes)
         self._threaded = threaded
         self._thread: threading.Thread | None = None
         self.waits_for_staging = 0  # submits that found every buffer busy
@@ -270,6 +274,7 @@ class ScoreTransfer:
         staged = time.perf_counter()
         step = StagedStep(rows=rows, context=context, _slot=slot, _ready=ready, submitted=staged)
         if self._threaded:
+            self._submitted += 1
             self._work.put(step)
             self.handoff_s += (staging - started) + (time.perf_counter() - staged)
         else:
@@ -281,7 +286,7 @@ class ScoreTransfer:
         if not self._threaded:
             return True
         deadline = time.monotonic() + timeout
-        while self._work.unfinished_tasks:
+        while self._processed < self._submitted:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.001)
@@ -302,12 +307,12 @@ class ScoreTransfer:
                 return
         while True:
             step = self._work.get()
+            if step is None:
+                return
             try:
-                if step is None:
-                    return
                 self._process(step)
             finally:
-                self._work.task_done()
+                self._processed += 1
 
     def _process(self, step: StagedStep) -> None:
         try:
