@@ -254,7 +254,13 @@ class ScoreTransfer:
             if self.waits_for_staging in (1, 10, 100) or self.waits_for_staging % 1000 == 0:
                 log.warning("probex: all %d score staging buffers are in use; the engine waits for the transfer"
                             " thread (%d times so far)", self.depth, self.waits_for_staging)
-            slot = self._free.get()
+            while True:
+                try:
+                    slot = self._free.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if self._failed is not None:  # nobody will give a buffer back
+                        raise RuntimeError(f"probex: the score transfer thread failed to start: {self._failed}") from None
         staging = time.perf_counter()
         ready = slot.ready
         try:
