@@ -113,14 +113,17 @@ def step_feed(raw_by_chunk: list[list[float]]):
     return feed
 
 
+# A chat stream as vLLM sends it: the role, one token, two tokens, then the finish.
+ROLE_TWO_TEXT_CHUNKS_STOP = [
+    {"delta": {"role": "assistant"}, "token_ids": []},
+    {"delta": {"content": "a"}, "token_ids": [7]},
+    {"delta": {"content": "bc"}, "token_ids": [8, 9]},
+    {"delta": {}, "token_ids": [], "finish_reason": "stop"},
+]
+
+
 def test_each_chunk_waits_for_and_carries_its_own_token_scores():
-    chunks = [
-        {"delta": {"role": "assistant"}, "token_ids": []},
-        {"delta": {"content": "a"}, "token_ids": [7]},
-        {"delta": {"content": "bc"}, "token_ids": [8, 9]},
-        {"delta": {}, "token_ids": [], "finish_reason": "stop"},
-    ]
-    out, last, remaining, waits = run_stream(chunks, step_feed([[0.0, 0.0], [1.0], [2.0]]))
+    out, last, remaining, waits = run_stream(ROLE_TWO_TEXT_CHUNKS_STOP, step_feed([[0.0, 0.0], [1.0], [2.0]]))
     assert last == "[DONE]" and remaining == 0
     # The role chunk carries no token, so it does not wait; the prompt part must then ride
     # on the first content chunk at the latest.
@@ -159,14 +162,7 @@ def test_a_swap_refused_by_any_rank_is_reported_as_refused():
 
 def test_scores_sent_as_worker_step_messages_reach_their_chunks():
     """The wire as the worker sends it: each step's layout + raw block, booked by the hub."""
-    chunks = [
-        {"delta": {"role": "assistant"}, "token_ids": []},
-        {"delta": {"content": "a"}, "token_ids": [7]},
-        {"delta": {"content": "bc"}, "token_ids": [8, 9]},
-        {"delta": {}, "token_ids": [], "finish_reason": "stop"},
-    ]
-
-    out, last, remaining, _ = run_stream(chunks, step_feed([[0.25, -1.0], [0.5], [2.0]]))
+    out, last, remaining, _ = run_stream(ROLE_TWO_TEXT_CHUNKS_STOP, step_feed([[0.25, -1.0], [0.5], [2.0]]))
     assert last == "[DONE]" and remaining == 0
     scores = out[1]["probex"]["scores"]["p"]
     assert scores["prompt"]["last_raw"] == pytest.approx(-1.0) and scores["prompt"]["tokens_scored"] == 2
