@@ -242,8 +242,7 @@ class ScoreTransfer:
 
     def submit(self, rows: int, context: Any) -> None:
         """Called on the engine thread right after the forward was enqueued."""
-        if self._failed is not None:
-            raise RuntimeError(f"probex: the score transfer thread failed to start: {self._failed}")
+        self._raise_if_failed()
         if not 0 <= rows <= self.max_rows:
             raise ValueError(f"a step of {rows} rows does not fit the {self.max_rows}-row score buffers")
         started = time.perf_counter()
@@ -259,13 +258,12 @@ class ScoreTransfer:
                     slot = self._free.get(timeout=1.0)
                     break
                 except queue.Empty:
-                    if self._failed is not None:  # nobody will give a buffer back
-                        raise RuntimeError(f"probex: the score transfer thread failed to start: {self._failed}") from None
+                    self._raise_if_failed()  # then nobody will give a buffer back
         staging = time.perf_counter()
         ready = slot.ready
         try:
             if ready is not None:
-                driver = ready.driver
+                driver = self._driver
                 stream = driver.current_stream()
                 if rows:
                     for copy in slot.copies:
@@ -286,6 +284,10 @@ class ScoreTransfer:
         else:
             self._process(step)
         self.stage_s += staged - staging
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"probex: the score transfer thread failed to start: {self._failed}")
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every submitted step was consumed (tests, shutdown). True if drained."""
