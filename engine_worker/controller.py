@@ -286,8 +286,15 @@ class TapController:
         would be work for nobody."""
         return self.publish is not None or self.capture_dir is not None
 
-    def after_forward(self, layout: StepLayout, finished: set[str] | list[str] = ()) -> None:
-        """Hand the step to the transfer thread; returns without waiting for the device."""
+    def after_forward(self, layout: StepLayout | Callable[[], StepLayout], finished: set[str] | list[str] = (),
+                      num_rows: int | None = None) -> None:
+        """Hand the step to the transfer thread; returns without waiting for the device.
+
+        `layout` may be a function that builds it, with the step's `num_rows`: it is then
+        called on the transfer thread, keeping the engine thread's hook to the copies and the
+        hand-off. It must read only values the engine does not change afterwards (the
+        runner's per-step arrays, or snapshots of shared ones).
+        """
         self.steps += 1
         if self._steer_warned and finished:
             self.forget(finished)
@@ -298,7 +305,7 @@ class TapController:
             # Capture is an offline extraction mode: a synchronous read is fine there.
             captured = {layer: tap.capture.cpu().numpy() for layer, tap in self.taps.items()}
         context = (layout, self.table, list(finished), self._capture_plan, captured)
-        self.transfer.submit(layout.num_rows, context)
+        self.transfer.submit(layout.num_rows if num_rows is None else num_rows, context)
 
     def forget(self, finished: set[str] | list[str]) -> None:
         for req_id in finished:
@@ -321,6 +328,8 @@ class TapController:
         the API server keeps the books. Only capture mode keeps books here too, to know when
         a captured prompt is complete."""
         layout, table, finished, capture_plan, captured = step.context
+        if not isinstance(layout, StepLayout):
+            layout = layout()  # built here, off the engine thread (see after_forward)
         raw = gather_scores(table, step.rows, step.scores())
         if self.capture_dir is not None:
             events = self.book.record_step(layout, table, raw)

@@ -9,7 +9,9 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
   before the forward, and set capture rows from it.
 - The forward happens inside `execute_model` (sampling is a separate `sample_tokens`
   call), so the step is handed to the controller when `execute_model` returns: the
-  forward is enqueued by then and the controller only enqueues a copy behind it.
+  forward is enqueued by then and the controller only enqueues a copy behind it. When
+  nothing is staged before the forward (no steering, no capture), the layout itself is
+  built later, on the transfer thread, from the batch's per-step arrays.
 - V2 keeps no `SamplingParams` per request after `add_requests`, so the per-request
   capture flag and steering settings are read there.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -112,15 +115,19 @@ def _scores_after_forward(execute_model):
         started = time.perf_counter()
         layout, self._probex_layout = self._probex_layout, None
         batch, self._probex_batch = self._probex_batch, None
-        if batch is not None:  # scores only: the layout is read now that the forward is launched
-            layout = _step_layout(self, batch) if controller.reads_scores else StepLayout.empty()
+        num_rows = None
+        if batch is not None:  # scores only: the layout is built on the transfer thread
+            if controller.reads_scores:
+                layout, num_rows = _deferred_step_layout(self, batch), batch.num_tokens
+            else:
+                layout = StepLayout.empty()
             controller.layout_s += time.perf_counter() - started
         finished = list(scheduler_output.finished_req_ids or ())
         for req_id in finished:
             self._probex_capture_flags.pop(req_id, None)
             self._probex_steering.pop(req_id, None)
         if layout is not None:
-            controller.after_forward(layout, finished)
+            controller.after_forward(layout, finished, num_rows)
         elif finished:
             controller.after_idle_step(finished)  # nothing ran, but requests ended
         controller.engine_thread_s += time.perf_counter() - started
@@ -130,10 +137,27 @@ def _scores_after_forward(execute_model):
 
 
 def _step_layout(runner, batch) -> StepLayout:
+    return _layout_of(batch, _prompt_lens(runner, batch))
+
+
+def _deferred_step_layout(runner, batch) -> Callable[[], StepLayout]:
+    """The layout as a function for the transfer thread. Everything it reads is the step's own:
+    `prepare_inputs` builds the batch's request ids, token counts and computed-token counts
+    afresh every step (the computed counts by fancy indexing, a copy), so only the prompt
+    lengths, which live in the runner's per-slot state, are copied out now (a slot is reused
+    once its request ends)."""
+    return functools.partial(_layout_of, batch, _prompt_lens(runner, batch))
+
+
+def _prompt_lens(runner, batch) -> np.ndarray:
+    return runner.req_states.prompt_len.np[batch.idx_mapping_np[: batch.num_reqs]]  # fancy index: a copy
+
+
+def _layout_of(batch, prompt_lens: np.ndarray) -> StepLayout:
     n = batch.num_reqs
     return StepLayout(
         req_ids=list(batch.req_ids[:n]),
         num_scheduled=np.asarray(batch.num_scheduled_tokens[:n], dtype=np.int64),
         num_computed=np.asarray(batch.num_computed_tokens_np[:n], dtype=np.int64),
-        num_prompt=runner.req_states.prompt_len.np[batch.idx_mapping_np[:n]].astype(np.int64),
+        num_prompt=prompt_lens.astype(np.int64),
     )

@@ -27,7 +27,10 @@ probes see its effect, which is what the steer-active check compares.
 
 Each set-up is driven at each concurrency (default 1, 8, 64) through ``/v1/completions``
 with streaming: random-token prompts (fixed seed, the same for every set-up), greedy,
-``ignore_eos`` so every request generates exactly ``--output-len`` tokens. Reported per
+``ignore_eos`` so every request generates exactly ``--output-len`` tokens. At concurrency c,
+c clients each send one request after another; their first requests are spread evenly over
+one request's duration (measured in the warm-up, ``--arrivals staggered``), so requests keep
+arriving spread out instead of in lock-step waves of c. Reported per
 set-up and concurrency: TTFT, TPOT, ITL (p50/p99), output tokens/s, failures, score
 coverage (tap and steer set-ups), the load generator's own CPU use, and vLLM's own
 server-side means from ``/metrics``. Then the overhead of every set-up over plain, and of
@@ -570,21 +573,42 @@ def completion_body(model: str, prompt: list[int], max_tokens: int,
 
 async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurrency: int, max_tokens: int,
                     probe_names: Sequence[str] | None,
-                    xargs: dict[str, Any] | None = None) -> tuple[list[RequestResult], float, float]:
-    """All prompts, `concurrency` in flight at a time; returns results, wall seconds, client CPU seconds."""
+                    xargs: dict[str, Any] | None = None,
+                    spread_s: float = 0.0) -> tuple[list[RequestResult], float, float]:
+    """All prompts, `concurrency` in flight at a time; returns results, wall seconds, client CPU seconds.
+
+    `spread_s` > 0 starts the `concurrency` clients evenly over that many seconds instead of
+    all at once (see `arrival_spread_s`)."""
     results: list[RequestResult | None] = [None] * len(prompts)
     order = iter(range(len(prompts)))  # shared by the workers: one event loop, no locking needed
 
     async with _Transport(concurrency) as transport:
-        async def worker() -> None:
+        async def worker(k: int) -> None:
+            if spread_s > 0:
+                await asyncio.sleep(k * spread_s / concurrency)
             for i in order:
                 results[i] = await one_request(transport, url + "/v1/completions",
                                                completion_body(model, prompts[i], max_tokens, xargs), probe_names)
 
         cpu0, t0 = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return [r for r in results if r is not None], wall, cpu
+
+
+def arrival_spread_s(warm_results: Sequence[RequestResult]) -> float:
+    """How long a request lasts at this concurrency (median end-to-end time of the warm-up),
+    the window the measured phase spreads its clients' first requests over.
+
+    Started together, `c` clients with equal output lengths stay in lock-step: every request
+    of a wave arrives in the same millisecond, so at 8 and 64 streams TTFT measures the
+    wave's prefill queue (which of the 64 prompts got prefilled first) and swings by tens of
+    percent between identical runs. Spread over one request's duration, arrivals stay spread
+    (each client's next request starts when its last one ends), and TTFT measures what a
+    request arriving at a busy server waits for: the step in flight plus its own prefill.
+    """
+    durations = [r.e2e_s for r in warm_results if r.ok and math.isfinite(r.e2e_s)]
+    return float(np.median(durations)) if durations else 0.0
 
 
 def scrape_server_metrics(url: str) -> dict[str, tuple[float, float]]:
@@ -916,7 +940,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   warmup: dict[int, int], input_len: int, output_len: int, seed: int,
                   probe_names: Sequence[str], record: dict[str, Any], save: Callable[[], None],
                   save_itl: bool, probe_layers: dict[str, int] | None = None,
-                  steer: SteerBench | None = None) -> None:
+                  steer: SteerBench | None = None, staggered: bool = True) -> None:
     import httpx
 
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -940,12 +964,19 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         # Same prompts for every set-up; warm-up prompts differ from measured ones so the
         # prefix cache never serves a measured prompt.
         warm = random_prompts(warmup[c], input_len, seed * 1_000_003 + c * 2 + 1)
-        asyncio.run(run_phase(server.url, model, warm, c, min(output_len, 16), None, xargs))
+        # Staggered runs warm up at full length: the warm-up's request duration sets the spread
+        # (one client has nothing to spread).
+        spreads = staggered and c > 1
+        warm_results, _, _ = asyncio.run(run_phase(server.url, model, warm, c,
+                                                   output_len if spreads else min(output_len, 16), None, xargs))
+        spread = arrival_spread_s(warm_results) if spreads else 0.0
         prompts = random_prompts(num_prompts[c], input_len, seed * 1_000_003 + c * 2)
         before = scrape_server_metrics(server.url)
         health_before = probex_health(server.url) if worker else None
-        results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, output_len, expect, xargs))
+        results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, output_len, expect, xargs,
+                                                   spread_s=spread))
         entry = summarize(results, wall, cpu, expected_tokens=output_len)
+        entry["arrival_spread_s"] = round(spread, 4)
         entry["server"] = server_means_ms(before, scrape_server_metrics(server.url))
         if health_before is not None:
             entry["delivery"] = delivery_delta(health_before, probex_health(server.url))
@@ -1023,6 +1054,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          "output_len": args.output_len, "concurrency": concurrencies,
                          "num_prompts": {str(c): n for c, n in num_prompts.items()},
                          "warmup_requests": {str(c): n for c, n in warmup.items()},
+                         "arrivals": args.arrivals,
                          "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
             "engine_args": engine_args,
             "client": {"http": "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx",
@@ -1055,7 +1087,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{plan.label}: ready in {record['startup_s']} s", flush=True)
                 measure_setup(server, plan, concurrencies, num_prompts, warmup, args.input_len, args.output_len,
                               args.seed, probe_names, record, save, args.save_itl,
-                              {p.name: p.layer for p in probes}, steer)
+                              {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered")
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
                 record["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
                 print(f"{plan.label}: FAILED: {record['error']}", flush=True)
@@ -1421,6 +1453,11 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default max(16, 4 x concurrency))")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up requests per concurrency (default max(2, concurrency))")
+    parser.add_argument("--arrivals", choices=("staggered", "together"), default="staggered",
+                        help="staggered (default): the clients' first requests are spread over one request's "
+                             "duration (measured in the warm-up), so requests arrive spread out as on a real "
+                             "server; together: all clients start at once and stay in lock-step waves "
+                             "(the method of the session 1-5 runs)")
     parser.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1024)")
     parser.add_argument("--output-len", type=int, default=None, help="generated tokens per request (default 256)")
     parser.add_argument("--seed", type=int, default=0)

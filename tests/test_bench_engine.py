@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -247,11 +248,15 @@ def _sse(chunk: dict) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
-async def _serve_script(writes: list[tuple[float, bytes]]) -> tuple[asyncio.AbstractServer, int]:
-    """An HTTP/1.0-style server that answers any POST with `writes` (delay, bytes), then closes."""
+async def _serve_script(writes: list[tuple[float, bytes]],
+                        arrivals: list[float] | None = None) -> tuple[asyncio.AbstractServer, int]:
+    """An HTTP/1.0-style server that answers any POST with `writes` (delay, bytes), then closes;
+    appends each request's arrival time (time.perf_counter()) to `arrivals` if given."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
+        if arrivals is not None:
+            arrivals.append(time.perf_counter())
         length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                       if line.lower().startswith(b"content-length"))
         await reader.readexactly(length)
@@ -306,6 +311,39 @@ def test_client_reports_a_stream_without_done_as_failed():
 
     r = asyncio.run(go())
     assert not r.ok and "[DONE]" in r.error
+
+
+def _run_phase_arrivals(concurrency: int, spread_s: float) -> list[float]:
+    arrivals: list[float] = []
+    # each request lasts longer than the spread, as on a server: no client finishes and takes a
+    # second prompt before the last one has started
+    script = [(0.45, _sse(_token_chunk([5], 0)) + b"data: [DONE]\n\n")]
+
+    async def go():
+        server, port = await _serve_script(script, arrivals)
+        async with server:
+            results, _, _ = await be.run_phase(f"http://127.0.0.1:{port}", "m", [[1]] * concurrency, concurrency,
+                                               1, None, spread_s=spread_s)
+        assert all(r.ok for r in results)
+
+    asyncio.run(go())
+    return sorted(arrivals)
+
+
+def test_clients_start_spread_over_the_given_window_or_together():
+    spread = _run_phase_arrivals(4, spread_s=0.4)  # clients start at 0, 0.1, 0.2, 0.3 s
+    assert len(spread) == 4 and all(b - a >= 0.08 for a, b in zip(spread, spread[1:])), spread
+    assert spread[-1] - spread[0] < 0.39, spread
+    together = _run_phase_arrivals(4, spread_s=0.0)
+    assert together[-1] - together[0] < 0.08, together
+
+
+def test_arrival_spread_is_the_median_duration_of_the_warm_up_that_succeeded():
+    def done(e2e, ok=True):
+        return be.RequestResult(ok=ok, e2e_s=e2e)
+
+    assert be.arrival_spread_s([done(1.0), done(3.0), done(2.0), done(50.0, ok=False)]) == 2.0
+    assert be.arrival_spread_s([done(math.nan, ok=False)]) == 0.0
 
 
 def test_prompts_are_seeded_and_inside_every_tokenizer():
@@ -487,6 +525,7 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
     assert len(result["probes"]) == 8 and {p["layer"] for p in result["probes"]} == {1, 2}
     assert [s["label"] for s in result["setups"]] == ["plain", "tap", "eager", "steer-active"]
     workload = result["workload"]
+    assert workload["arrivals"] == "staggered"
     for setup in result["setups"]:
         assert "error" not in setup, setup.get("error")
         assert (out / setup["log"]).stat().st_size > 0
@@ -499,6 +538,8 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
             for key in ("ttft_ms", "e2e_ms"):
                 assert all(math.isfinite(v) and v > 0 for v in e[key].values()), (where, key, e[key])
             assert e["output_tokens_per_s"] > 0, where
+            # two clients start one warm-up request's duration apart; one client has nobody to spread from
+            assert (e["arrival_spread_s"] > 0) is (c == "2"), (where, e["arrival_spread_s"])
             # a loaded 2-core machine may deliver a whole short stream in one read (client gaps of 0);
             # vLLM's own per-token time below is the positive one
             assert all(math.isfinite(v) and v >= 0 for v in [*e["tpot_ms"].values(), *e["itl_ms"].values()]), where

@@ -49,9 +49,19 @@ def setup(tmp_path):
     return taps, probes, published
 
 
-@pytest.mark.parametrize("threaded", [False, True])
-def test_steps_are_scored_published_in_order_and_match_w_dot_x(setup, threaded):
+@pytest.mark.parametrize("threaded,deferred", [(False, False), (True, False), (True, True)])
+def test_steps_are_scored_published_in_order_and_match_w_dot_x(setup, threaded, deferred):
+    """`deferred`: the adapter hands over a function building the layout (runner V2 does when
+    nothing is staged before the forward); the transfer thread calls it, with the same result."""
     taps, probes, published = setup
+    built_on = []
+
+    def builder(layout):
+        def build():
+            built_on.append(threading.current_thread().name)
+            return layout
+        return build
+
     controller = TapController(taps, served(), published.append, threaded=threaded)
     controller.load([str(p) for p in probes])
     weights = {l: t.weight[:1].clone() for l, t in taps.items()}
@@ -69,7 +79,10 @@ def test_steps_are_scored_published_in_order_and_match_w_dot_x(setup, threaded):
         streams = {l: torch.randn(rows, HIDDEN, generator=rng) for l in taps}
         streams_by_step.append(streams)
         run_step(taps, streams)
-        controller.after_forward(layout)
+        if deferred:
+            controller.after_forward(builder(layout), num_rows=rows)
+        else:
+            controller.after_forward(layout)
     # Overwriting the device buffers after submission must not change what was delivered.
     for tap in taps.values():
         tap.scores.fill_(1e9)
@@ -92,6 +105,7 @@ def test_steps_are_scored_published_in_order_and_match_w_dot_x(setup, threaded):
     a_row = events[2].token_req_ids.index("a")
     assert events[2].token_indexes[a_row] == 2
     assert events[2].token_raw[a_row, 0] == pytest.approx(float(streams_by_step[2][1][1] @ w1 + b1), rel=1e-5)
+    assert built_on == (["probex-score-transfer"] * 3 if deferred else [])
     controller.transfer.close()
 
 

@@ -25,13 +25,18 @@ class RecordingController:
         self.needs_layout_before_forward = True  # steering or capture on
         self.reads_scores = True  # the delivering rank
         self.after_layouts: list[tuple] = []
+        self.handed_over: list = []  # what after_forward received: a layout or a function building it
 
     def before_forward(self, layout, capture, steering=None):
         self.calls.append(("before", list(layout.req_ids), layout.num_scheduled.tolist(),
                            layout.num_computed.tolist(), layout.num_prompt.tolist(), sorted(capture)))
         self.steering.append({r: (s.vector, s.alpha) for r, s in (steering or {}).items()})
 
-    def after_forward(self, layout, finished):
+    def after_forward(self, layout, finished, num_rows=None):
+        self.handed_over.append(layout)
+        if callable(layout):  # what the transfer thread does later
+            layout = layout()
+            assert num_rows == layout.num_rows
         self.calls.append(("after", list(layout.req_ids), sorted(finished)))
         self.after_layouts.append((layout.num_scheduled.tolist(), layout.num_computed.tolist(),
                                    layout.num_prompt.tolist()))
@@ -62,6 +67,7 @@ class FakeV2Runner:
         idx = np.array([self.req_states.req_id_to_index[r] for r in req_ids], dtype=np.int32)
         computed = np.array([scheduler_output.computed[r] for r in req_ids], dtype=np.int32)
         return SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids), idx_mapping_np=idx,
+                               num_tokens=sum(sched.values()),
                                num_scheduled_tokens=np.array([sched[r] for r in req_ids], dtype=np.int32),
                                num_computed_tokens_np=computed)
 
@@ -184,6 +190,24 @@ def test_v2_adapter_builds_the_layout_after_the_launch_when_only_scores_are_read
     assert controller.calls == [("after", ["b", "a"], []), ("after", ["b"], ["a"])]
     assert controller.after_layouts == [([3, 7], [0, 0], [3, 7]), ([1], [3], [3])]
     assert runner._probex_batch is None
+
+
+def test_v2_adapter_leaves_the_scores_only_layout_to_the_transfer_thread_with_its_prompt_lengths_copied(monkeypatch):
+    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    controller = RecordingController()
+    controller.needs_layout_before_forward = False
+    deferred = []
+    controller.after_forward = lambda layout, finished, num_rows=None: deferred.append((layout, num_rows))
+    runner = wrapped_runner_class()(controller)
+    runner.load_model()
+    runner.execute_model(sched(new=[new_req("a"), new_req("b")], scheduled={"a": 7, "b": 3},
+                               computed={"a": 0, "b": 0}))
+    (build, num_rows), = deferred
+    assert callable(build) and num_rows == 10  # the engine thread hands over a function and the row count
+    runner.req_states.prompt_len.np[:] = 99  # a finished request's slot taken by a new one before the thread runs
+    layout = build()
+    assert layout.req_ids == ["b", "a"] and layout.num_prompt.tolist() == [3, 7]
+    assert layout.num_scheduled.tolist() == [3, 7] and layout.num_computed.tolist() == [0, 0]
 
 
 def test_v2_adapter_reads_no_layout_on_a_rank_that_reads_no_scores(monkeypatch):
