@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 
 from probes.artifact import ServedModel
 from engine_worker.controller import ProbeSetRejected, TapController, VectorSetRejected
@@ -21,6 +23,10 @@ from engine_worker.tap_config import TapConfig
 log = logging.getLogger("vllm.probex.worker")  # under "vllm": printed by its log handler
 
 CONTROLLER_ATTR = "probex_controller"
+# Diagnostic: the engine process's GIL switch interval (Python's default is 5 ms: a thread
+# woken while another runs Python may wait that long for the GIL). For measuring how the
+# score transfer thread and the engine thread share the GIL; not a tuning recommendation.
+ENV_SWITCH_INTERVAL = "PROBEX_SWITCH_INTERVAL_S"
 
 
 def controller_of(runner) -> TapController | None:
@@ -59,6 +65,10 @@ def install_controller(runner) -> TapController | None:
     except (ProbeSetRejected, VectorSetRejected) as exc:
         raise RuntimeError(f"probex: refusing to start: {exc}") from None
     setattr(runner, CONTROLLER_ATTR, controller)
+    interval = os.environ.get(ENV_SWITCH_INTERVAL)
+    if interval:
+        sys.setswitchinterval(float(interval))
+        log.info("probex: GIL switch interval set to %s s (%s)", interval, ENV_SWITCH_INTERVAL)
     return controller
 
 

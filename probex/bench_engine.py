@@ -656,7 +656,10 @@ class SetupPlan:
 
 
 def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path], engine_args: Sequence[str],
-                runner: str, steer_dir: Path | None = None) -> list[SetupPlan]:
+                runner: str, steer_dir: Path | None = None,
+                worker_env: dict[str, str] | None = None) -> list[SetupPlan]:
+    """`worker_env`: extra environment for the `probex worker` set-ups only (ProbeX's own
+    PROBEX_* settings, to compare them in separate runs)."""
     counts = {k: kinds.count(k) for k in set(kinds)}
     seen: dict[str, int] = {}
     plans = []
@@ -679,6 +682,7 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
                     *[f"--probe={p}" for p in probe_dirs], *steer, "--host", "127.0.0.1", "--port", str(port),
                     *engine_args]
             env["VLLM_PLUGINS"] = None
+            env.update(worker_env or {})
         else:
             # The module `probex worker` execs, with the same interpreter flags and server count.
             argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -774,6 +778,50 @@ def _group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(stat.parent.name))
     return members
+
+
+def group_cpu_ticks(pgid: int) -> dict[int, dict[str, Any]]:
+    """CPU clock ticks (user + system) of every thread of every process in a process group,
+    from /proc: {pid: {"name": comm, "threads": {tid: ticks}}}. Linux only; {} elsewhere."""
+    out: dict[int, dict[str, Any]] = {}
+    for pid in _group_members(pgid):
+        task = Path(f"/proc/{pid}/task")
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            threads = {}
+            for stat in task.glob("*/stat"):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                threads[int(stat.parent.name)] = int(fields[11]) + int(fields[12])  # utime + stime
+        except OSError:  # the process or a thread ended meanwhile
+            continue
+        out[pid] = {"name": name, "threads": threads}
+    return out
+
+
+def group_cpu_cores(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]],
+                    wall_s: float) -> list[dict[str, Any]]:
+    """Per process, how many cores it kept busy between two snapshots: all threads, its main
+    thread (where the API server's event loop and the engine core's busy loop run) and its
+    busiest other thread. A main thread near 1.0 is a saturated Python loop."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    rows = []
+    for pid, now in sorted(after.items()):
+        then = before.get(pid, {"threads": {}})["threads"]
+        used = {tid: (t - then.get(tid, 0)) / tick / wall_s for tid, t in now["threads"].items()}
+        total = sum(used.values())
+        if total < 0.01:
+            continue  # idle helpers (resource trackers, the watchdog's shell)
+        others = [v for tid, v in used.items() if tid != pid]
+        rows.append({"pid": pid, "name": now["name"], "cores": round(total, 3),
+                     "main_thread": round(used.get(pid, 0.0), 3),
+                     "busiest_other_thread": round(max(others, default=0.0), 3)})
+    return rows
+
+
+def cpu_line(rows: Sequence[dict[str, Any]]) -> str:
+    return "server CPU, cores: " + "; ".join(
+        f"{r['name']} {r['cores']:.2f} (main thread {r['main_thread']:.2f}, busiest other {r['busiest_other_thread']:.2f})"
+        for r in rows)
 
 
 def log_checks(text: str) -> dict[str, Any]:
@@ -973,9 +1021,12 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         prompts = random_prompts(num_prompts[c], input_len, seed * 1_000_003 + c * 2)
         before = scrape_server_metrics(server.url)
         health_before = probex_health(server.url) if worker else None
+        ticks_before, phase_began = group_cpu_ticks(server.proc.pid), time.monotonic()
         results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, output_len, expect, xargs,
                                                    spread_s=spread))
+        server_cpu = group_cpu_cores(ticks_before, group_cpu_ticks(server.proc.pid), time.monotonic() - phase_began)
         entry = summarize(results, wall, cpu, expected_tokens=output_len)
+        entry["server_cpu"] = server_cpu
         entry["arrival_spread_s"] = round(spread, 4)
         entry["server"] = server_means_ms(before, scrape_server_metrics(server.url))
         if health_before is not None:
@@ -999,6 +1050,8 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
               + (f"  scores {entry['scores']['coverage']:.1%}" if "scores" in entry else ""), flush=True)
         if entry.get("delivery"):
             print("            " + delivery_line(entry["delivery"]), flush=True)
+        if server_cpu:
+            print("            " + cpu_line(server_cpu), flush=True)
     if plan.kind in STEERED_KINDS and steer is not None:
         effect = record["checks"]["steering_effect"] = steering_effect(
             server.url, model, input_len, seed, probe_layers or {}, steer, plan.kind)
@@ -1014,6 +1067,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     kinds = parse_setups(args.setups)
     concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     num_prompts = {c: args.num_prompts or max(16, 4 * c) for c in concurrencies}
+    worker_env = parse_worker_env(args.worker_env)
     warmup = {c: args.warmup if args.warmup is not None else max(2, c) for c in concurrencies}
     config = MODEL_CONFIGS[args.model_config]
     layers = tuple(args.probe_layers) if args.probe_layers else default_probe_layers(config["num_hidden_layers"])
@@ -1045,6 +1099,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "command": [sys.executable, *sys.argv],
             "versions": environment_info(),
             "runner": args.runner,
+            "worker_env": worker_env,
             "env": {"VLLM_DISABLE_COMPILE_CACHE": "1", RUNNER_ENV: RUNNERS[args.runner],
                     **{k: os.environ[k] for k in ("VLLM_ATTENTION_BACKEND", "VLLM_USE_FLASHINFER_SAMPLER")
                        if k in os.environ}},
@@ -1073,7 +1128,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         print(f"versions: {result['versions']}", flush=True)
         for plan in plan_setups(kinds, model_dir, [p.path for p in probes], engine_args, args.runner,
-                                steer.path if steer is not None else None):
+                                steer.path if steer is not None else None, worker_env):
             record: dict[str, Any] = {"label": plan.label, "kind": plan.kind, "argv": plan.argv,
                                       "env": plan.env_changes, "log": f"{_safe(plan.label)}.log",
                                       "checks": {}, "results": {}}
@@ -1104,6 +1159,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def parse_worker_env(items: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("PROBEX_"):
+            raise SystemExit(f"--worker-env {item!r}: expected PROBEX_NAME=VALUE")
+        env[name] = value
+    return env
 
 
 def parse_setups(text: str) -> list[str]:
@@ -1474,6 +1539,9 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--extra-arg", action="append", default=[], metavar="ARGS",
                         help='vLLM arguments for every set-up, shell-split: --extra-arg="--attention-backend FLASH_ATTN"')
+    parser.add_argument("--worker-env", action="append", default=[], metavar="PROBEX_NAME=VALUE",
+                        help="environment for the probex worker set-ups only (repeatable), e.g. "
+                             "PROBEX_SCORE_WAIT_S=0 to send chunks without waiting for their scores")
     parser.add_argument("--startup-timeout", type=float, default=None, help="seconds per server start")
     parser.add_argument("--save-itl", action="store_true", help="keep every request's ITL list in the JSON")
     parser.add_argument("--reanalyze", type=Path, nargs="+", default=None, metavar="JSON",

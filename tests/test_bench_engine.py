@@ -580,3 +580,34 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
     assert "steer-active c=2" in proc.stdout and "steering check" in proc.stdout
     if importlib.util.find_spec("matplotlib"):
         assert (out / "bench_engine_tpot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_server_cpu_is_read_per_thread_from_proc_for_the_whole_process_group():
+    """A child in its own group that burns CPU on a second thread and idles on its main one."""
+    code = ("import threading, time\n"
+            "def burn():\n    end = time.time() + 30\n    while time.time() < end: pass\n"
+            "threading.Thread(target=burn, daemon=True).start()\ntime.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        before, began = be.group_cpu_ticks(proc.pid), time.monotonic()
+        time.sleep(1.0)
+        rows = be.group_cpu_cores(before, be.group_cpu_ticks(proc.pid), time.monotonic() - began)
+    finally:
+        proc.kill()
+        proc.wait()
+    (row,) = rows
+    assert row["pid"] == proc.pid and row["name"].startswith("python")
+    assert row["busiest_other_thread"] > 0.5 and row["main_thread"] < 0.1, row
+    assert row["cores"] >= row["busiest_other_thread"]
+    assert "main thread 0.0" in be.cpu_line(rows)
+
+
+def test_worker_env_takes_probex_settings_only_and_reaches_worker_set_ups_only(tmp_path):
+    env = be.parse_worker_env(["PROBEX_SCORE_WAIT_S=0", "PROBEX_SWITCH_INTERVAL_S=0.0005"])
+    assert env == {"PROBEX_SCORE_WAIT_S": "0", "PROBEX_SWITCH_INTERVAL_S": "0.0005"}
+    with pytest.raises(SystemExit):
+        be.parse_worker_env(["VLLM_X=1"])
+    plans = be.plan_setups(["plain", "tap"], tmp_path, [tmp_path / "p"], [], "default", worker_env=env)
+    assert "PROBEX_SCORE_WAIT_S" not in plans[0].env_changes
+    assert plans[1].env_changes["PROBEX_SCORE_WAIT_S"] == "0"
