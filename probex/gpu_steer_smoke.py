@@ -12,8 +12,9 @@ variants at once — one batch, so steered, gated and unsteered rows share every
 - `gated`      alpha = A where probe a10 (layer 10, read before the write) > 0.5
 - `generation` alpha = A on generated tokens only (prompt scores must equal plain's)
 
-A is half the mean norm of the residual stream at layer 10 and a10's bias is re-centred on
-the median of its raw scores (both measured once, through capture mode, then swapped in
+A is half the mean norm of the residual stream at layer 10 (first prompt) and a10's bias puts
+its threshold in the widest gap between the middle half of its raw scores over every prompt's
+rows (`gate_bias_with_margin`; both measured once, through capture mode, then swapped in
 live with PUT /probex/probes in every engine), so the write changes what a random model
 says and the gate opens at some tokens and not at others.
 It then times 8 requests x 128 tokens with no steered row (idle op) vs all rows steered.
@@ -89,24 +90,51 @@ def body(model: str, prompt: str, max_tokens: int, xargs: dict, **extra) -> dict
             "logprobs": True, "top_logprobs": 2, **extra}
 
 
+def gate_bias_with_margin(raw: np.ndarray) -> tuple[float, float]:
+    """(bias, margin): a bias that puts the gate's threshold (raw 0 after the bias) in the
+    widest gap between the prompt rows' raw scores within their middle half, and the distance
+    from there to the nearest row.
+
+    The middle half keeps the gate open at some rows and shut at others; the widest gap keeps
+    every prompt row's decision away from the threshold, so two runs whose scores differ by
+    less than the margin (TP=2 vs TP=1: all-reduce order) decide every prompt row alike. At the
+    median itself rows sit arbitrarily close to the threshold and flip on rounding.
+    """
+    values = np.sort(np.asarray(raw, dtype=np.float64).ravel())
+    if values.size < 2:
+        raise ValueError("the gate needs at least two prompt rows to place its threshold between")
+    low, high = int(values.size * 0.25), max(int(np.ceil(values.size * 0.75)), int(values.size * 0.25) + 2)
+    middle = values[low:min(high, values.size)]
+    gaps = np.diff(middle)
+    widest = int(np.argmax(gaps))
+    threshold = float((middle[widest] + middle[widest + 1]) / 2)
+    return -threshold, float(gaps[widest] / 2)
+
+
 def calibrate(url: str, model: str, capture: Path, gate_probe: Path) -> dict:
     """Alpha and the gate probe's bias from the residual stream at layer 10 (capture mode).
 
     A random model's stream can sit entirely on one side of a random probe; re-biasing the
-    gate probe to the median of its raw scores over one prompt's tokens puts the 0.5
-    threshold in the middle of them, so the gate opens at some tokens and not at others.
+    gate probe (`gate_bias_with_margin`, over every prompt's rows) puts the 0.5 threshold
+    among them, so the gate opens at some tokens and not at others, with no prompt row
+    within `gate_margin` of it.
     """
     from safetensors.numpy import load_file
 
     from probes.artifact import load_probe, save_probe
 
-    (r,) = asyncio.run(post_all(url, [body(model, PROMPTS[0], 1, {"probex_capture": True})]))
-    (path,) = capture.glob(f"{r['id']}-*.safetensors")
-    rows = load_file(str(path))["layer_10"]
+    responses = asyncio.run(post_all(url, [body(model, p, 1, {"probex_capture": True}) for p in PROMPTS]))
+    rows = []
+    for r in responses:
+        (path,) = capture.glob(f"{r['id']}-*.safetensors")
+        rows.append(load_file(str(path))["layer_10"])
     probe = load_probe(gate_probe)
-    probe.bias = -float(np.median(rows.astype(np.float64) @ probe.weight))
+    first = rows[0].astype(np.float64)
+    raw = np.concatenate([r.astype(np.float64) @ probe.weight for r in rows])
+    probe.bias, margin = gate_bias_with_margin(raw)
     save_probe(probe, gate_probe)
-    return {"alpha": float(0.5 * np.linalg.norm(rows, axis=1).mean()), "gate_bias": probe.bias}
+    return {"alpha": float(0.5 * np.linalg.norm(first, axis=1).mean()), "gate_bias": probe.bias,
+            "gate_margin": margin, "gate_rows": int(raw.size)}
 
 
 def load_probes(url: str, probes: list[Path]) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from probex.gpu_tp_smoke import compare_tp, gate_row_flips
 
 
@@ -44,3 +47,20 @@ def test_a_generated_token_gate_decision_counts_up_to_and_including_the_parting_
     later = run([1, 2, 4, 9], [0.9, 0.6, 0.1, 0.2])
     (parting,) = compare_tp(one, later)["gated"]["partings"]
     assert parting["gate_decisions_differ_at"] == []
+
+
+def test_the_gate_threshold_sits_in_the_widest_gap_of_the_middle_half_of_the_prompt_rows():
+    from probex.gpu_steer_smoke import gate_bias_with_margin
+
+    # middle half (rows 2..5 of 8 sorted): 1.0, 1.1, 2.0, 2.05 -> widest gap 1.1..2.0
+    raw = np.array([2.05, -5.0, 1.1, 9.0, 1.0, 8.5, -4.0, 2.0])
+    bias, margin = gate_bias_with_margin(raw)
+    assert bias == pytest.approx(-1.55) and margin == pytest.approx(0.45)
+    # with the bias, the gate is open on some rows and shut on others, none within the margin
+    shifted = raw + bias
+    assert (shifted > 0).any() and (shifted < 0).any()
+    assert np.abs(shifted).min() == pytest.approx(margin)
+    with pytest.raises(ValueError):
+        gate_bias_with_margin(np.array([1.0]))
+    # two rows: the threshold between them
+    assert gate_bias_with_margin(np.array([0.0, 1.0])) == (pytest.approx(-0.5), pytest.approx(0.5))

@@ -1,0 +1,186 @@
+"""GPU microbenchmark: device time the tap adds to one decode step, part by part.
+
+No vLLM: the ops alone, on the GPU's compute stream, the way a step runs them. For each
+row count (1, 8, 64, 1024 rows of Llama-3.1-8B's 4096-wide bf16 residual stream, two
+tapped layers of 8 probe slots):
+
+- ``torch op``: `torch.ops.probex.tap` as served (cast, add, addmm: three to four kernels
+  per layer), captured 200 steps to a CUDA graph and replayed: device microseconds per step;
+- ``fused``: the candidate one-kernel-per-layer Triton version of the same arithmetic,
+  captured the same way, with its largest difference from the torch op;
+- ``copies``: what the hand-off enqueues after the forward (one device-to-host copy per
+  layer into pinned memory, plus an event record), as stream time per step.
+
+The engine benchmark (`probex bench engine`) shows the whole tap's cost in TPOT; this one
+says which part of the device time is the op's arithmetic and which the copies.
+
+    python3 -m probex.bench_tap_op --out out/bench-tap-op.json     # needs a CUDA GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HIDDEN = 4096
+SLOTS = 8
+LAYERS = 2
+STEPS = 200
+
+
+def _graph_us(fn, steps: int = STEPS, repeats: int = 5) -> float:
+    """Device time per call of `fn` (µs): `steps` calls captured in one CUDA graph, replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()  # warm-up (Triton compiles, cuBLAS picks its kernel) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / steps)
+    return best
+
+
+def _stream_us(fn, steps: int = 500) -> float:
+    """Stream time per call of `fn` (µs) when called back to back from the host."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / steps
+
+
+def measure(rows_list: list[int]) -> dict:
+    import engine_worker.ops  # noqa: F401  registers torch.ops.probex.tap
+    from engine_worker.score_transfer import ScoreTransfer
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    max_rows = max(rows_list)
+    weight = [torch.randn(SLOTS, HIDDEN, device=device, generator=gen) / HIDDEN ** 0.5 for _ in range(LAYERS)]
+    bias = [torch.randn(SLOTS, device=device, generator=gen) for _ in range(LAYERS)]
+    scores = [torch.zeros(max_rows, SLOTS, device=device) for _ in range(LAYERS)]
+    fused_scores = [torch.zeros(max_rows, SLOTS, device=device) for _ in range(LAYERS)]
+    empty_index = torch.zeros(0, dtype=torch.long, device=device)
+    empty_capture = torch.zeros(0, HIDDEN, device=device)
+    fused = _fused_tap()
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": HIDDEN,
+                 "slots": SLOTS, "layers": LAYERS, "rows": {}}
+    for rows in rows_list:
+        hidden = torch.randn(rows, HIDDEN, device=device, generator=gen).to(torch.bfloat16)
+        residual = torch.randn(rows, HIDDEN, device=device, generator=gen).to(torch.bfloat16)
+
+        def torch_step():
+            for layer in range(LAYERS):
+                torch.ops.probex.tap(hidden, residual, weight[layer], bias[layer], scores[layer],
+                                     empty_index, empty_capture)
+
+        entry = {"torch_op_us": _graph_us(torch_step)}
+        if fused is not None:
+            def fused_step():
+                for layer in range(LAYERS):
+                    fused(hidden, residual, weight[layer], bias[layer], fused_scores[layer])
+
+            entry["fused_us"] = _graph_us(fused_step)
+            torch_step()
+            fused_step()
+            torch.cuda.synchronize()
+            entry["fused_max_abs_diff"] = max(float((a[:rows] - b[:rows]).abs().max())
+                                              for a, b in zip(scores, fused_scores))
+            entry["score_scale"] = float(scores[0][:rows].abs().max())
+        transfer = ScoreTransfer({l: scores[l] for l in range(LAYERS)}, lambda step: None, threaded=False)
+        marker = torch.zeros(1, device=device)
+
+        def tiny():
+            marker.add_(1.0)
+
+        def tiny_and_copies():
+            marker.add_(1.0)
+            slot = transfer._free.get_nowait()
+            driver = transfer._driver
+            stream = driver.current_stream()
+            for copy in slot.copies:
+                driver.copy_rows(copy, rows, stream)
+            driver.record(slot.ready.handle, stream)
+            transfer._free.put(slot)
+
+        entry["copies_us"] = _stream_us(tiny_and_copies) - _stream_us(tiny)
+        out["rows"][str(rows)] = {k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}
+        print(f"rows {rows:5d}: " + ", ".join(f"{k} {v:.3g}" for k, v in out["rows"][str(rows)].items()), flush=True)
+    return out
+
+
+def _fused_tap():
+    """(hidden, residual, weight, bias, out) -> out[:rows] = (hidden + residual) @ weight.T + bias,
+    in fp32, one Triton kernel; None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(h_ptr, r_ptr, w_ptr, b_ptr, out_ptr, width, h_stride, r_stride, out_stride,
+               SLOTS_P2: tl.constexpr, n_slots, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        slots = tl.arange(0, SLOTS_P2)
+        slot_ok = slots < n_slots
+        acc = tl.zeros([SLOTS_P2, BLOCK], dtype=tl.float32)
+        for start in range(0, width, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            col_ok = cols < width
+            x = (tl.load(h_ptr + row * h_stride + cols, mask=col_ok, other=0.0).to(tl.float32)
+                 + tl.load(r_ptr + row * r_stride + cols, mask=col_ok, other=0.0).to(tl.float32))
+            w = tl.load(w_ptr + slots[:, None] * width + cols[None, :], mask=slot_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            acc += w * x[None, :]
+        total = tl.sum(acc, axis=1) + tl.load(b_ptr + slots, mask=slot_ok, other=0.0)
+        tl.store(out_ptr + row * out_stride + slots, total, mask=slot_ok)
+
+    def run(hidden, residual, weight, bias, out):
+        rows, width = hidden.shape
+        n_slots = weight.shape[0]
+        kernel[(rows,)](hidden, residual, weight, bias, out, width, hidden.stride(0), residual.stride(0),
+                        out.stride(0), SLOTS_P2=triton.next_power_of_2(n_slots), n_slots=n_slots, BLOCK=512)
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m probex.bench_tap_op", description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8,64,1024")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_tap_op needs a CUDA GPU", file=sys.stderr)
+        return 2
+    result = measure([int(r) for r in args.rows.split(",")])
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
