@@ -72,6 +72,10 @@ class _CudaDriver:
     def __init__(self, device: torch.device) -> None:
         """On the engine thread, where torch has made the device's context current."""
         self.device = device
+        self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+        # The raw handle of the current stream without building a torch Stream object (what
+        # torch's own generated code calls); a few µs less per step than current_stream().
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self.lib = ctypes.PyDLL("libcuda.so.1")
         self.waiting = ctypes.CDLL("libcuda.so.1")
         for fn, argtypes in ((self.lib.cuMemcpyDtoHAsync_v2, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
@@ -104,6 +108,8 @@ class _CudaDriver:
 
     def current_stream(self) -> int:
         """The stream the forward was just enqueued on (the copies must queue behind it)."""
+        if self._raw_stream is not None:
+            return self._raw_stream(self._device_index)
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def copy_rows(self, copy: _LayerCopy, rows: int, stream: int) -> None:

@@ -4,12 +4,14 @@ No vLLM: the ops alone, on the GPU's compute stream, the way a step runs them. F
 row count (1, 8, 64, 1024 rows of Llama-3.1-8B's 4096-wide bf16 residual stream, two
 tapped layers of 8 probe slots):
 
-- ``torch op``: `torch.ops.probex.tap` as served (cast, add, addmm: three to four kernels
-  per layer), captured 200 steps to a CUDA graph and replayed: device microseconds per step;
-- ``fused``: the candidate one-kernel-per-layer Triton version of the same arithmetic,
-  captured the same way, with its largest difference from the torch op;
-- ``copies``: what the hand-off enqueues after the forward (one device-to-host copy per
-  layer into pinned memory, plus an event record), as stream time per step.
+- ``torch op``: the op's arithmetic in plain torch (`ops.tap_torch`: cast, add, addmm, three
+  to four kernels per layer), captured 200 steps to a CUDA graph and replayed: device
+  microseconds per step;
+- ``fused``: the Triton kernel the op runs on CUDA (`fused_tap.py`), captured the same way,
+  with its largest difference from the torch version;
+- ``copies``: the hand-off's calls after the forward (one device-to-host copy per layer into
+  pinned memory, plus an event record) issued back to back: per step, whichever is slower of
+  the host issuing them and the stream running them (the host, for these sizes).
 
 The engine benchmark (`probex bench engine`) shows the whole tap's cost in TPOT; this one
 says which part of the device time is the op's arithmetic and which the copies.
@@ -72,7 +74,7 @@ def _stream_us(fn, steps: int = 500) -> float:
 
 
 def measure(rows_list: list[int]) -> dict:
-    import engine_worker.ops  # noqa: F401  registers torch.ops.probex.tap
+    from engine_worker import fused_tap, ops
     from engine_worker.score_transfer import ScoreTransfer
 
     device = torch.device("cuda")
@@ -84,7 +86,7 @@ def measure(rows_list: list[int]) -> dict:
     fused_scores = [torch.zeros(max_rows, SLOTS, device=device) for _ in range(LAYERS)]
     empty_index = torch.zeros(0, dtype=torch.long, device=device)
     empty_capture = torch.zeros(0, HIDDEN, device=device)
-    fused = _fused_tap()
+    fused = fused_tap.scores if fused_tap.triton is not None else None
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": HIDDEN,
                  "slots": SLOTS, "layers": LAYERS, "rows": {}}
     for rows in rows_list:
@@ -93,8 +95,8 @@ def measure(rows_list: list[int]) -> dict:
 
         def torch_step():
             for layer in range(LAYERS):
-                torch.ops.probex.tap(hidden, residual, weight[layer], bias[layer], scores[layer],
-                                     empty_index, empty_capture)
+                ops.tap_torch(hidden, residual, weight[layer], bias[layer], scores[layer],
+                              empty_index, empty_capture)
 
         entry = {"torch_op_us": _graph_us(torch_step)}
         if fused is not None:
@@ -129,42 +131,6 @@ def measure(rows_list: list[int]) -> dict:
         out["rows"][str(rows)] = {k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}
         print(f"rows {rows:5d}: " + ", ".join(f"{k} {v:.3g}" for k, v in out["rows"][str(rows)].items()), flush=True)
     return out
-
-
-def _fused_tap():
-    """(hidden, residual, weight, bias, out) -> out[:rows] = (hidden + residual) @ weight.T + bias,
-    in fp32, one Triton kernel; None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def kernel(h_ptr, r_ptr, w_ptr, b_ptr, out_ptr, width, h_stride, r_stride, out_stride,
-               SLOTS_P2: tl.constexpr, n_slots, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        slots = tl.arange(0, SLOTS_P2)
-        slot_ok = slots < n_slots
-        acc = tl.zeros([SLOTS_P2, BLOCK], dtype=tl.float32)
-        for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            col_ok = cols < width
-            x = (tl.load(h_ptr + row * h_stride + cols, mask=col_ok, other=0.0).to(tl.float32)
-                 + tl.load(r_ptr + row * r_stride + cols, mask=col_ok, other=0.0).to(tl.float32))
-            w = tl.load(w_ptr + slots[:, None] * width + cols[None, :], mask=slot_ok[:, None] & col_ok[None, :],
-                        other=0.0)
-            acc += w * x[None, :]
-        total = tl.sum(acc, axis=1) + tl.load(b_ptr + slots, mask=slot_ok, other=0.0)
-        tl.store(out_ptr + row * out_stride + slots, total, mask=slot_ok)
-
-    def run(hidden, residual, weight, bias, out):
-        rows, width = hidden.shape
-        n_slots = weight.shape[0]
-        kernel[(rows,)](hidden, residual, weight, bias, out, width, hidden.stride(0), residual.stride(0),
-                        out.stride(0), SLOTS_P2=triton.next_power_of_2(n_slots), n_slots=n_slots, BLOCK=512)
-
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -336,6 +336,10 @@ def test_the_cuda_driver_calls_match_the_driver_api(monkeypatch):
     stream = type("Stream", (), {"cuda_stream": 99, "synchronize": lambda self: None})()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    asked = []
+    # the raw current-stream handle, as torch's own generated code reads it (absent from CPU builds)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: asked.append(index) or 99,
+                        raising=False)
     driver = score_transfer._CudaDriver(torch.device("cuda", 0))
     assert library.cuMemcpyDtoHAsync_v2.argtypes == [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
     assert library.cuEventRecord.argtypes == [ctypes.c_void_p, ctypes.c_void_p]
@@ -344,7 +348,7 @@ def test_the_cuda_driver_calls_match_the_driver_api(monkeypatch):
     source, target = torch.zeros(8, 4), torch.zeros(8, 4)
     copy = score_transfer._LayerCopy(source, target, 0x1000, 0x2000, 16)
     driver.copy_rows(copy, 3, driver.current_stream())
-    assert calls[-1] == ("cuMemcpyDtoHAsync_v2", (0x2000, 0x1000, 48, 99))
+    assert calls[-1] == ("cuMemcpyDtoHAsync_v2", (0x2000, 0x1000, 48, 99)) and asked == [0]
     driver.record(event, 99)
     assert calls[-1] == ("cuEventRecord", (event, 99))
     driver.bind_thread()

@@ -81,3 +81,50 @@ def test_op_reads_hidden_plus_residual_in_fp32_and_leaves_its_inputs_alone():
         expected = stream @ tap.weight.t() + tap.bias
         torch.testing.assert_close(tap.scores[:5], expected, rtol=0, atol=1e-5)
         assert torch.equal(hidden, before_h) and torch.equal(residual, before_r), dtype
+
+
+_FUSED_CHECK = r"""
+import torch
+from engine_worker import fused_tap, ops
+
+g = torch.Generator().manual_seed(0)
+# a row stride wider than the row (a view, as the model's tensors can be), 6 slots (not a power
+# of two) and a width that is not a multiple of the kernel's block
+base = torch.randn(5, 1100, generator=g).to(torch.bfloat16)
+hidden = base[:, :1000]
+residual = torch.randn(5, 1000, generator=g).to(torch.bfloat16)
+weight = torch.randn(6, 1000, generator=g)
+bias = torch.randn(6, generator=g)
+fused, reference = torch.full((8, 6), -7.0), torch.full((8, 6), -7.0)
+fused_tap.scores(hidden, residual, weight, bias, fused)
+ops.tap_torch(hidden, residual, weight, bias, reference, torch.zeros(0, dtype=torch.long), torch.zeros(0, 1000))
+assert (fused[5:] == -7.0).all(), "rows past the step must be left alone"
+diff = (fused[:5] - reference[:5]).abs().max().item()
+scale = reference[:5].abs().max().item()
+assert diff < 1e-5 * max(scale, 1.0), (diff, scale)
+fused_tap.scores(hidden[:0], residual[:0], weight, bias, fused)  # an empty step launches nothing
+print("ok", diff)
+"""
+
+
+def test_fused_kernel_computes_what_the_torch_version_does():
+    """The Triton kernel the op runs on CUDA, executed by Triton's CPU interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")  # read when the kernel is defined: a fresh process
+    proc = subprocess.run([sys.executable, "-c", _FUSED_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr[-3000:]
+
+
+def test_fused_kernel_is_only_used_for_cuda_tensors_and_can_be_turned_off(monkeypatch):
+    from engine_worker import fused_tap
+
+    rows = torch.zeros(2, 8, dtype=torch.bfloat16)
+    weight, out = torch.zeros(3, 8), torch.zeros(4, 3)
+    assert not fused_tap.applies(rows, rows, weight, out)  # CPU tensors: the torch version
+    monkeypatch.setenv(fused_tap.ENV_TAP_KERNEL, "torch")
+    assert not fused_tap.enabled()
+    monkeypatch.setenv(fused_tap.ENV_TAP_KERNEL, "triton")
+    assert fused_tap.enabled() is (fused_tap.triton is not None)
