@@ -27,10 +27,12 @@ probes see its effect, which is what the steer-active check compares.
 
 Each set-up is driven at each concurrency (default 1, 8, 64) through ``/v1/completions``
 with streaming: random-token prompts (fixed seed, the same for every set-up), greedy,
-``ignore_eos`` so every request generates exactly ``--output-len`` tokens. At concurrency c,
-c clients each send one request after another; their first requests are spread evenly over
-one request's duration (measured in the warm-up, ``--arrivals staggered``), so requests keep
-arriving spread out instead of in lock-step waves of c. Reported per
+``ignore_eos`` so every request generates exactly the tokens it asks for: ``--output-len`` x
+U[0.5, 1.5] per request (``--output-len-spread``, seeded, the same for every set-up). At
+concurrency c, c clients each send one request after another; their first requests are spread
+evenly over one request's duration (measured in the warm-up, ``--arrivals staggered``). Both
+keep requests arriving spread out instead of in lock-step waves of c, which made TTFT at 8
+and 64 streams swing by tens of percent between identical runs. Reported per
 set-up and concurrency: TTFT, TPOT, ITL (p50/p99), output tokens/s, failures, score
 coverage (tap and steer set-ups), the load generator's own CPU use, and vLLM's own
 server-side means from ``/metrics``. Then the overhead of every set-up over plain, and of
@@ -319,6 +321,7 @@ class RequestResult:
     same_read_chunks: int = 0  # token chunks that arrived in the same network read as the previous one
     max_token_id: int = -1
     usage_tokens: int | None = None
+    expected_tokens: int | None = None  # the request's max_tokens (ignore_eos: exactly that many)
     has_scores: bool = False
     scored_tokens: int = 0  # generated tokens with a finite score from every expected probe
     prompt_scored_probes: int = 0
@@ -374,10 +377,31 @@ def summarize(results: Sequence[RequestResult], wall_s: float, client_cpu_s: flo
         # dummy weights sample from the model's whole vocabulary, beyond the tokenizer's
         "max_generated_token_id": max((r.max_token_id for r in ok), default=-1),
     }
-    if expected_tokens is not None:
+    def expected(r: RequestResult) -> int | None:
+        return r.expected_tokens if r.expected_tokens is not None else expected_tokens
+
+    if expected_tokens is not None or any(r.expected_tokens is not None for r in ok):
+        out["expected_output_tokens"] = sum(expected(r) or 0 for r in ok)
         out["requests_with_wrong_token_count"] = sum(
-            1 for r in ok if r.output_tokens != expected_tokens or (r.usage_tokens not in (None, expected_tokens)))
+            1 for r in ok if r.output_tokens != expected(r) or (r.usage_tokens not in (None, expected(r))))
     return out
+
+
+def output_lengths(count: int, output_len: int, spread: float, seed: int) -> list[int]:
+    """Each request's output length: `output_len` when `spread` is 0, else drawn uniformly from
+    output_len x [1 - spread, 1 + spread] (seeded: the same lengths for every set-up).
+
+    Equal lengths keep clients in step: requests that started together end together and the
+    next ones arrive together, so a wave that forms (one slow step is enough) stays, and TTFT
+    at 64 streams depends on how the waves happened to form (69-289 ms for plain vLLM across
+    three runs with equal lengths). Unequal lengths dissolve waves."""
+    if not 0 <= spread < 1:
+        raise ValueError("the output length spread must be in [0, 1)")
+    if spread == 0:
+        return [output_len] * count
+    rng = np.random.default_rng(seed)
+    low, high = max(1, round(output_len * (1 - spread))), max(1, round(output_len * (1 + spread)))
+    return rng.integers(low, high + 1, size=count).tolist()
 
 
 def score_coverage(results: Sequence[RequestResult], expected_probes: int) -> dict[str, Any]:
@@ -571,8 +595,8 @@ def completion_body(model: str, prompt: list[int], max_tokens: int,
     return body
 
 
-async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurrency: int, max_tokens: int,
-                    probe_names: Sequence[str] | None,
+async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurrency: int,
+                    max_tokens: int | Sequence[int], probe_names: Sequence[str] | None,
                     xargs: dict[str, Any] | None = None,
                     spread_s: float = 0.0) -> tuple[list[RequestResult], float, float]:
     """All prompts, `concurrency` in flight at a time; returns results, wall seconds, client CPU seconds.
@@ -581,6 +605,7 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
     all at once (see `arrival_spread_s`)."""
     results: list[RequestResult | None] = [None] * len(prompts)
     order = iter(range(len(prompts)))  # shared by the workers: one event loop, no locking needed
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
 
     async with _Transport(concurrency) as transport:
         async def worker(k: int) -> None:
@@ -588,7 +613,8 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
                 await asyncio.sleep(k * spread_s / concurrency)
             for i in order:
                 results[i] = await one_request(transport, url + "/v1/completions",
-                                               completion_body(model, prompts[i], max_tokens, xargs), probe_names)
+                                               completion_body(model, prompts[i], lengths[i], xargs), probe_names)
+                results[i].expected_tokens = lengths[i]
 
         cpu0, t0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
@@ -988,7 +1014,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   warmup: dict[int, int], input_len: int, output_len: int, seed: int,
                   probe_names: Sequence[str], record: dict[str, Any], save: Callable[[], None],
                   save_itl: bool, probe_layers: dict[str, int] | None = None,
-                  steer: SteerBench | None = None, staggered: bool = True) -> None:
+                  steer: SteerBench | None = None, staggered: bool = True, length_spread: float = 0.0) -> None:
     import httpx
 
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -1019,10 +1045,11 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                                                    output_len if spreads else min(output_len, 16), None, xargs))
         spread = arrival_spread_s(warm_results) if spreads else 0.0
         prompts = random_prompts(num_prompts[c], input_len, seed * 1_000_003 + c * 2)
+        lengths = output_lengths(num_prompts[c], output_len, length_spread, seed * 1_000_003 + c * 2 + 7)
         before = scrape_server_metrics(server.url)
         health_before = probex_health(server.url) if worker else None
         ticks_before, phase_began = group_cpu_ticks(server.proc.pid), time.monotonic()
-        results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, output_len, expect, xargs,
+        results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, lengths, expect, xargs,
                                                    spread_s=spread))
         server_cpu = group_cpu_cores(ticks_before, group_cpu_ticks(server.proc.pid), time.monotonic() - phase_began)
         entry = summarize(results, wall, cpu, expected_tokens=output_len)
@@ -1038,7 +1065,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         entry["per_request"] = [
             {"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
              "e2e_ms": r.e2e_s * 1e3,
-             "tokens": r.output_tokens, "chunks": len(r.chunk_tokens), "error": r.error,
+             "tokens": r.output_tokens, "expected_tokens": r.expected_tokens, "chunks": len(r.chunk_tokens), "error": r.error,
              **({"itl_ms": [round(g * 1e3, 4) for g in r.itl_s]} if save_itl else {})}
             for r in results
         ]
@@ -1109,7 +1136,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          "output_len": args.output_len, "concurrency": concurrencies,
                          "num_prompts": {str(c): n for c, n in num_prompts.items()},
                          "warmup_requests": {str(c): n for c, n in warmup.items()},
-                         "arrivals": args.arrivals,
+                         "arrivals": args.arrivals, "output_len_spread": args.output_len_spread,
                          "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
             "engine_args": engine_args,
             "client": {"http": "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx",
@@ -1142,7 +1169,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{plan.label}: ready in {record['startup_s']} s", flush=True)
                 measure_setup(server, plan, concurrencies, num_prompts, warmup, args.input_len, args.output_len,
                               args.seed, probe_names, record, save, args.save_itl,
-                              {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered")
+                              {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered",
+                              length_spread=args.output_len_spread)
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
                 record["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
                 print(f"{plan.label}: FAILED: {record['error']}", flush=True)
@@ -1265,7 +1293,7 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                 problems.append(f"{label} c={c}: {e['failed']} failed requests ({'; '.join(e.get('errors', []))})")
             if e.get("requests_with_wrong_token_count"):
                 problems.append(f"{label} c={c}: {e['requests_with_wrong_token_count']} requests without exactly "
-                                "--output-len tokens")
+                                "the tokens they asked for")
             scores = e.get("scores")
             if scores is not None and (scores["coverage"] != 1.0
                                        or scores["requests_with_all_prompt_scores"] != scores["requests"]
@@ -1525,6 +1553,9 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the method of the session 1-5 runs)")
     parser.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1024)")
     parser.add_argument("--output-len", type=int, default=None, help="generated tokens per request (default 256)")
+    parser.add_argument("--output-len-spread", type=float, default=0.5, metavar="S",
+                        help="measured requests generate output_len x U[1-S, 1+S] tokens, seeded, the same for every "
+                             "set-up (default 0.5; 0 = all exactly --output-len, the method of the session 1-5 runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runner", choices=sorted(RUNNERS), default="default",
                         help=f"{RUNNER_ENV}: unset (default) / 0 (v1) / 1 (v2)")

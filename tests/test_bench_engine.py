@@ -338,6 +338,26 @@ def test_clients_start_spread_over_the_given_window_or_together():
     assert together[-1] - together[0] < 0.08, together
 
 
+def test_output_lengths_are_seeded_and_spread_around_the_output_len():
+    lengths = be.output_lengths(400, 256, 0.5, seed=3)
+    assert lengths == be.output_lengths(400, 256, 0.5, seed=3)  # the same for every set-up
+    assert min(lengths) >= 128 and max(lengths) <= 384 and len(set(lengths)) > 50
+    assert abs(np.mean(lengths) - 256) < 15
+    assert be.output_lengths(3, 256, 0.0, seed=3) == [256, 256, 256]
+    assert min(be.output_lengths(50, 2, 0.9, seed=1)) >= 1
+    with pytest.raises(ValueError):
+        be.output_lengths(3, 256, 1.0, seed=3)
+
+
+def test_wrong_token_counts_are_judged_against_each_requests_own_length():
+    def done(tokens, asked):
+        return be.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, token_times_s=[0.01], chunk_tokens=[tokens],
+                                expected_tokens=asked)
+
+    entry = be.summarize([done(5, 5), done(7, 7), done(6, 8)], wall_s=1.0, client_cpu_s=0.0, expected_tokens=256)
+    assert entry["expected_output_tokens"] == 20 and entry["requests_with_wrong_token_count"] == 1
+
+
 def test_arrival_spread_is_the_median_duration_of_the_warm_up_that_succeeded():
     def done(e2e, ok=True):
         return be.RequestResult(ok=ok, e2e_s=e2e)
@@ -534,7 +554,10 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
         for c, e in setup["results"].items():
             where = f"{setup['label']} c={c}"
             assert e["failed"] == 0 and e["requests_with_wrong_token_count"] == 0, where
-            assert e["output_tokens"] == workload["num_prompts"][c] * workload["output_len"], where
+            # lengths spread around --output-len, each request got exactly what it asked for
+            lengths = [r["expected_tokens"] for r in e["per_request"]]
+            assert e["output_tokens"] == e["expected_output_tokens"] == sum(lengths), where
+            assert len(set(lengths)) > 1 and all(4 <= n <= 12 for n in lengths), (where, lengths)
             for key in ("ttft_ms", "e2e_ms"):
                 assert all(math.isfinite(v) and v > 0 for v in e[key].values()), (where, key, e[key])
             assert e["output_tokens_per_s"] > 0, where
