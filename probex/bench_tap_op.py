@@ -9,9 +9,11 @@ tapped layers of 8 probe slots):
   microseconds per step;
 - ``fused``: the Triton kernel the op runs on CUDA (`fused_tap.py`), captured the same way,
   with its largest difference from the torch version;
-- ``copies``: the hand-off's calls after the forward (one device-to-host copy per layer into
-  pinned memory, plus an event record) issued back to back: per step, whichever is slower of
-  the host issuing them and the stream running them (the host, for these sizes).
+- ``copies_issue``: the hand-off's calls after the forward (one device-to-host copy per layer
+  into pinned memory, plus an event record) issued back to back: per step, whichever is slower
+  of the host issuing them and the stream running them (the host, for these sizes);
+- ``copies_device`` / ``one_copy_device``: the copies alone inside a CUDA graph, so device
+  time only: one per layer as served, and one copy of both layers' rows side by side.
 
 The engine benchmark (`probex bench engine`) shows the whole tap's cost in TPOT; this one
 says which part of the device time is the op's arithmetic and which the copies.
@@ -127,7 +129,23 @@ def measure(rows_list: list[int]) -> dict:
             driver.record(slot.ready.handle, stream)
             transfer._free.put(slot)
 
-        entry["copies_us"] = _stream_us(tiny_and_copies) - _stream_us(tiny)
+        entry["copies_issue_us"] = _stream_us(tiny_and_copies) - _stream_us(tiny)
+        # The copies' own device time: captured in a CUDA graph (device-to-host copies into
+        # pinned memory are capturable), so no host issue time is in it. One copy per layer,
+        # as served, and one copy of both layers' rows laid side by side, the alternative.
+        pinned = [torch.empty(max_rows, SLOTS, pin_memory=True) for _ in range(LAYERS)]
+        side_by_side = torch.zeros(max_rows, SLOTS * LAYERS, device=device)
+        pinned_wide = torch.empty(max_rows, SLOTS * LAYERS, pin_memory=True)
+
+        def copy_per_layer():
+            for layer in range(LAYERS):
+                pinned[layer][:rows].copy_(scores[layer][:rows], non_blocking=True)
+
+        def copy_once():
+            pinned_wide[:rows].copy_(side_by_side[:rows], non_blocking=True)
+
+        entry["copies_device_us"] = _graph_us(copy_per_layer)
+        entry["one_copy_device_us"] = _graph_us(copy_once)
         out["rows"][str(rows)] = {k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}
         print(f"rows {rows:5d}: " + ", ".join(f"{k} {v:.3g}" for k, v in out["rows"][str(rows)].items()), flush=True)
     return out

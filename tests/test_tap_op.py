@@ -128,3 +128,11 @@ def test_fused_kernel_is_only_used_for_cuda_tensors_and_can_be_turned_off(monkey
     assert not fused_tap.enabled()
     monkeypatch.setenv(fused_tap.ENV_TAP_KERNEL, "triton")
     assert fused_tap.enabled() is (fused_tap.triton is not None)
+
+
+def test_the_op_microbenchmark_says_it_needs_a_gpu_here(capsys):
+    from probex import bench_tap_op
+
+    assert not torch.cuda.is_available()  # the CPU machines that run this suite
+    assert bench_tap_op.main(["--rows", "1"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
