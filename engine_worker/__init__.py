@@ -1,7 +1,8 @@
 """ProbeX engine worker: an in-graph probe tap for vLLM plus per-request score delivery.
 
 Module map (engine internals are touched only by the `vllm_*` modules):
-- ops.py            torch.ops.probex.tap / .steer custom ops (graph-capturable, CPU + CUDA in plain torch)
+- ops.py            torch.ops.probex.tap / .steer custom ops (graph-capturable; plain torch on CPU)
+- fused_tap.py      the tap's arithmetic as one Triton kernel per layer and step, used by ops.py on CUDA
 - tap.py            static buffers per tapped layer and the probe slots they hold
 - steer.py          static buffers per steered layer: vector table, per-row alpha / vector / gate values
 - steering.py       per-request steering settings (probex_steer* xargs), windows, cache salt (torch-free)

@@ -304,8 +304,12 @@ class TapController:
         if self._capture_plan:
             # Capture is an offline extraction mode: a synchronous read is fine there.
             captured = {layer: tap.capture.cpu().numpy() for layer, tap in self.taps.items()}
+        if num_rows is None:
+            if not isinstance(layout, StepLayout):
+                raise TypeError("after_forward: a layout handed over as a function needs the step's num_rows")
+            num_rows = layout.num_rows
         context = (layout, self.table, list(finished), self._capture_plan, captured)
-        self.transfer.submit(layout.num_rows if num_rows is None else num_rows, context)
+        self.transfer.submit(num_rows, context)
 
     def forget(self, finished: set[str] | list[str]) -> None:
         for req_id in finished:
@@ -329,7 +333,7 @@ class TapController:
         a captured prompt is complete."""
         layout, table, finished, capture_plan, captured = step.context
         if not isinstance(layout, StepLayout):
-            layout = layout()  # built here, off the engine thread (see after_forward)
+            layout = self._build_layout(layout, step.rows, table, finished)
         raw = gather_scores(table, step.rows, step.scores())
         if self.capture_dir is not None:
             events = self.book.record_step(layout, table, raw)
@@ -340,6 +344,23 @@ class TapController:
                 self._capture_requests.pop(req_id, None)
         if self.publish is not None and (layout.req_ids or finished):
             self.publish(step_message(table, layout, raw, list(finished)))
+
+    def _build_layout(self, build: Callable[[], StepLayout], rows: int, table: ProbeTable,
+                      finished: list[str]) -> StepLayout:
+        """A layout handed over as a function, built here, off the engine thread. If that fails
+        or disagrees with the rows copied, the step's scores cannot be placed; the requests
+        that ended with it are still announced, so nobody waits for them, and the step counts
+        as a consume error."""
+        try:
+            layout = build()
+            if layout.num_rows != rows:
+                raise ValueError(f"the step's layout has {layout.num_rows} rows, {rows} were copied")
+            return layout
+        except Exception:
+            if self.publish is not None and finished:
+                self.publish(step_message(table, StepLayout.empty(), np.zeros((0, len(table.slots)), np.float32),
+                                          finished))
+            raise
 
     def _collect_capture(self, layout: StepLayout, events, capture_plan, captured: dict[int, np.ndarray]) -> None:
         prompt_len = dict(zip(layout.req_ids, layout.num_prompt.tolist()))

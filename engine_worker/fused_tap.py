@@ -21,7 +21,7 @@ import os
 import torch
 
 ENV_TAP_KERNEL = "PROBEX_TAP_KERNEL"
-BLOCK = 512  # hidden elements per iteration: 4096 wide models take 8 iterations
+MAX_BLOCK = 512  # hidden elements per iteration at 8 slots: 4096 wide models take 8 iterations
 
 try:
     import triton
@@ -55,21 +55,44 @@ def enabled() -> bool:
     return triton is not None and os.environ.get(ENV_TAP_KERNEL, "triton") != "torch"
 
 
-def applies(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scores_out: torch.Tensor) -> bool:
-    """Whether `scores` can run: CUDA tensors, rows contiguous along the hidden dimension, fp32
-    weights and output in the layout the kernel indexes."""
+def applies(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+            scores_out: torch.Tensor) -> bool:
+    """Whether the op should run `scores`: the kernel is on, the tensors are on a CUDA device
+    and laid out as the kernel indexes them (`layout_fits`)."""
+    return _ENABLED and hidden.is_cuda and layout_fits(hidden, residual, weight, bias, scores_out)
+
+
+def layout_fits(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                scores_out: torch.Tensor) -> bool:
+    """The kernel reads row r of hidden / residual at r x row stride (elements contiguous), the
+    weights as [slots, width] rows packed back to back, one bias per slot, and writes
+    scores_out[r, :slots] for r < rows. Anything else goes to the torch version."""
+    if hidden.dim() != 2 or weight.dim() != 2 or bias.dim() != 1 or scores_out.dim() != 2:
+        return False
+    rows, width = hidden.shape
+    slots = weight.shape[0]
     return (
-        _ENABLED
-        and hidden.is_cuda
-        and hidden.dim() == 2
-        and hidden.stride(1) == 1
+        hidden.stride(1) == 1
         and residual.shape == hidden.shape
         and residual.stride(1) == 1
+        and residual.device == hidden.device
+        and weight.shape[1] == width
         and weight.dtype == torch.float32
         and weight.is_contiguous()
+        and bias.dtype == torch.float32
+        and bias.shape[0] == slots
+        and bias.stride(0) == 1
         and scores_out.dtype == torch.float32
         and scores_out.is_contiguous()
+        and scores_out.shape[1] == slots
+        and scores_out.shape[0] >= rows
     )
+
+
+def block_for(slots: int) -> int:
+    """Hidden elements per iteration: the accumulator holds slots x block fp32 values, so more
+    slots take narrower blocks (8 slots: 512; 64: 64) and the kernel stays in registers."""
+    return max(32, min(MAX_BLOCK, 4096 // triton.next_power_of_2(slots)))
 
 
 def scores(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -80,7 +103,8 @@ def scores(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, b
         return
     n_slots = weight.shape[0]
     _tap_rows[(rows,)](hidden, residual, weight, bias, scores_out, width, hidden.stride(0), residual.stride(0),
-                       scores_out.stride(0), n_slots, SLOTS_P2=triton.next_power_of_2(n_slots), BLOCK=BLOCK)
+                       scores_out.stride(0), n_slots, SLOTS_P2=triton.next_power_of_2(n_slots),
+                       BLOCK=block_for(n_slots))
 
 
 _ENABLED = enabled()

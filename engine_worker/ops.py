@@ -12,8 +12,9 @@ of the step and
 The op mutates only its declared buffers, never reads a value back to the host and
 allocates nothing that outlives the call, so torch.compile keeps it inside the
 compiled graph and CUDA graphs can replay it. On CUDA the scores come from one Triton
-kernel (`fused_tap.py`); on CPU, in capture mode, and with PROBEX_TAP_KERNEL=torch from
-plain torch (`tap_torch`), the same arithmetic.
+kernel (`fused_tap.py`; capture rows, if any, are gathered with torch next to it); on CPU
+and with PROBEX_TAP_KERNEL=torch everything comes from plain torch (`tap_torch`), the same
+arithmetic.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def tap(
     capture_out: torch.Tensor,
 ) -> None:
     rows = hidden.shape[0]
-    if fused_tap.applies(hidden, residual, weight, scores_out):
+    if fused_tap.applies(hidden, residual, weight, bias, scores_out):
         fused_tap.scores(hidden, residual, weight, bias, scores_out)  # one kernel on CUDA
         if capture_out.shape[0] > 0 and rows > 0:
             # Only the selected rows' stream is formed (clamped as in tap_torch), the same fp32 sum.
@@ -49,7 +50,8 @@ def tap(
 
 def tap_torch(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
               scores_out: torch.Tensor, capture_index: torch.Tensor, capture_out: torch.Tensor) -> None:
-    """The tap in plain torch: CPU, capture mode, and the reference for the fused kernel."""
+    """The tap in plain torch: CPU, layouts the kernel does not take, PROBEX_TAP_KERNEL=torch,
+    and the reference for the fused kernel."""
     rows = hidden.shape[0]
     if hidden.dtype == torch.float32:
         stream = hidden + residual.float()  # never in place: `hidden` is the model's own tensor

@@ -118,7 +118,7 @@ def _scores_after_forward(execute_model):
         num_rows = None
         if batch is not None:  # scores only: the layout is built on the transfer thread
             if controller.reads_scores:
-                layout, num_rows = _deferred_step_layout(self, batch), batch.num_tokens
+                layout, num_rows = _deferred_step_layout(self, batch)
             else:
                 layout = StepLayout.empty()
             controller.layout_s += time.perf_counter() - started
@@ -137,27 +137,32 @@ def _scores_after_forward(execute_model):
 
 
 def _step_layout(runner, batch) -> StepLayout:
-    return _layout_of(batch, _prompt_lens(runner, batch))
+    return _layout_of(*_step_arrays(runner, batch))
 
 
-def _deferred_step_layout(runner, batch) -> Callable[[], StepLayout]:
-    """The layout as a function for the transfer thread. Everything it reads is the step's own:
-    `prepare_inputs` builds the batch's request ids, token counts and computed-token counts
-    afresh every step (the computed counts by fancy indexing, a copy), so only the prompt
-    lengths, which live in the runner's per-slot state, are copied out now (a slot is reused
-    once its request ends)."""
-    return functools.partial(_layout_of, batch, _prompt_lens(runner, batch))
+def _deferred_step_layout(runner, batch) -> tuple[Callable[[], StepLayout], int]:
+    """The layout as a function for the transfer thread, and the step's row count. What the
+    function reads is the step's own: `prepare_inputs` builds the batch's request ids, token
+    counts and computed-token counts afresh every step (the computed counts by fancy
+    indexing, a copy; vLLM 0.25 and 0.32), so only the prompt lengths, which live in the
+    runner's per-slot state, are copied out now (a slot is reused once its request ends)."""
+    arrays = _step_arrays(runner, batch)
+    # Rows are the scheduled tokens, as the layout counts them (batch.num_tokens can be fewer
+    # with speculative decoding's adaptive verification).
+    return functools.partial(_layout_of, *arrays), int(arrays[1].sum())
 
 
-def _prompt_lens(runner, batch) -> np.ndarray:
-    return runner.req_states.prompt_len.np[batch.idx_mapping_np[: batch.num_reqs]]  # fancy index: a copy
-
-
-def _layout_of(batch, prompt_lens: np.ndarray) -> StepLayout:
+def _step_arrays(runner, batch) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
     n = batch.num_reqs
+    return (batch.req_ids[:n], batch.num_scheduled_tokens[:n], batch.num_computed_tokens_np[:n],
+            runner.req_states.prompt_len.np[batch.idx_mapping_np[:n]])  # fancy index: a copy
+
+
+def _layout_of(req_ids: list, num_scheduled: np.ndarray, num_computed: np.ndarray,
+               prompt_lens: np.ndarray) -> StepLayout:
     return StepLayout(
-        req_ids=list(batch.req_ids[:n]),
-        num_scheduled=np.asarray(batch.num_scheduled_tokens[:n], dtype=np.int64),
-        num_computed=np.asarray(batch.num_computed_tokens_np[:n], dtype=np.int64),
-        num_prompt=prompt_lens.astype(np.int64),
+        req_ids=list(req_ids),
+        num_scheduled=np.asarray(num_scheduled, dtype=np.int64),
+        num_computed=np.asarray(num_computed, dtype=np.int64),
+        num_prompt=np.asarray(prompt_lens, dtype=np.int64),
     )

@@ -32,7 +32,9 @@ U[0.5, 1.5] per request (``--output-len-spread``, seeded, the same for every set
 concurrency c, c clients each send one request after another; their first requests are spread
 evenly over one request's duration (measured in the warm-up, ``--arrivals staggered``). Both
 keep requests arriving spread out instead of in lock-step waves of c, which made TTFT at 8
-and 64 streams swing by tens of percent between identical runs. Reported per
+and 64 streams swing by tens of percent between identical runs. (Output tokens/s is over the
+phase's wall time, ramp-up included, so it reads lower than in runs with ``--arrivals
+together``; between set-ups of one run it compares like with like.) Reported per
 set-up and concurrency: TTFT, TPOT, ITL (p50/p99), output tokens/s, failures, score
 coverage (tap and steer set-ups), the load generator's own CPU use, and vLLM's own
 server-side means from ``/metrics``. Then the overhead of every set-up over plain, and of
@@ -605,7 +607,7 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
     all at once (see `arrival_spread_s`)."""
     results: list[RequestResult | None] = [None] * len(prompts)
     order = iter(range(len(prompts)))  # shared by the workers: one event loop, no locking needed
-    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    lengths = [int(max_tokens)] * len(prompts) if np.ndim(max_tokens) == 0 else [int(n) for n in max_tokens]
 
     async with _Transport(concurrency) as transport:
         async def worker(k: int) -> None:
@@ -811,17 +813,24 @@ def group_cpu_ticks(pgid: int) -> dict[int, dict[str, Any]]:
     from /proc: {pid: {"name": comm, "threads": {tid: ticks}}}. Linux only; {} elsewhere."""
     out: dict[int, dict[str, Any]] = {}
     for pid in _group_members(pgid):
-        task = Path(f"/proc/{pid}/task")
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
-            threads = {}
-            for stat in task.glob("*/stat"):
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                threads[int(stat.parent.name)] = int(fields[11]) + int(fields[12])  # utime + stime
-        except OSError:  # the process or a thread ended meanwhile
+            total = _cpu_ticks(Path(f"/proc/{pid}/stat"))  # all threads, ended ones included
+        except OSError:  # the process ended meanwhile
             continue
-        out[pid] = {"name": name, "threads": threads}
+        threads = {}
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                threads[int(stat.parent.name)] = _cpu_ticks(stat)
+            except OSError:  # that thread ended meanwhile; its time is in the process total
+                continue
+        out[pid] = {"name": name, "total": total, "threads": threads}
     return out
+
+
+def _cpu_ticks(stat: Path) -> int:
+    fields = stat.read_text().rsplit(")", 1)[1].split()  # the name in parentheses may hold anything
+    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def group_cpu_cores(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]],
@@ -832,9 +841,12 @@ def group_cpu_cores(before: dict[int, dict[str, Any]], after: dict[int, dict[str
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     rows = []
     for pid, now in sorted(after.items()):
-        then = before.get(pid, {"threads": {}})["threads"]
+        earlier = before.get(pid)
+        if earlier is None:  # started during the phase (or unreadable before): no baseline
+            continue
+        then = earlier["threads"]
         used = {tid: (t - then.get(tid, 0)) / tick / wall_s for tid, t in now["threads"].items()}
-        total = sum(used.values())
+        total = (now["total"] - earlier["total"]) / tick / wall_s
         if total < 0.01:
             continue  # idle helpers (resource trackers, the watchdog's shell)
         others = [v for tid, v in used.items() if tid != pid]
@@ -1055,6 +1067,8 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         entry = summarize(results, wall, cpu, expected_tokens=output_len)
         entry["server_cpu"] = server_cpu
         entry["arrival_spread_s"] = round(spread, 4)
+        if spreads and spread == 0:  # no warm-up request succeeded: the clients started together
+            entry["arrivals_not_spread"] = True
         entry["server"] = server_means_ms(before, scrape_server_metrics(server.url))
         if health_before is not None:
             entry["delivery"] = delivery_delta(health_before, probex_health(server.url))
@@ -1347,6 +1361,9 @@ def find_warnings(setups: Sequence[dict[str, Any]]) -> list[str]:
             warnings.append(f"{s['label']}: the gate never opened on the check prompts (prompt scores after the "
                             "write unchanged)")
         for c, e in s.get("results", {}).items():
+            if e.get("arrivals_not_spread"):
+                warnings.append(f"{s['label']} c={c}: no warm-up request succeeded, so the clients started together "
+                                "(TTFT then measures a wave's prefill queue)")
             if e.get("client_busy_cores", 0) > 0.8:
                 warnings.append(f"{s['label']} c={c}: the load generator was busy {e['client_busy_cores']:.2f} of a "
                                 "core (it may be the bottleneck)")

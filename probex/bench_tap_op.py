@@ -146,7 +146,9 @@ def measure(rows_list: list[int]) -> dict:
 
         entry["copies_device_us"] = _graph_us(copy_per_layer)
         entry["one_copy_device_us"] = _graph_us(copy_once)
-        out["rows"][str(rows)] = {k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}
+        # four significant digits for times; differences as measured (a rounded 0.0 says nothing)
+        out["rows"][str(rows)] = {k: v if k.endswith("diff") or not isinstance(v, float) else float(f"{v:.4g}")
+                                  for k, v in entry.items()}
         print(f"rows {rows:5d}: " + ", ".join(f"{k} {v:.3g}" for k, v in out["rows"][str(rows)].items()), flush=True)
     return out
 

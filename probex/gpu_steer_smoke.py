@@ -90,9 +90,9 @@ def body(model: str, prompt: str, max_tokens: int, xargs: dict, **extra) -> dict
             "logprobs": True, "top_logprobs": 2, **extra}
 
 
-def gate_bias_with_margin(raw: np.ndarray) -> tuple[float, float]:
-    """(bias, margin): a bias that puts the gate's threshold (raw 0 after the bias) in the
-    widest gap between the prompt rows' raw scores within their middle half, and the distance
+def gate_bias_with_margin(raw: np.ndarray, threshold_raw: float = 0.0) -> tuple[float, float]:
+    """(bias, margin): the bias that moves the widest gap between the prompt rows' raw scores
+    (bias excluded) within their middle half onto the gate's raw threshold, and the distance
     from there to the nearest row.
 
     The middle half keeps the gate open at some rows and shut at others; the widest gap keeps
@@ -107,8 +107,10 @@ def gate_bias_with_margin(raw: np.ndarray) -> tuple[float, float]:
     middle = values[low:min(high, values.size)]
     gaps = np.diff(middle)
     widest = int(np.argmax(gaps))
-    threshold = float((middle[widest] + middle[widest + 1]) / 2)
-    return -threshold, float(gaps[widest] / 2)
+    if gaps[widest] <= 0:
+        raise ValueError("the prompt rows' middle half has a single value: no gap to put the gate's threshold in")
+    midpoint = float((middle[widest] + middle[widest + 1]) / 2)
+    return threshold_raw - midpoint, float(gaps[widest] / 2)
 
 
 def calibrate(url: str, model: str, capture: Path, gate_probe: Path) -> dict:
@@ -128,10 +130,12 @@ def calibrate(url: str, model: str, capture: Path, gate_probe: Path) -> dict:
     for r in responses:
         (path,) = capture.glob(f"{r['id']}-*.safetensors")
         rows.append(load_file(str(path))["layer_10"])
+    from engine_worker.steering import raw_threshold
+
     probe = load_probe(gate_probe)
     first = rows[0].astype(np.float64)
     raw = np.concatenate([r.astype(np.float64) @ probe.weight for r in rows])
-    probe.bias, margin = gate_bias_with_margin(raw)
+    probe.bias, margin = gate_bias_with_margin(raw, raw_threshold(GATE_THRESHOLD, probe.slope, probe.intercept))
     save_probe(probe, gate_probe)
     return {"alpha": float(0.5 * np.linalg.norm(first, axis=1).mean()), "gate_bias": probe.bias,
             "gate_margin": margin, "gate_rows": int(raw.size)}

@@ -226,8 +226,8 @@ def report(result: dict) -> None:
         print(f"{label}: ready {run['ready_s']} s; log: " + ", ".join(f"{k} x{v['count']}" for k, v in log.items()))
         margin = (run.get("settings") or {}).get("gate_margin")
         if margin is not None:  # runs saved before the gate was placed in a gap have none
-            print(f"   gate threshold {margin:.3g} (raw) from the nearest of "
-                  f"{run['settings'].get('gate_rows')} prompt rows at calibration")
+            print(f"   gate threshold placed {margin:.3g} (raw score) away from the nearest of the "
+                  f"{run['settings'].get('gate_rows')} prompt rows it was calibrated on")
         if label in result.get("within", {}):
             w = result["within"][label]
             print(f"   zero==plain {w['zero_tokens_equal_plain']}/{w['prompts']}, steered differ "

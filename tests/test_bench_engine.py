@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -317,7 +318,7 @@ def _run_phase_arrivals(concurrency: int, spread_s: float) -> list[float]:
     arrivals: list[float] = []
     # each request lasts longer than the spread, as on a server: no client finishes and takes a
     # second prompt before the last one has started
-    script = [(0.45, _sse(_token_chunk([5], 0)) + b"data: [DONE]\n\n")]
+    script = [(1.0, _sse(_token_chunk([5], 0)) + b"data: [DONE]\n\n")]
 
     async def go():
         server, port = await _serve_script(script, arrivals)
@@ -331,11 +332,12 @@ def _run_phase_arrivals(concurrency: int, spread_s: float) -> list[float]:
 
 
 def test_clients_start_spread_over_the_given_window_or_together():
-    spread = _run_phase_arrivals(4, spread_s=0.4)  # clients start at 0, 0.1, 0.2, 0.3 s
-    assert len(spread) == 4 and all(b - a >= 0.08 for a, b in zip(spread, spread[1:])), spread
-    assert spread[-1] - spread[0] < 0.39, spread
+    spread = _run_phase_arrivals(4, spread_s=0.8)  # clients start at 0, 0.2, 0.4, 0.6 s
+    # generous margins: this suite shares two cores with engine processes
+    assert len(spread) == 4 and all(b - a >= 0.1 for a, b in zip(spread, spread[1:])), spread
+    assert spread[-1] - spread[0] < 0.79, spread
     together = _run_phase_arrivals(4, spread_s=0.0)
-    assert together[-1] - together[0] < 0.08, together
+    assert together[-1] - together[0] < 0.1, together
 
 
 def test_output_lengths_are_seeded_and_spread_around_the_output_len():
@@ -356,6 +358,23 @@ def test_wrong_token_counts_are_judged_against_each_requests_own_length():
 
     entry = be.summarize([done(5, 5), done(7, 7), done(6, 8)], wall_s=1.0, client_cpu_s=0.0, expected_tokens=256)
     assert entry["expected_output_tokens"] == 20 and entry["requests_with_wrong_token_count"] == 1
+
+
+def test_a_phase_whose_clients_could_not_be_spread_is_warned_about():
+    setup = {"label": "tap", "kind": "tap", "checks": {},
+             "results": {"8": {"arrivals_not_spread": True}, "64": {"arrival_spread_s": 3.6}}}
+    warnings = be.find_warnings([setup])
+    assert len(warnings) == 1 and warnings[0].startswith("tap c=8: no warm-up request succeeded")
+
+
+def test_process_cpu_without_a_baseline_is_left_out_and_ended_threads_still_count():
+    tick = os.sysconf("SC_CLK_TCK")
+    before = {10: {"name": "api", "total": 0, "threads": {10: 0, 11: 0}}}
+    # thread 11 ended during the phase: its time is in the process total, not in any thread
+    after = {10: {"name": "api", "total": 2 * tick, "threads": {10: tick // 2}},
+             12: {"name": "new", "total": 5 * tick, "threads": {12: 5 * tick}}}
+    (row,) = be.group_cpu_cores(before, after, wall_s=2.0)
+    assert row["pid"] == 10 and row["cores"] == pytest.approx(1.0) and row["main_thread"] == pytest.approx(0.25, abs=0.01)
 
 
 def test_arrival_spread_is_the_median_duration_of_the_warm_up_that_succeeded():
@@ -621,7 +640,7 @@ def test_server_cpu_is_read_per_thread_from_proc_for_the_whole_process_group():
         proc.wait()
     (row,) = rows
     assert row["pid"] == proc.pid and row["name"].startswith("python")
-    assert row["busiest_other_thread"] > 0.5 and row["main_thread"] < 0.1, row
+    assert row["busiest_other_thread"] > 0.2 and row["main_thread"] < 0.1, row  # > 0.2: a loaded 2-core CI
     assert row["cores"] >= row["busiest_other_thread"]
     assert "main thread 0.0" in be.cpu_line(rows)
 

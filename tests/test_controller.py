@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.bookkeeping import StepLayout, StepReader
+from engine_worker.bookkeeping import StepLayout, StepReader, step_message
 from engine_worker.controller import TapController
 from engine_worker.score_transfer import ScoreTransfer
 from engine_worker.tap import LayerTap
@@ -368,3 +368,31 @@ def test_without_the_cuda_driver_library_scores_are_copied_through_torch(monkeyp
 
     monkeypatch.setattr(ctypes, "PyDLL", missing)
     assert isinstance(score_transfer._device_calls(torch.device("cuda", 0)), score_transfer._TorchCopies)
+
+
+@pytest.mark.parametrize("problem", ["raises", "wrong rows"])
+def test_a_layout_that_cannot_be_built_loses_its_scores_but_still_ends_its_requests(setup, problem):
+    """A layout handed over as a function is built on the transfer thread; if that fails, the
+    step's scores have nowhere to go, but the requests ending with it must still be announced
+    (the API server would otherwise hold their last chunks until its wait times out)."""
+    taps, probes, published = setup
+    controller = TapController(taps, served(), published.append, threaded=False)
+    controller.load([str(p) for p in probes])
+    run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
+
+    def build():
+        if problem == "raises":
+            raise RuntimeError("runner state gone")
+        return StepLayout(["a"], np.array([3]), np.array([0]), np.array([3]))  # 3 rows, 2 copied
+
+    controller.after_forward(build, ["a"], num_rows=2)
+    assert controller.transfer.consume_errors == 1
+    (message,) = published
+    assert message["finished"] == ["a"] and message["step"]["req"] == []
+    reader = StepReader()  # the API server's side: a book opened earlier for "a" is closed by it
+    reader.read(step_message(controller.table, StepLayout(["a"], np.array([1]), np.array([0]), np.array([3])),
+                             np.zeros((1, 2), np.float32), []))
+    assert len(reader.book) == 1
+    assert reader.read(message).finished == ["a"] and len(reader.book) == 0
+    with pytest.raises(TypeError, match="num_rows"):
+        controller.after_forward(build, [])

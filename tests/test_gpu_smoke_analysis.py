@@ -64,3 +64,8 @@ def test_the_gate_threshold_sits_in_the_widest_gap_of_the_middle_half_of_the_pro
         gate_bias_with_margin(np.array([1.0]))
     # two rows: the threshold between them
     assert gate_bias_with_margin(np.array([0.0, 1.0])) == (pytest.approx(-0.5), pytest.approx(0.5))
+    # a gate whose raw threshold is not 0 (a calibrated probe): the gap is moved onto it
+    bias, margin = gate_bias_with_margin(raw, threshold_raw=2.0)
+    assert bias == pytest.approx(0.45) and np.abs(raw + bias - 2.0).min() == pytest.approx(margin)
+    with pytest.raises(ValueError, match="single value"):
+        gate_bias_with_margin(np.full(8, 3.0))

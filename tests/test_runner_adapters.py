@@ -67,7 +67,6 @@ class FakeV2Runner:
         idx = np.array([self.req_states.req_id_to_index[r] for r in req_ids], dtype=np.int32)
         computed = np.array([scheduler_output.computed[r] for r in req_ids], dtype=np.int32)
         return SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids), idx_mapping_np=idx,
-                               num_tokens=sum(sched.values()),
                                num_scheduled_tokens=np.array([sched[r] for r in req_ids], dtype=np.int32),
                                num_computed_tokens_np=computed)
 

