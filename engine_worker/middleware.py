@@ -212,10 +212,7 @@ class ProbexMiddleware:
 
     async def _monitored(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_body = await _read_body(receive)
-        try:
-            body = json.loads(raw_body) if raw_body else None
-        except (ValueError, UnicodeDecodeError):
-            body = None
+        body, encode = _decode_request(raw_body) if raw_body else (None, _encode_json)
         try:
             call = inspect_request(scope["path"], body)
         except RequestRefused as refusal:
@@ -229,7 +226,7 @@ class ProbexMiddleware:
             except RequestRefused as refusal:
                 return await _send_json(send, refusal.status, openai_error(refusal.message, status=refusal.status, param=refusal.param, code=refusal.code))
 
-        new_body = json.dumps(call.body).encode()
+        new_body = encode(call.body)
         request_id = call.key_prefix.split("-", 1)[1]
         headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"x-request-id")]
         headers += [(b"content-length", str(len(new_body)).encode()), (b"x-request-id", request_id.encode())]
@@ -468,6 +465,29 @@ class StreamRelay:
 # times faster than the json module at it.
 _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
+
+
+def _decode_request(raw: bytes) -> tuple[Any, Callable[[Any], bytes]]:
+    """A request body as vLLM's server will read it (None if it is not JSON), and the encoder
+    that writes it back the same way.
+
+    msgspec first (a 1024-token prompt: 20 µs against 44 µs for json.loads on the dev
+    machine, and the re-encoding 5 µs against 48 µs, all on the request's way to its first
+    token); Python's json, which vLLM's server uses, for what msgspec refuses and it accepts
+    (NaN, Infinity): such a body must still be checked here, or it would reach the engine
+    unmonitored, and written back with json.dumps (msgspec would write NaN as null)."""
+    try:
+        return _json_decoder.decode(raw), _encode_json
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        pass
+    try:
+        return json.loads(raw), _encode_python_json
+    except (ValueError, UnicodeDecodeError):
+        return None, _encode_json
+
+
+def _encode_python_json(payload: Any) -> bytes:
+    return json.dumps(payload).encode()
 
 
 def _decode_json(raw: bytes) -> Any:

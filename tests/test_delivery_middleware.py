@@ -170,3 +170,59 @@ def test_scores_sent_as_worker_step_messages_reach_their_chunks():
     later = out[2]["probex"]["scores"]["p"]["generated"]
     assert later["offset"] == 1 and later["scores"] == [pytest.approx(calibrate(0.5, 1.0, 0.0)),
                                                          pytest.approx(calibrate(2.0, 1.0, 0.0))]
+
+
+class RecordingApp:
+    """An upstream that answers 200 {} and keeps what reached it."""
+
+    def __init__(self):
+        self.bodies, self.request_ids = [], []
+
+    async def __call__(self, scope, receive, send):
+        self.bodies.append((await receive())["body"])
+        self.request_ids.append(dict(scope["headers"]).get(b"x-request-id"))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def post_raw(raw: bytes):
+    async def go():
+        hub = ScoreHub("inproc://unused")
+        hub.start = lambda: None
+        app = RecordingApp()
+        middleware = ProbexMiddleware(app, hub=hub, tap_config=TapConfig(layers=(3,)))
+        sent = []
+        scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
+        queue = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive():
+            return queue.pop(0) if queue else await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append(message)
+
+        await middleware(scope, receive, send)
+        return app, sent[0]["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+    return asyncio.run(go())
+
+
+def test_request_bodies_python_json_accepts_are_monitored_and_passed_on_unchanged():
+    """vLLM's server reads bodies with Python's json, which takes NaN and Infinity; the
+    middleware's faster parser does not. Such a body must still be checked (a bad probex
+    option refused) and monitored, and reach vLLM with its NaN intact, not as null."""
+    app, status, answer = post_raw(b'{"prompt": "x", "max_tokens": 2, "top_p": NaN, '
+                                   b'"vllm_xargs": {"probex_colour": 1}}')
+    assert status == 400 and b"probex_colour" in answer and app.bodies == []
+    app, status, _ = post_raw(b'{"prompt": [1, 2, 3], "max_tokens": 2, "top_p": NaN, "name": "caf\\u00e9"}')
+    assert status == 200 and app.request_ids[0] is not None  # monitored: the middleware's own id
+    forwarded = json.loads(app.bodies[0])
+    assert forwarded["top_p"] != forwarded["top_p"]  # NaN, still
+    assert forwarded["prompt"] == [1, 2, 3] and forwarded["name"] == "café" and forwarded["return_token_ids"] is True
+    # a plain body takes the fast path and arrives with the same content
+    app, status, _ = post_raw(b'{"prompt": [1, 2, 3], "max_tokens": 2, "name": "caf\\u00e9"}')
+    forwarded = json.loads(app.bodies[0])
+    assert status == 200 and forwarded["name"] == "café" and forwarded["prompt"] == [1, 2, 3]
+    # not JSON at all: vLLM answers with its own validation error, the body untouched
+    app, status, _ = post_raw(b"{not json")
+    assert app.bodies == [b"{not json"] and app.request_ids == [None]
