@@ -30,6 +30,9 @@ from engine_worker.tap import LayerTap, ProbeSlot
 
 log = logging.getLogger("probex.controller")
 
+# "side": score copies on a side stream (score_transfer.py); an experiment, "same" by default.
+ENV_COPY_STREAM = "PROBEX_COPY_STREAM"
+
 
 class ProbeSetRejected(ValueError):
     """A probe set that cannot be served by this worker; the old set stays loaded."""
@@ -87,7 +90,8 @@ class TapController:
         self._capture_requests: dict[str, dict[int, np.ndarray]] = {}
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
-                                      self._consume_step, threaded=threaded)
+                                      self._consume_step, threaded=threaded,
+                                      copy_stream=os.environ.get(ENV_COPY_STREAM, "same"))
 
     # -- probe sets ------------------------------------------------------------------------
 
@@ -278,6 +282,11 @@ class TapController:
         index = np.asarray(rows, dtype=np.int64)
         for tap in self.taps.values():
             tap.set_capture_rows(index)
+
+    def before_forward_launch(self) -> None:
+        """Before any forward is enqueued (real or dummy): with side-stream copies, the forward
+        must not overwrite the score buffers before the last copy out of them has run."""
+        self.transfer.before_next_forward()
 
     @property
     def reads_scores(self) -> bool:

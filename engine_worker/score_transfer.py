@@ -28,6 +28,13 @@ waits for one: bounded memory and back-pressure rather than silently dropping sc
 
 On the CPU there is no asynchrony to gain: the copy is a memcpy, and the same thread
 keeps the engine-facing behaviour identical to the GPU path (and tested).
+
+`copy_stream="side"` (PROBEX_COPY_STREAM=side; an experiment, off by default) moves the
+copies off the engine's stream: the engine stream records an event after the forward, a
+side stream waits for it and copies, and the next forward's stream waits for the copy
+before it can overwrite the score buffers (`before_next_forward`, which the runner
+adapters call before every forward). The copies' device latency then overlaps sampling
+instead of preceding it, for two more driver calls per step on the host.
 """
 
 from __future__ import annotations
@@ -83,6 +90,8 @@ class _CudaDriver:
                              (self.lib.cuEventCreate, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
                              (self.lib.cuCtxGetCurrent, [ctypes.POINTER(ctypes.c_void_p)]),
                              (self.lib.cuCtxSetCurrent, [ctypes.c_void_p]),
+                             (self.lib.cuStreamCreate, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+                             (self.lib.cuStreamWaitEvent, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
                              (self.waiting.cuEventSynchronize, [ctypes.c_void_p])):
             fn.argtypes = argtypes
         with torch.cuda.device(device):
@@ -100,11 +109,24 @@ class _CudaDriver:
         if result != 0:
             raise RuntimeError(f"probex: {what} failed with CUDA driver error {result}")
 
-    def event(self) -> ctypes.c_void_p:
+    CU_STREAM_NON_BLOCKING = 0x1  # no implicit ordering with the legacy default stream
+
+    def event(self, blocking: bool = True) -> ctypes.c_void_p:
+        """`blocking`: a host thread waits for it (sleeping); otherwise only streams do."""
         handle = ctypes.c_void_p()
-        self.check(self.lib.cuEventCreate(ctypes.byref(handle), self.CU_EVENT_BLOCKING_SYNC | self.CU_EVENT_DISABLE_TIMING),
-                   "cuEventCreate")
+        flags = self.CU_EVENT_DISABLE_TIMING | (self.CU_EVENT_BLOCKING_SYNC if blocking else 0)
+        self.check(self.lib.cuEventCreate(ctypes.byref(handle), flags), "cuEventCreate")
         return handle
+
+    def stream(self) -> ctypes.c_void_p:
+        with torch.cuda.device(self.device):  # the engine's context, current on this thread
+            handle = ctypes.c_void_p()
+            self.check(self.lib.cuStreamCreate(ctypes.byref(handle), self.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        return handle
+
+    def wait_event(self, stream, event: ctypes.c_void_p) -> None:
+        """Work enqueued on `stream` after this waits for `event` (on the device; the host goes on)."""
+        self.check(self.lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
 
     def current_stream(self) -> int:
         """The stream the forward was just enqueued on (the copies must queue behind it)."""
@@ -133,14 +155,21 @@ class _TorchCopies:
     def bind_thread(self) -> None:
         pass
 
-    def event(self) -> torch.cuda.Event:
-        return torch.cuda.Event(blocking=True)  # the waiter sleeps instead of spinning
+    def event(self, blocking: bool = True) -> torch.cuda.Event:
+        return torch.cuda.Event(blocking=blocking)  # a blocking waiter sleeps instead of spinning
+
+    def stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
     def copy_rows(self, copy: _LayerCopy, rows: int, stream) -> None:
-        copy.target[:rows].copy_(copy.source[:rows], non_blocking=True)
+        with torch.cuda.stream(stream):
+            copy.target[:rows].copy_(copy.source[:rows], non_blocking=True)
 
     def record(self, event: torch.cuda.Event, stream) -> None:
         event.record(stream)
@@ -184,7 +213,7 @@ class StagedStep:
 
 
 class _StagingSlot:
-    def __init__(self, sources: dict[int, torch.Tensor], driver, pin: bool) -> None:
+    def __init__(self, sources: dict[int, torch.Tensor], driver, pin: bool, side_stream: bool = False) -> None:
         # Pinned: the device writes into them by DMA, and an asynchronous copy needs that.
         self.buffers = {
             layer: torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
@@ -195,6 +224,8 @@ class _StagingSlot:
         # One event per slot, re-recorded each use: creating a CUDA event every step costs
         # engine-thread time for nothing.
         self.ready = _DeviceEvent(driver) if driver is not None else None
+        # side-stream copies: marks the forward's end on the engine stream, for the side stream to wait on
+        self.launched = driver.event(blocking=False) if driver is not None and side_stream else None
 
 
 class ScoreTransfer:
@@ -211,11 +242,15 @@ class ScoreTransfer:
         depth: int = 8,
         threaded: bool = True,
         driver=None,
+        copy_stream: str = "same",
     ) -> None:
         """`driver`: the device calls (tests pass a recording stand-in); made from libcuda
-        when the sources are on a CUDA device."""
+        when the sources are on a CUDA device. `copy_stream`: "same" (the engine's stream)
+        or "side" (see the module docstring; a device only)."""
         if depth < 1:
             raise ValueError("ScoreTransfer needs at least one staging buffer")
+        if copy_stream not in ("same", "side"):
+            raise ValueError(f"copy_stream must be 'same' or 'side', not {copy_stream!r}")
         self._consume = consume
         device = next(iter(sources.values())).device if sources else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -223,13 +258,16 @@ class ScoreTransfer:
             raise ValueError("score buffers must be contiguous float32 tensors (a step's rows are copied as one block)")
         self.max_rows = min((s.shape[0] for s in sources.values()), default=0)
         self._driver = driver if driver is not None else (_device_calls(device) if self._cuda else None)
+        self._side = self._driver.stream() if copy_stream == "side" and self._driver is not None else None
+        self._unguarded = None  # the last side-stream copy's event, until a forward's stream waits for it
+        self.unguarded_forwards = 0  # submits that found the previous copy not waited for (an adapter bug)
         self._failed: BaseException | None = None  # the transfer thread could not start
         self.depth = depth
         # SimpleQueue (C, no Python-level lock or condition): a put and a get cost ~0.1 µs on
         # the engine thread instead of ~3 µs for queue.Queue.
         self._free: queue.SimpleQueue[_StagingSlot] = queue.SimpleQueue()
         for _ in range(depth):
-            self._free.put(_StagingSlot(sources, self._driver, pin=self._cuda))
+            self._free.put(_StagingSlot(sources, self._driver, pin=self._cuda, side_stream=self._side is not None))
         self._work: queue.SimpleQueue[StagedStep | None] = queue.SimpleQueue()
         self._submitted = 0  # steps handed to the transfer thread (engine thread writes)
         self._processed = 0  # steps it has finished with (transfer thread writes)
@@ -271,10 +309,21 @@ class ScoreTransfer:
             if ready is not None:
                 driver = self._driver
                 stream = driver.current_stream()
+                if self._side is not None:
+                    if self._unguarded is not None:
+                        self.unguarded_forwards += 1
+                        if self.unguarded_forwards in (1, 100) or self.unguarded_forwards % 10000 == 0:
+                            log.warning("probex: a forward ran without waiting for the previous step's score copy"
+                                        " (%d times); its scores may be overwritten", self.unguarded_forwards)
+                    driver.record(slot.launched, stream)
+                    driver.wait_event(self._side, slot.launched)
+                    stream = self._side
                 if rows:
                     for copy in slot.copies:
                         driver.copy_rows(copy, rows, stream)
                 driver.record(ready.handle, stream)
+                if self._side is not None:
+                    self._unguarded = ready.handle
             else:
                 for copy in slot.copies:
                     copy.target[:rows].copy_(copy.source[:rows])
@@ -290,6 +339,17 @@ class ScoreTransfer:
         else:
             self._process(step)
         self.stage_s += staged - staging
+
+    def before_next_forward(self) -> None:
+        """On the engine thread, before a forward is enqueued: with side-stream copies, the
+        forward's stream waits (on the device) for the last copy out of the score buffers it is
+        about to overwrite. Nothing to do otherwise: the copies are on that stream already."""
+        if self._unguarded is None:
+            return
+        started = time.perf_counter()
+        self._driver.wait_event(self._driver.current_stream(), self._unguarded)
+        self._unguarded = None
+        self.stage_s += time.perf_counter() - started
 
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
@@ -342,7 +402,8 @@ class ScoreTransfer:
             self._free.put(step._slot)
 
     def describe(self) -> dict[str, Any]:
-        return {"depth": self.depth, "waits_for_staging": self.waits_for_staging,
+        return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
+                "unguarded_forwards": self.unguarded_forwards, "waits_for_staging": self.waits_for_staging,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
                 **self.stats.as_dict()}
 

@@ -83,15 +83,19 @@ def _tapped_forward(model_forward):
     @functools.wraps(model_forward)
     def wrapper(self, *args, **kwargs):
         controller: TapController | None = controller_of(self)
+        if controller is None:
+            return model_forward(self, *args, **kwargs)
+        started = time.perf_counter()
+        controller.before_forward_launch()  # every forward, dummy and profile runs included
         scheduler_output = getattr(self, "_probex_scheduler_output", None)
-        if controller is None or scheduler_output is None:
+        if scheduler_output is None:
             return model_forward(self, *args, **kwargs)
         self._probex_scheduler_output = None  # dummy/profile runs after this see none
-        started = time.perf_counter()
         layout = None
         if controller.needs_layout_before_forward:
+            reading = time.perf_counter()
             layout = _step_layout(self, scheduler_output)
-            controller.layout_s += time.perf_counter() - started
+            controller.layout_s += time.perf_counter() - reading
             controller.before_forward(layout, _capture_requests(self, layout), _steering_requests(self, layout))
         before = time.perf_counter()
         output = model_forward(self, *args, **kwargs)

@@ -108,8 +108,12 @@ def _layout_before_forward(prepare_inputs):
 def _scores_after_forward(execute_model):
     @functools.wraps(execute_model)
     def wrapper(self, scheduler_output, *args, **kwargs):
-        output = execute_model(self, scheduler_output, *args, **kwargs)
         controller = controller_of(self)
+        if controller is not None:  # every forward, dummy runs included, starts after this
+            began = time.perf_counter()
+            controller.before_forward_launch()
+            controller.engine_thread_s += time.perf_counter() - began
+        output = execute_model(self, scheduler_output, *args, **kwargs)
         if controller is None:
             return output
         started = time.perf_counter()

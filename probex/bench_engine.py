@@ -973,6 +973,7 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "landed_max_ms_so_far": t1["landed_max_s"] * 1e3,
             "consume_max_ms_so_far": t1["consume_max_s"] * 1e3,
             "waits_for_staging": t1.get("waits_for_staging", 0) - t0.get("waits_for_staging", 0),
+            "copy_stream": t1.get("copy_stream", "same"),
         }
     e0, e1 = before.get("engine_thread") or {}, after.get("engine_thread") or {}
     engine_steps = e1.get("steps", 0) - e0.get("steps", 0)

@@ -444,9 +444,11 @@ def test_delivery_delta_reads_the_worker_and_hub_counters_per_phase():
               "score_waits": {"tokens": {"calls": 5, "waited": 1, "waited_s": 0.002, "max_s": 0.002}}}
     after = {"engine_thread": {"steps": 30, "hook_s": 0.003, "layout_s": 0.0006},
              "transfer": {"steps": 30, "landed_s": 0.25, "landed_max_s": 0.02, "consume_s": 0.003,
-                          "consume_max_s": 0.0003, "waits_for_staging": 1, "stage_s": 0.0012, "handoff_s": 0.0003},
+                          "consume_max_s": 0.0003, "waits_for_staging": 1, "stage_s": 0.0012, "handoff_s": 0.0003,
+                          "copy_stream": "side"},
              "score_waits": {"tokens": {"calls": 15, "waited": 3, "waited_s": 0.006, "max_s": 0.002}}}
     delta = be.delivery_delta(before, after)
+    assert delta["transfer"].pop("copy_stream") == "side"  # which copy path the phase ran
     assert delta["engine_thread"] == pytest.approx({"steps": 20, "hook_mean_ms": 0.1, "layout_mean_ms": 0.02,
                                                     "stage_mean_ms": 0.04, "handoff_mean_ms": 0.01,
                                                     "other_mean_ms": 0.03})

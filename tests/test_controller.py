@@ -200,9 +200,16 @@ class RecordingDriver:
         self.calls: list[tuple] = []
         self.events = 0
 
-    def event(self):
+    def event(self, blocking=True):
         self.events += 1
-        return f"event-{self.events}"
+        return f"event-{self.events}" + ("" if blocking else "-device-only")
+
+    def stream(self) -> int:
+        self.calls.append(("new stream",))
+        return 9
+
+    def wait_event(self, stream, event) -> None:
+        self.calls.append(("stream waits", stream, event))
 
     def current_stream(self) -> int:
         return 7
@@ -246,6 +253,44 @@ def test_on_a_device_each_step_is_one_driver_copy_per_layer_then_one_event_the_c
     assert driver.events == 2  # the slots' events are reused, never made per step
     with pytest.raises(ValueError, match="does not fit"):
         transfer.submit(9, None)  # more rows than the buffers hold: refused, nothing copied past them
+
+
+def test_side_stream_copies_wait_for_the_forward_and_the_next_forward_waits_for_them():
+    """PROBEX_COPY_STREAM=side: the copies leave the engine's stream (7) for a side stream
+    (9), ordered after the forward by an event, and the next forward's stream waits for the
+    copy before it may overwrite the score buffers."""
+    sources = {1: torch.zeros(8, 3)}
+    driver = RecordingDriver()
+    seen = []
+    transfer = ScoreTransfer(sources, lambda step: seen.append(step.scores()[1].tolist()), depth=2,
+                             threaded=False, driver=driver, copy_stream="side")
+    assert driver.calls == [("new stream",)] and driver.events == 4  # per slot: ready + launched
+    driver.calls.clear()
+    sources[1][:1] = torch.tensor([[1.0, 2, 3]])
+    transfer.submit(1, None)
+    assert driver.calls == [("record", "event-2-device-only", 7), ("stream waits", 9, "event-2-device-only"),
+                            ("copy", sources[1].data_ptr(), 12, 9), ("record", "event-1", 9), ("wait", "event-1")]
+    assert seen == [[[1.0, 2, 3]]]
+    driver.calls.clear()
+    transfer.before_next_forward()
+    assert driver.calls == [("stream waits", 7, "event-1")]
+    transfer.before_next_forward()  # once per copy
+    assert len(driver.calls) == 1 and transfer.unguarded_forwards == 0
+    transfer.submit(1, None)
+    transfer.submit(1, None)  # no forward guarded in between: counted (and logged)
+    assert transfer.unguarded_forwards == 1
+    assert transfer.describe()["copy_stream"] == "side"
+
+
+def test_same_stream_copies_need_no_guard_before_the_next_forward():
+    driver = RecordingDriver()
+    transfer = ScoreTransfer({1: torch.zeros(8, 3)}, lambda step: None, threaded=False, driver=driver)
+    transfer.submit(1, None)
+    driver.calls.clear()
+    transfer.before_next_forward()
+    assert driver.calls == [] and transfer.describe()["copy_stream"] == "same"
+    with pytest.raises(ValueError, match="copy_stream"):
+        ScoreTransfer({1: torch.zeros(8, 3)}, lambda step: None, threaded=False, driver=driver, copy_stream="other")
 
 
 def test_a_failing_device_call_loses_the_step_but_not_its_staging_buffer():
@@ -351,6 +396,12 @@ def test_the_cuda_driver_calls_match_the_driver_api(monkeypatch):
     assert calls[-1] == ("cuMemcpyDtoHAsync_v2", (0x2000, 0x1000, 48, 99)) and asked == [0]
     driver.record(event, 99)
     assert calls[-1] == ("cuEventRecord", (event, 99))
+    assert driver.event(blocking=False).value == 0xE1 and calls[-1][1][1] == 2  # no timing; streams wait on it
+    side = driver.stream()
+    assert calls[-1][0] == "cuStreamCreate" and calls[-1][1][1] == 1  # non-blocking
+    assert library.cuStreamWaitEvent.argtypes == [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    driver.wait_event(side, event)
+    assert calls[-1] == ("cuStreamWaitEvent", (side, event, 0))
     driver.bind_thread()
     assert calls[-1][0] == "cuCtxSetCurrent" and calls[-1][1][0].value == 0xC0DE
     monkeypatch.setattr(library, "cuEventSynchronize", lambda event: 700, raising=False)  # an error code

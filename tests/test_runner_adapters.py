@@ -44,6 +44,9 @@ class RecordingController:
     def after_idle_step(self, finished):
         self.calls.append(("idle", sorted(finished)))
 
+    def before_forward_launch(self):
+        self.launches = getattr(self, "launches", 0) + 1
+
 
 class FakeV2Runner:
     """The V2 call order: execute_model -> add_requests, prepare_inputs (real steps only), forward."""
@@ -117,6 +120,8 @@ def test_v2_adapter_reads_layout_in_batch_order_and_hands_over_after_forward(mon
     runner.execute_model(sched(), dummy_run=True)
     # nothing scheduled but b finished: released without a forward
     runner.execute_model(sched(finished={"b"}))
+    # before every execute_model, dummy runs included, the score buffers are guarded
+    assert controller.launches == 4
     assert controller.calls == [
         ("before", ["b", "a"], [3, 7], [0, 0], [3, 7], ["b"]),
         ("after", ["b", "a"], []),
