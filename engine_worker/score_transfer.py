@@ -309,7 +309,8 @@ class ScoreTransfer:
             if ready is not None:
                 driver = self._driver
                 stream = driver.current_stream()
-                if self._side is not None:
+                side = self._side is not None and rows > 0  # a step without rows copies nothing
+                if side:
                     if self._unguarded is not None:
                         self.unguarded_forwards += 1
                         if self.unguarded_forwards in (1, 100) or self.unguarded_forwards % 10000 == 0:
@@ -322,7 +323,7 @@ class ScoreTransfer:
                     for copy in slot.copies:
                         driver.copy_rows(copy, rows, stream)
                 driver.record(ready.handle, stream)
-                if self._side is not None:
+                if side:
                     self._unguarded = ready.handle
             else:
                 for copy in slot.copies:

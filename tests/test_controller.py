@@ -277,7 +277,12 @@ def test_side_stream_copies_wait_for_the_forward_and_the_next_forward_waits_for_
     transfer.before_next_forward()  # once per copy
     assert len(driver.calls) == 1 and transfer.unguarded_forwards == 0
     transfer.submit(1, None)
-    transfer.submit(1, None)  # no forward guarded in between: counted (and logged)
+    driver.calls.clear()
+    transfer.submit(0, None)  # a step that only ends requests: nothing copied, no forward to guard against
+    (record, wait) = driver.calls  # the step's event on the engine stream, for ordering; no side stream
+    assert record[0] == "record" and record[2] == 7 and wait == ("wait", record[1])
+    assert transfer.unguarded_forwards == 0
+    transfer.submit(1, None)  # a forward ran without the guard since the copy before: counted (and logged)
     assert transfer.unguarded_forwards == 1
     assert transfer.describe()["copy_stream"] == "side"
 
