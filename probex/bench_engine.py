@@ -846,7 +846,9 @@ def group_cpu_cores(before: dict[int, dict[str, Any]], after: dict[int, dict[str
             continue
         then = earlier["threads"]
         used = {tid: (t - then.get(tid, 0)) / tick / wall_s for tid, t in now["threads"].items()}
-        total = (now["total"] - earlier["total"]) / tick / wall_s
+        # The process's own count includes threads that ended; it is read apart from the
+        # threads' (a tick or two apart), so it is never taken as less than their sum.
+        total = max((now["total"] - earlier["total"]) / tick / wall_s, sum(used.values()))
         if total < 0.01:
             continue  # idle helpers (resource trackers, the watchdog's shell)
         others = [v for tid, v in used.items() if tid != pid]
