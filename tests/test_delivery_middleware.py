@@ -68,25 +68,40 @@ class FakeEngineApp:
         assert body["return_token_ids"] is True
 
 
+def idle_hub() -> ScoreHub:
+    hub = ScoreHub("inproc://unused")
+    hub.start = lambda: None
+    return hub
+
+
+async def post_through(middleware, path: str, body: bytes) -> list[dict]:
+    """One POST through the middleware as an ASGI server would send it; the messages sent back."""
+    sent = []
+    scope = {"type": "http", "path": path, "method": "POST", "headers": []}
+    queue = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return queue.pop(0) if queue else await asyncio.Event().wait()
+
+    async def send(message):
+        sent.append(message)
+
+    await middleware(scope, receive, send)
+    return sent
+
+
+def response_body(sent: list[dict]) -> bytes:
+    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
 def run_stream(chunks, feed):
     async def go():
-        hub = ScoreHub("inproc://unused")
-        hub.start = lambda: None
+        hub = idle_hub()
         app = FakeEngineApp(hub, chunks, lambda engine_id, i: feed(hub, engine_id, i))
         middleware = ProbexMiddleware(app, hub=hub, tap_config=TapConfig(layers=(3,)))
-        sent = []
         body = json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
-        scope = {"type": "http", "path": "/v1/chat/completions", "method": "POST", "headers": []}
-        queue = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive():
-            return queue.pop(0) if queue else await asyncio.Event().wait()
-
-        async def send(message):
-            sent.append(message)
-
-        await middleware(scope, receive, send)
-        text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+        sent = await post_through(middleware, "/v1/chat/completions", body)
+        text = response_body(sent).decode()
         events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
         return [json.loads(e) for e in events if e != "[DONE]"], events[-1], len(hub), hub.wait_stats()
 
@@ -187,22 +202,10 @@ class RecordingApp:
 
 def post_raw(raw: bytes):
     async def go():
-        hub = ScoreHub("inproc://unused")
-        hub.start = lambda: None
         app = RecordingApp()
-        middleware = ProbexMiddleware(app, hub=hub, tap_config=TapConfig(layers=(3,)))
-        sent = []
-        scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
-        queue = [{"type": "http.request", "body": raw, "more_body": False}]
-
-        async def receive():
-            return queue.pop(0) if queue else await asyncio.Event().wait()
-
-        async def send(message):
-            sent.append(message)
-
-        await middleware(scope, receive, send)
-        return app, sent[0]["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        middleware = ProbexMiddleware(app, hub=idle_hub(), tap_config=TapConfig(layers=(3,)))
+        sent = await post_through(middleware, "/v1/completions", raw)
+        return app, sent[0]["status"], response_body(sent)
 
     return asyncio.run(go())
 
