@@ -52,8 +52,10 @@ class MockState:
         self.timestamps = timestamps
 
 
-def _prompt_of(body: dict) -> str:
-    if "messages" in body:
+def _prompt_of(body: dict, chat: bool) -> str:
+    """The text a request scores on: the chat messages for chat completions (a list, checked
+    before), the prompt for completions, whatever else the body carries."""
+    if chat:
         return " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
     return str(body.get("prompt", ""))
 
@@ -100,7 +102,7 @@ def create_mock_app(state: MockState) -> Starlette:
                 or not (max_tokens is None or (isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
                                                and 0 < max_tokens <= 4096)):
             return JSONResponse({"error": {"message": "invalid request", "type": "BadRequestError"}}, status_code=400)
-        text = _prompt_of(body)
+        text = _prompt_of(body, chat)
         n = int(max_tokens or state.default_max_tokens)
         prompt_tokens = max(1, len(text.split()))
         prompt = {name: {"score": _prompt_score(text), "read": "last_prompt_token",
