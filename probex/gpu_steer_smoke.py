@@ -38,6 +38,7 @@ import numpy as np
 
 from probex.gpu_smoke import (GRAPH_LOG_PATTERNS, MODES, PROMPTS, RUNNERS, build_model, max_tokens_for, run_jobs,
                               side_by_side)
+from engine_worker.steering import raw_threshold  # torch-free
 from probex.processes import logged_worker
 
 VARIANTS = ("plain", "zero", "steered", "gated", "generation")
@@ -130,8 +131,6 @@ def calibrate(url: str, model: str, capture: Path, gate_probe: Path) -> dict:
     for r in responses:
         (path,) = capture.glob(f"{r['id']}-*.safetensors")
         rows.append(load_file(str(path))["layer_10"])
-    from engine_worker.steering import raw_threshold
-
     probe = load_probe(gate_probe)
     first = rows[0].astype(np.float64)
     raw = np.concatenate([r.astype(np.float64) @ probe.weight for r in rows])
@@ -253,7 +252,6 @@ def gate_prompt_rows(capture: Path, gate_probe: Path, responses: dict[str, list[
     may have been decided the other way there."""
     from safetensors.numpy import load_file
 
-    from engine_worker.steering import raw_threshold
     from probes.artifact import load_probe
 
     probe = load_probe(gate_probe)
