@@ -32,7 +32,7 @@ import msgspec
 from engine_worker import responses
 from engine_worker.delivery import ScoreHub
 from engine_worker.steering import STEERING_XARGS, SteeringError, SteerRequest, cache_salt, steering_from_xargs
-from engine_worker.tap_config import TapConfig
+from engine_worker.tap_config import TapConfig, scores_delivered
 
 log = logging.getLogger("probex.middleware")
 
@@ -182,6 +182,8 @@ class ProbexMiddleware:
         self.hub = hub if hub is not None else (ScoreHub(address) if address else None)
         self.admin_token = os.environ.get(ENV_ADMIN_TOKEN) or None
         self.score_wait_s = float(os.environ.get(ENV_SCORE_WAIT, "10"))
+        if not scores_delivered():
+            self.score_wait_s = 0.0  # no scores will come (diagnostic set-up): waiting would only stall chunks
         self._swap_lock = asyncio.Lock()
         self._listings: tuple[dict, dict] | None = None  # (steering, probes), dropped on every swap
         self.retention = RetentionTracker(os.environ.get(ENV_MODEL_DIR))

@@ -7,10 +7,18 @@ different tap (or none) is never reused for this one.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ADDITIONAL_CONFIG_KEY = "probex"
+# Diagnostic: "off" keeps the op in the graphs but never copies out or delivers its scores, so a
+# benchmark can tell the op's device time from the host path's cost (set-up "tap-op-only").
+ENV_DELIVERY = "PROBEX_DELIVERY"
+
+
+def scores_delivered() -> bool:
+    return os.environ.get(ENV_DELIVERY, "on") != "off"
 
 
 @dataclass(frozen=True)

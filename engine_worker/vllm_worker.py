@@ -18,7 +18,7 @@ from engine_worker.controller import ProbeSetRejected, TapController, VectorSetR
 from engine_worker.steer import LayerSteer
 from engine_worker.steering import SteeringError, SteerRequest, steering_from_xargs
 from engine_worker.tap import LayerTap
-from engine_worker.tap_config import TapConfig
+from engine_worker.tap_config import ENV_DELIVERY, TapConfig, scores_delivered
 
 log = logging.getLogger("vllm.probex.worker")  # under "vllm": printed by its log handler
 
@@ -74,6 +74,10 @@ def install_controller(runner) -> TapController | None:
 
 def _publisher(tap_config: TapConfig):
     if not tap_config.score_address or not _is_delivering_rank():
+        return None
+    if not scores_delivered():
+        log.warning("probex: %s=off: scores are computed in the graphs but never copied out or delivered "
+                    "(diagnostic)", ENV_DELIVERY)
         return None
     from engine_worker.delivery import ScorePublisher
 

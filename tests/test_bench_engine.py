@@ -655,3 +655,19 @@ def test_worker_env_takes_probex_settings_only_and_reaches_worker_set_ups_only(t
     plans = be.plan_setups(["plain", "tap"], tmp_path, [tmp_path / "p"], [], "default", worker_env=env)
     assert "PROBEX_SCORE_WAIT_S" not in plans[0].env_changes
     assert plans[1].env_changes["PROBEX_SCORE_WAIT_S"] == "0"
+
+
+def test_the_op_only_set_up_turns_delivery_off_and_its_missing_scores_are_no_problem(tmp_path):
+    plans = be.plan_setups(be.parse_setups("plain,tap,tap-op-only"), tmp_path, [tmp_path / "p"], [], "default")
+    assert [p.env_changes.get("PROBEX_DELIVERY") for p in plans] == [None, None, "off"]
+    assert "probex.cli" in plans[2].argv and "worker" in plans[2].argv
+    run = _saved_run()
+    unscored = dict(run["setups"][1]["results"]["1"]["scores"], scored_tokens=0, coverage=0.0,
+                    requests_with_all_prompt_scores=0)
+    op_only = _setup("tap-op-only", "tap-op-only", {"1": 5.0, "8": 6.0}, scores=unscored)
+    op_only["checks"].update(probex_probes_listed=8, probex_probes_expected=8)
+    tap = _setup("tap", "tap#9", {"1": 5.0, "8": 6.0}, scores=unscored)
+    tap["checks"].update(probex_probes_listed=8, probex_probes_expected=8)
+    problems = be.find_problems([op_only, tap])
+    assert not [p for p in problems if p.startswith("tap-op-only")]
+    assert any(p.startswith("tap#9") and "SCORES NOT FULLY DELIVERED" in p for p in problems)

@@ -114,6 +114,15 @@ def test_only_tp_rank_zero_of_the_last_pipeline_stage_publishes(monkeypatch, tp_
         assert vllm_worker._publisher(tap) is None
 
 
+def test_delivery_off_opens_no_publisher_even_on_the_delivering_rank(monkeypatch):
+    import vllm.distributed.parallel_state as ps
+
+    monkeypatch.setattr(ps, "get_tp_group", lambda: SimpleNamespace(rank_in_group=0))
+    monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(is_last_rank=True))
+    monkeypatch.setenv("PROBEX_DELIVERY", "off")
+    assert vllm_worker._publisher(TapConfig(layers=(1,), score_address="ipc:///tmp/probex-test-unused.sock")) is None
+
+
 class FakeEngineConfig:
     """Stands in for vLLM's VllmConfig: records what the pass flags were when its own validation ran."""
 
