@@ -79,6 +79,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -623,9 +624,11 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
                                                completion_body(model, prompts[i], lengths[i], xargs), probe_names)
                 results[i].expected_tokens = lengths[i]
 
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        # This thread's CPU: the phase's event loop runs here, and with set-ups side by side
+        # (--gpus) another lane's client runs in another thread of this process.
+        cpu0, t0 = time.thread_time(), time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
     return [r for r in results if r is not None], wall, cpu
 
 
@@ -690,9 +693,9 @@ class SetupPlan:
 
 def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path], engine_args: Sequence[str],
                 runner: str, steer_dir: Path | None = None,
-                worker_env: dict[str, str] | None = None) -> list[SetupPlan]:
+                worker_env: dict[str, str] | None = None, gpus: Sequence[str] = ()) -> list[SetupPlan]:
     """`worker_env`: extra environment for the `probex worker` set-ups only (ProbeX's own
-    PROBEX_* settings, to compare them in separate runs)."""
+    PROBEX_* settings, to compare them in separate runs). `gpus`: see `gpu_of`."""
     counts = {k: kinds.count(k) for k in set(kinds)}
     seen: dict[str, int] = {}
     plans = []
@@ -726,8 +729,23 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             if kind == "eager":
                 argv.append("--enforce-eager")
             env["VLLM_PLUGINS"] = NO_PLUGINS
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpu_of(len(plans), gpus)
         plans.append(SetupPlan(label, kind, argv, env, port))
     return plans
+
+
+def gpu_of(index: int, gpus: Sequence[str]) -> str:
+    """The GPU of the set-up at `index` when set-ups run side by side, one per GPU, in rounds
+    of len(gpus): each round shifts the assignment by one, so in ``plain,tap,plain,tap`` on
+    two GPUs each set-up runs once on each GPU and a difference between the GPUs cannot pass
+    for one between set-ups."""
+    n = len(gpus)
+    return gpus[(index % n + index // n) % n]
+
+
+def rounds_of(plans: Sequence[SetupPlan], lanes: int) -> list[list[SetupPlan]]:
+    return [list(plans[i:i + lanes]) for i in range(0, len(plans), max(1, lanes))]
 
 
 class Server:
@@ -736,6 +754,7 @@ class Server:
     def __init__(self, plan: SetupPlan, log_path: Path) -> None:
         self.plan, self.log_path = plan, log_path
         self.url = f"http://127.0.0.1:{plan.port}"
+        self._stop_lock, self._stopped = threading.Lock(), False
         env = dict(os.environ)
         for key, value in plan.env_changes.items():
             if value is None:
@@ -767,7 +786,15 @@ class Server:
     def stop(self) -> None:
         """SIGTERM the group, SIGKILL what is left after 15 s (a server still starting up may not
         answer SIGTERM), and return once no process of it remains: the next set-up needs the
-        accelerator memory back."""
+        accelerator memory back. Stopping twice is harmless (lanes: an interrupt stops the
+        running servers from the main thread, and each lane's own `finally` stops its again)."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stop()
+
+    def _stop(self) -> None:
         pgid = self.proc.pid
         _signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + 15
@@ -1095,21 +1122,62 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         ]
         record["results"][str(c)] = entry
         save()
-        print(f"  {plan.label:9} c={c:<3} TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  TPOT p50 "
-              f"{entry['tpot_ms']['p50']:7.3f} ms  ITL p50 {entry['itl_ms']['p50']:7.3f} ms  "
-              f"{entry['output_tokens_per_s']:9.1f} tok/s  failed {entry['failed']}"
-              + (f"  scores {entry['scores']['coverage']:.1%}" if "scores" in entry else ""), flush=True)
+        lines = [f"  {plan.label:9} c={c:<3} TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  TPOT p50 "
+                 f"{entry['tpot_ms']['p50']:7.3f} ms  ITL p50 {entry['itl_ms']['p50']:7.3f} ms  "
+                 f"{entry['output_tokens_per_s']:9.1f} tok/s  failed {entry['failed']}"
+                 + (f"  scores {entry['scores']['coverage']:.1%}" if "scores" in entry else "")]
         if entry.get("delivery"):
-            print("            " + delivery_line(entry["delivery"]), flush=True)
+            lines.append("            " + delivery_line(entry["delivery"]))
         if server_cpu:
-            print("            " + cpu_line(server_cpu), flush=True)
+            lines.append("            " + cpu_line(server_cpu))
+        say(*lines)
     if plan.kind in STEERED_KINDS and steer is not None:
         effect = record["checks"]["steering_effect"] = steering_effect(
             server.url, model, input_len, seed, probe_layers or {}, steer, plan.kind)
         save()
-        print(f"  {plan.label}: steered vs unsteered prompt scores, max |raw diff| after the write (layer "
-              f"{steer.layer}) {effect['max_abs_raw_diff_after_write']:.3g}, at or before it "
-              f"{effect['max_abs_raw_diff_at_or_before_write']:.3g}", flush=True)
+        say(f"  {plan.label}: steered vs unsteered prompt scores, max |raw diff| after the write (layer "
+            f"{steer.layer}) {effect['max_abs_raw_diff_after_write']:.3g}, at or before it "
+            f"{effect['max_abs_raw_diff_at_or_before_write']:.3g}")
+
+
+_say_lock = threading.Lock()
+
+
+def say(*lines: str) -> None:
+    """Print lines as one block: set-ups side by side (--gpus) report from their own threads."""
+    with _say_lock:
+        sys.stdout.write("".join(line + "\n" for line in lines))
+        sys.stdout.flush()
+
+
+def run_side_by_side(plans: Sequence[SetupPlan], run_one: Callable[[SetupPlan], None],
+                     stop_all: Callable[[], None]) -> None:
+    """Runs each plan on its own thread (its own server on its own GPU, its own client event
+    loop) and returns when all have ended. An interrupt (which only the main thread receives)
+    stops every server through `stop_all`, which ends the threads' measurements, waits for
+    the threads to record that, and is raised again."""
+    errors: list[BaseException] = []
+
+    def lane(plan: SetupPlan) -> None:
+        try:
+            run_one(plan)
+        except BaseException as exc:  # KeyboardInterrupt only reaches the main thread; this is a bug
+            errors.append(exc)
+
+    threads = [threading.Thread(target=lane, args=(plan,), name=f"lane-{plan.label}") for plan in plans]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.5)
+    except KeyboardInterrupt:
+        stop_all()
+        for thread in threads:
+            thread.join(60)
+        raise
+    if errors:
+        raise errors[0]
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -1119,6 +1187,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     num_prompts = {c: args.num_prompts or max(16, 4 * c) for c in concurrencies}
     worker_env = parse_worker_env(args.worker_env)
+    gpus = parse_gpus(args.gpus)
     warmup = {c: args.warmup if args.warmup is not None else max(2, c) for c in concurrencies}
     config = MODEL_CONFIGS[args.model_config]
     layers = tuple(args.probe_layers) if args.probe_layers else default_probe_layers(config["num_hidden_layers"])
@@ -1151,6 +1220,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "versions": environment_info(),
             "runner": args.runner,
             "worker_env": worker_env,
+            "side_by_side_gpus": gpus or None,
             "env": {"VLLM_DISABLE_COMPILE_CACHE": "1", RUNNER_ENV: RUNNERS[args.runner],
                     **{k: os.environ[k] for k in ("VLLM_ATTENTION_BACKEND", "VLLM_USE_FLASHINFER_SAMPLER")
                        if k in os.environ}},
@@ -1172,41 +1242,66 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "setups": [],
         }
         json_path = out / JSON_NAME
+        save_lock = threading.RLock()  # set-ups side by side save from their own threads
 
         def save() -> None:
-            result.update(analyze(result["setups"]))
-            json_path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+            with save_lock:
+                result.update(analyze(result["setups"]))
+                json_path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
 
         print(f"versions: {result['versions']}", flush=True)
-        for plan in plan_setups(kinds, model_dir, [p.path for p in probes], engine_args, args.runner,
-                                steer.path if steer is not None else None, worker_env):
+        plans = plan_setups(kinds, model_dir, [p.path for p in probes], engine_args, args.runner,
+                            steer.path if steer is not None else None, worker_env, gpus)
+        servers: dict[str, Server] = {}  # running, by label: an interrupt stops them all
+
+        def run_one(plan: SetupPlan) -> None:
             record: dict[str, Any] = {"label": plan.label, "kind": plan.kind, "argv": plan.argv,
                                       "env": plan.env_changes, "log": f"{_safe(plan.label)}.log",
                                       "checks": {}, "results": {}}
-            result["setups"].append(record)
-            print(f"{plan.label}: starting ({' '.join(plan.argv[2:6])} ...)", flush=True)
+            if gpus:
+                record["gpu"] = plan.env_changes["CUDA_VISIBLE_DEVICES"]
+            with save_lock:
+                result["setups"].append(record)
+            say(f"{plan.label}: starting ({' '.join(plan.argv[2:6])} ...)"
+                + (f" on GPU {record['gpu']}" if gpus else ""))
             started = time.monotonic()
-            server = Server(plan, out / record["log"])
+            server = servers[plan.label] = Server(plan, out / record["log"])
             try:
                 server.wait_ready(args.startup_timeout)
                 record["startup_s"] = round(time.monotonic() - started, 1)
-                print(f"{plan.label}: ready in {record['startup_s']} s", flush=True)
+                say(f"{plan.label}: ready in {record['startup_s']} s")
                 measure_setup(server, plan, concurrencies, num_prompts, warmup, args.input_len, args.output_len,
                               args.seed, probe_names, record, save, args.save_itl,
                               {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered",
                               length_spread=args.output_len_spread)
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
-                record["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
-                print(f"{plan.label}: FAILED: {record['error']}", flush=True)
+                record.setdefault("error", f"{type(exc).__name__}: {exc}"[-4000:])
+                say(f"{plan.label}: FAILED: {record['error']}")
             except KeyboardInterrupt as exc:  # Ctrl-C or a time limit's SIGTERM: keep what was measured
                 record["error"] = f"interrupted ({exc})"
-                print(f"{plan.label}: interrupted; later set-ups skipped", flush=True)
-                break
+                raise
             finally:
                 server.stop()
+                servers.pop(plan.label, None)
                 record["wall_s"] = round(time.monotonic() - started, 1)  # start-up to stopped: plan device time
                 record["checks"].update(log_checks((out / record["log"]).read_text(errors="replace")))
                 save()
+
+        for round_plans in rounds_of(plans, max(1, len(gpus))):
+            try:
+                if len(round_plans) == 1:
+                    run_one(round_plans[0])
+                else:
+                    run_side_by_side(round_plans, run_one,
+                                     lambda: [server.stop() for server in list(servers.values())])
+            except KeyboardInterrupt:
+                for server in list(servers.values()):
+                    server.stop()
+                for record in result["setups"]:
+                    if record["label"] in {p.label for p in round_plans} and "error" not in record:
+                        record["error"] = "interrupted"
+                print("interrupted; later set-ups skipped", flush=True)
+                break
         save()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -1221,6 +1316,15 @@ def parse_worker_env(items: Sequence[str]) -> dict[str, str]:
             raise SystemExit(f"--worker-env {item!r}: expected PROBEX_NAME=VALUE")
         env[name] = value
     return env
+
+
+def parse_gpus(text: str | None) -> list[str]:
+    if not text:
+        return []
+    gpus = [g.strip() for g in text.split(",") if g.strip()]
+    if len(set(gpus)) != len(gpus) or not all(g.isdigit() for g in gpus):
+        raise SystemExit(f"--gpus: distinct GPU indices, comma-separated (0,1), not {text!r}")
+    return gpus
 
 
 def parse_setups(text: str) -> list[str]:
@@ -1601,6 +1705,10 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-env", action="append", default=[], metavar="PROBEX_NAME=VALUE",
                         help="environment for the probex worker set-ups only (repeatable), e.g. "
                              "PROBEX_SCORE_WAIT_S=0 to send chunks without waiting for their scores")
+    parser.add_argument("--gpus", default=None, metavar="0,1",
+                        help="run set-ups side by side, one per GPU, in rounds of as many as GPUs given; each "
+                             "round shifts which set-up gets which GPU, so plain,tap,plain,tap on 0,1 runs each "
+                             "set-up once on each GPU (default: one set-up at a time on the visible devices)")
     parser.add_argument("--startup-timeout", type=float, default=None, help="seconds per server start")
     parser.add_argument("--save-itl", action="store_true", help="keep every request's ITL list in the JSON")
     parser.add_argument("--reanalyze", type=Path, nargs="+", default=None, metavar="JSON",

@@ -671,3 +671,43 @@ def test_the_op_only_set_up_turns_delivery_off_and_its_missing_scores_are_no_pro
     problems = be.find_problems([op_only, tap])
     assert not [p for p in problems if p.startswith("tap-op-only")]
     assert any(p.startswith("tap#9") and "SCORES NOT FULLY DELIVERED" in p for p in problems)
+
+
+def test_side_by_side_set_ups_swap_gpus_every_round(tmp_path):
+    # plain,tap,plain,tap on two GPUs: each set-up once on each GPU, and each round uses both.
+    gpus = be.parse_gpus("0,1")
+    plans = be.plan_setups(be.parse_setups("plain,tap,plain,tap"), tmp_path, [tmp_path / "p"], [], "default",
+                           gpus=gpus)
+    placed = [(p.label, p.env_changes["CUDA_VISIBLE_DEVICES"]) for p in plans]
+    assert placed == [("plain#1", "0"), ("tap#1", "1"), ("plain#2", "1"), ("tap#2", "0")]
+    rounds = be.rounds_of(plans, len(gpus))
+    assert [[p.label for p in r] for r in rounds] == [["plain#1", "tap#1"], ["plain#2", "tap#2"]]
+    assert [be.gpu_of(i, ["0", "1", "2"]) for i in range(6)] == ["0", "1", "2", "1", "2", "0"]
+    # Without --gpus nothing is pinned and set-ups run one at a time.
+    assert "CUDA_VISIBLE_DEVICES" not in be.plan_setups(["plain"], tmp_path, [], [], "default")[0].env_changes
+    assert be.parse_gpus(None) == [] and be.rounds_of(plans, 1) == [[p] for p in plans]
+    for bad in ("0,0", "a,1"):
+        with pytest.raises(SystemExit):
+            be.parse_gpus(bad)
+
+
+def test_side_by_side_runs_plans_at_once_and_reports_a_lane_failure(tmp_path):
+    import threading
+
+    plans = be.plan_setups(["plain", "tap"], tmp_path, [tmp_path / "p"], [], "default", gpus=["0", "1"])
+    both_started = threading.Barrier(2, timeout=10)  # breaks (and fails the lane) unless the two overlap
+    ran = []
+
+    def run_one(plan):
+        both_started.wait()
+        ran.append(plan.label)
+
+    be.run_side_by_side(plans, run_one, stop_all=lambda: None)
+    assert sorted(ran) == ["plain", "tap"]
+
+    def broken(plan):
+        if plan.kind == "tap":
+            raise RuntimeError("lane bug")
+
+    with pytest.raises(RuntimeError, match="lane bug"):
+        be.run_side_by_side(plans, broken, stop_all=lambda: None)
