@@ -42,7 +42,9 @@ the steer set-ups over tap (the steering op alone). ``--setups`` (default plain,
 may repeat a set-up (``plain,tap,plain,tap``) to see run-to-run noise; overheads use the
 mean of repeats. ``tap-op-only`` (diagnostic) is the tap with its scores never copied out or
 delivered (``PROBEX_DELIVERY=off``): over plain it is the op's own cost, under tap the host
-path's.
+path's. ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that shift the
+assignment (so repeats meet every GPU), and adds each set-up's TPOT over plain on the same
+GPU: two GPUs of one host can differ by more than the tap costs.
 
 The model is a real architecture with ``--load-format dummy`` (timings do not depend on
 weight values): ``--model-config llama-3.1-8b`` writes Llama-3.1-8B's config.json next to
@@ -1397,7 +1399,28 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 overhead.setdefault(f"{kind}_vs_{base_kind}", {})[c] = {
                     name: overhead_pct(values[name], base[name]) for name in OVERHEAD_METRICS}
     return {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
-            "overhead_pct": overhead, "problems": find_problems(setups), "warnings": find_warnings(setups)}
+            "overhead_pct": overhead, "tpot_p50_overhead_pct_by_gpu": overhead_by_gpu(setups),
+            "problems": find_problems(setups), "warnings": find_warnings(setups)}
+
+
+def overhead_by_gpu(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """With set-ups side by side (--gpus): TPOT p50 of every kind over plain on the same GPU,
+    {kind: {gpu: {concurrency: pct}}}. Two GPUs of one host can differ by more than the
+    tap costs; compared on one GPU, that difference drops out, and the two GPUs' figures are
+    two independent estimates."""
+    by_gpu: dict[tuple[str, str, str], list[float]] = {}
+    for s in setups:
+        if s.get("gpu") is None:
+            continue
+        for c, entry in s["results"].items():
+            by_gpu.setdefault((s["kind"], s["gpu"], c), []).append(_metric(entry, ("tpot_ms", "p50")))
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (kind, gpu, c), values in sorted(by_gpu.items()):
+        base = by_gpu.get(("plain", gpu, c))
+        if kind != "plain" and base:
+            out.setdefault(kind, {}).setdefault(gpu, {})[c] = overhead_pct(float(np.mean(values)),
+                                                                         float(np.mean(base)))
+    return out
 
 
 def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
@@ -1530,6 +1553,11 @@ def markdown_tables(result: dict[str, Any]) -> str:
     if spread:
         lines += ["", "Run-to-run spread of TPOT p50 between repeats of the same set-up ((max − min) / mean): "
                   + "; ".join(f"{k} c={c}: {v:.2f}%" for k, per_c in spread.items() for c, v in per_c.items())]
+    by_gpu = result.get("tpot_p50_overhead_pct_by_gpu") or {}
+    if by_gpu:
+        lines += ["", "TPOT p50 over plain on the same GPU (set-ups side by side): "
+                  + "; ".join(f"{kind} on GPU {gpu} c={c}: {_pct(v)}" for kind, per_gpu in by_gpu.items()
+                              for gpu, per_c in per_gpu.items() for c, v in per_c.items())]
     return "\n".join(lines)
 
 

@@ -711,3 +711,22 @@ def test_side_by_side_runs_plans_at_once_and_reports_a_lane_failure(tmp_path):
 
     with pytest.raises(RuntimeError, match="lane bug"):
         be.run_side_by_side(plans, broken, stop_all=lambda: None)
+
+
+def test_overhead_by_gpu_compares_each_set_up_with_plain_on_its_own_gpu():
+    # GPU 1 is 4% faster than GPU 0; the tap costs 1% on each. Pooled over GPUs the design
+    # still balances, but only the per-GPU figures show the two estimates.
+    runs = [("plain", "plain#1", "0", 5.0), ("tap", "tap#1", "1", 4.848), ("plain", "plain#2", "1", 4.8),
+            ("tap", "tap#2", "0", 5.05)]
+    setups = []
+    for kind, label, gpu, tpot in runs:
+        setup = _setup(kind, label, {"1": tpot})
+        setup["gpu"] = gpu
+        setups.append(setup)
+    by_gpu = be.analyze(setups)["tpot_p50_overhead_pct_by_gpu"]
+    assert by_gpu["tap"]["0"]["1"] == pytest.approx(1.0) and by_gpu["tap"]["1"]["1"] == pytest.approx(1.0)
+    assert "plain" not in by_gpu
+    assert be.analyze([_setup("plain", "plain", {"1": 5.0}), _setup("tap", "tap", {"1": 5.1})])[
+        "tpot_p50_overhead_pct_by_gpu"] == {}
+    text = be.markdown_tables(dict(be.merge_runs([{"setups": setups, "versions": {}}])))
+    assert "tap on GPU 0 c=1: +1.0%" in text
