@@ -18,7 +18,7 @@ ENV_DELIVERY = "PROBEX_DELIVERY"
 
 
 def scores_delivered() -> bool:
-    return os.environ.get(ENV_DELIVERY, "on") != "off"
+    return os.environ.get(ENV_DELIVERY, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -89,6 +90,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
+
+from engine_worker.tap_config import ENV_DELIVERY  # torch-free: the benchmark runs without the engine stack
 
 from probex.processes import free_port
 
@@ -697,10 +700,11 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
                 runner: str, steer_dir: Path | None = None,
                 worker_env: dict[str, str] | None = None, gpus: Sequence[str] = ()) -> list[SetupPlan]:
     """`worker_env`: extra environment for the `probex worker` set-ups only (ProbeX's own
-    PROBEX_* settings, to compare them in separate runs). `gpus`: see `gpu_of`."""
+    PROBEX_* settings, to compare them in separate runs). `gpus`: see `assign_gpus`."""
     counts = {k: kinds.count(k) for k in set(kinds)}
     seen: dict[str, int] = {}
     plans = []
+    placement = assign_gpus(kinds, gpus) if gpus else []
     for kind in kinds:
         seen[kind] = seen.get(kind, 0) + 1
         label = kind if counts[kind] == 1 else f"{kind}#{seen[kind]}"
@@ -722,7 +726,7 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             env["VLLM_PLUGINS"] = None
             env.update(worker_env or {})
             if kind in UNDELIVERED_KINDS:
-                env["PROBEX_DELIVERY"] = "off"
+                env[ENV_DELIVERY] = "off"
         else:
             # The module `probex worker` execs, with the same interpreter flags and server count.
             argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -732,18 +736,35 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
                 argv.append("--enforce-eager")
             env["VLLM_PLUGINS"] = NO_PLUGINS
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpu_of(len(plans), gpus)
+            env["CUDA_VISIBLE_DEVICES"] = placement[len(plans)]
         plans.append(SetupPlan(label, kind, argv, env, port))
     return plans
 
 
-def gpu_of(index: int, gpus: Sequence[str]) -> str:
-    """The GPU of the set-up at `index` when set-ups run side by side, one per GPU, in rounds
-    of len(gpus): each round shifts the assignment by one, so in ``plain,tap,plain,tap`` on
-    two GPUs each set-up runs once on each GPU and a difference between the GPUs cannot pass
-    for one between set-ups."""
-    n = len(gpus)
-    return gpus[(index % n + index // n) % n]
+def assign_gpus(kinds: Sequence[str], gpus: Sequence[str]) -> list[str]:
+    """The GPU of each set-up when they run side by side, one per GPU, in rounds of len(gpus)
+    (in the order given): each round takes the placement of its set-ups on distinct GPUs
+    that puts them where their kinds have run least (the first such, in GPU order), so a
+    kind's repeats go round the GPUs — ``plain,tap,plain,tap`` and ``plain,tap,tap-op-only``
+    x2 on two GPUs run each kind once on each — and a difference between GPUs cannot pass
+    for one between set-ups. (Orders where that cannot be done are warned about by
+    `unbalanced_kinds`.)"""
+    used: dict[tuple[str, str], int] = {}
+    assigned: list[str] = []
+    for start in range(0, len(kinds), len(gpus)):
+        round_kinds = kinds[start:start + len(gpus)]
+        placement = min(itertools.permutations(gpus, len(round_kinds)),
+                        key=lambda place: sum(used.get((k, g), 0) for k, g in zip(round_kinds, place)))
+        for kind, gpu in zip(round_kinds, placement):
+            used[(kind, gpu)] = used.get((kind, gpu), 0) + 1
+        assigned.extend(placement)
+    return assigned
+
+
+def unbalanced_kinds(kinds: Sequence[str], assigned: Sequence[str], gpus: Sequence[str]) -> list[str]:
+    """Kinds run at least once per GPU whose runs did not meet every GPU."""
+    return sorted({k for k in kinds if kinds.count(k) >= len(gpus)
+                   and {g for kk, g in zip(kinds, assigned) if kk == k} != set(gpus)})
 
 
 def rounds_of(plans: Sequence[SetupPlan], lanes: int) -> list[list[SetupPlan]]:
@@ -791,10 +812,9 @@ class Server:
         accelerator memory back. Stopping twice is harmless (lanes: an interrupt stops the
         running servers from the main thread, and each lane's own `finally` stops its again)."""
         with self._stop_lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            self._stop()
+            if not self._stopped:
+                self._stop()
+                self._stopped = True  # only once it worked: an interrupted stop can be retried
 
     def _stop(self) -> None:
         pgid = self.proc.pid
@@ -1065,7 +1085,10 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   warmup: dict[int, int], input_len: int, output_len: int, seed: int,
                   probe_names: Sequence[str], record: dict[str, Any], save: Callable[[], None],
                   save_itl: bool, probe_layers: dict[str, int] | None = None,
-                  steer: SteerBench | None = None, staggered: bool = True, length_spread: float = 0.0) -> None:
+                  steer: SteerBench | None = None, staggered: bool = True, length_spread: float = 0.0,
+                  cancelled: Callable[[], bool] = lambda: False) -> None:
+    """`cancelled`: polled around every phase; once true, the phase in progress is dropped
+    (its server was stopped under it) and SetupCancelled is raised."""
     import httpx
 
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -1086,6 +1109,8 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         record["request_xargs"] = xargs
     expect = probe_names if worker and plan.kind not in UNDELIVERED_KINDS else None
     for c in concurrencies:
+        if cancelled():
+            raise SetupCancelled(f"before concurrency {c}")
         # Same prompts for every set-up; warm-up prompts differ from measured ones so the
         # prefix cache never serves a measured prompt.
         warm = random_prompts(warmup[c], input_len, seed * 1_000_003 + c * 2 + 1)
@@ -1122,6 +1147,8 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
              **({"itl_ms": [round(g * 1e3, 4) for g in r.itl_s]} if save_itl else {})}
             for r in results
         ]
+        if cancelled():
+            raise SetupCancelled(f"during concurrency {c}")
         record["results"][str(c)] = entry
         save()
         lines = [f"  {plan.label:9} c={c:<3} TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  TPOT p50 "
@@ -1140,6 +1167,20 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         say(f"  {plan.label}: steered vs unsteered prompt scores, max |raw diff| after the write (layer "
             f"{steer.layer}) {effect['max_abs_raw_diff_after_write']:.3g}, at or before it "
             f"{effect['max_abs_raw_diff_at_or_before_write']:.3g}")
+
+
+class SetupCancelled(Exception):
+    """The benchmark was interrupted while this set-up ran beside others (--gpus)."""
+
+
+def record_snapshot(record: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a set-up's record that another thread's writes cannot change under `save()`.
+
+    With set-ups side by side, one lane saves while another adds keys to its own record, and
+    iterating a dict that grows raises. The copies are each one C call (atomic under the
+    GIL); deeper values need no copy because they are built whole before they are stored
+    (a phase's entry, a check's value) and never changed after."""
+    return {**record, "checks": dict(record.get("checks", {})), "results": dict(record.get("results", {}))}
 
 
 _say_lock = threading.Lock()
@@ -1166,7 +1207,9 @@ def run_side_by_side(plans: Sequence[SetupPlan], run_one: Callable[[SetupPlan], 
         except BaseException as exc:  # KeyboardInterrupt only reaches the main thread; this is a bug
             errors.append(exc)
 
-    threads = [threading.Thread(target=lane, args=(plan,), name=f"lane-{plan.label}") for plan in plans]
+    # Daemon threads: a lane stuck past the interrupt's join must not keep the process alive.
+    threads = [threading.Thread(target=lane, args=(plan,), name=f"lane-{plan.label}", daemon=True)
+               for plan in plans]
     for thread in threads:
         thread.start()
     try:
@@ -1248,13 +1291,27 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         def save() -> None:
             with save_lock:
-                result.update(analyze(result["setups"]))
-                json_path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+                setups = [record_snapshot(r) for r in list(result["setups"])]
+                result.update(analyze(setups))
+                json_path.write_text(json.dumps({**result, "setups": setups}, indent=1, default=_json_default)
+                                     + "\n")
 
         print(f"versions: {result['versions']}", flush=True)
         plans = plan_setups(kinds, model_dir, [p.path for p in probes], engine_args, args.runner,
                             steer.path if steer is not None else None, worker_env, gpus)
+        if gpus:
+            unbalanced = unbalanced_kinds(kinds, [p.env_changes["CUDA_VISIBLE_DEVICES"] for p in plans], gpus)
+            result["side_by_side_unbalanced_kinds"] = unbalanced
+            if unbalanced:
+                say(f"warning: in this order, {', '.join(unbalanced)} do not run on every GPU: their pooled "
+                    "overheads include the GPUs' difference (reorder --setups)")
         servers: dict[str, Server] = {}  # running, by label: an interrupt stops them all
+        stopping = threading.Event()  # set by an interrupt: lanes still running drop what they measure
+
+        def stop_all() -> None:
+            stopping.set()
+            for server in list(servers.values()):
+                server.stop()
 
         def run_one(plan: SetupPlan) -> None:
             record: dict[str, Any] = {"label": plan.label, "kind": plan.kind, "argv": plan.argv,
@@ -1269,16 +1326,21 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             started = time.monotonic()
             server = servers[plan.label] = Server(plan, out / record["log"])
             try:
+                if stopping.is_set():  # the interrupt came while this lane was starting its server
+                    raise SetupCancelled("before start-up")
                 server.wait_ready(args.startup_timeout)
                 record["startup_s"] = round(time.monotonic() - started, 1)
                 say(f"{plan.label}: ready in {record['startup_s']} s")
                 measure_setup(server, plan, concurrencies, num_prompts, warmup, args.input_len, args.output_len,
                               args.seed, probe_names, record, save, args.save_itl,
                               {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered",
-                              length_spread=args.output_len_spread)
+                              length_spread=args.output_len_spread, cancelled=stopping.is_set)
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
-                record.setdefault("error", f"{type(exc).__name__}: {exc}"[-4000:])
-                say(f"{plan.label}: FAILED: {record['error']}")
+                if stopping.is_set():
+                    record["error"] = "interrupted"
+                else:
+                    record["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
+                    say(f"{plan.label}: FAILED: {record['error']}")
             except KeyboardInterrupt as exc:  # Ctrl-C or a time limit's SIGTERM: keep what was measured
                 record["error"] = f"interrupted ({exc})"
                 raise
@@ -1294,11 +1356,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 if len(round_plans) == 1:
                     run_one(round_plans[0])
                 else:
-                    run_side_by_side(round_plans, run_one,
-                                     lambda: [server.stop() for server in list(servers.values())])
+                    run_side_by_side(round_plans, run_one, stop_all)
             except KeyboardInterrupt:
-                for server in list(servers.values()):
-                    server.stop()
+                stop_all()
                 for record in result["setups"]:
                     if record["label"] in {p.label for p in round_plans} and "error" not in record:
                         record["error"] = "interrupted"
@@ -1446,6 +1506,9 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                 problems.append(f"{label} c={c}: {e['requests_with_wrong_token_count']} requests without exactly "
                                 "the tokens they asked for")
             scores = e.get("scores")
+            if scores is not None and s["kind"] in UNDELIVERED_KINDS and scores.get("scored_tokens"):
+                problems.append(f"{label} c={c}: scores were delivered ({scores['scored_tokens']} tokens): "
+                                "PROBEX_DELIVERY=off did not reach the worker, so this measured the whole tap")
             if scores is not None and s["kind"] not in UNDELIVERED_KINDS and (scores["coverage"] != 1.0
                                        or scores["requests_with_all_prompt_scores"] != scores["requests"]
                                        or scores["problems"]):
@@ -1551,7 +1614,9 @@ def markdown_tables(result: dict[str, Any]) -> str:
                   "|---|---:|---:|---:|---:|---:|---:|", *over_tap]
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
     if spread:
-        lines += ["", "Run-to-run spread of TPOT p50 between repeats of the same set-up ((max − min) / mean): "
+        on_gpus = " (side by side, repeats ran on different GPUs: this includes the GPUs' difference)" \
+            if result.get("side_by_side_gpus") else ""
+        lines += ["", f"Run-to-run spread of TPOT p50 between repeats of the same set-up{on_gpus} ((max − min) / mean): "
                   + "; ".join(f"{k} c={c}: {v:.2f}%" for k, per_c in spread.items() for c, v in per_c.items())]
     by_gpu = result.get("tpot_p50_overhead_pct_by_gpu") or {}
     if by_gpu:

@@ -671,6 +671,9 @@ def test_the_op_only_set_up_turns_delivery_off_and_its_missing_scores_are_no_pro
     problems = be.find_problems([op_only, tap])
     assert not [p for p in problems if p.startswith("tap-op-only")]
     assert any(p.startswith("tap#9") and "SCORES NOT FULLY DELIVERED" in p for p in problems)
+    # ... but scores showing up there mean the setting never reached the worker.
+    op_only["results"]["1"]["scores"] = dict(unscored, scored_tokens=5)
+    assert any(p.startswith("tap-op-only c=1: scores were delivered") for p in be.find_problems([op_only]))
 
 
 def test_side_by_side_set_ups_swap_gpus_every_round(tmp_path):
@@ -682,7 +685,16 @@ def test_side_by_side_set_ups_swap_gpus_every_round(tmp_path):
     assert placed == [("plain#1", "0"), ("tap#1", "1"), ("plain#2", "1"), ("tap#2", "0")]
     rounds = be.rounds_of(plans, len(gpus))
     assert [[p.label for p in r] for r in rounds] == [["plain#1", "tap#1"], ["plain#2", "tap#2"]]
-    assert [be.gpu_of(i, ["0", "1", "2"]) for i in range(6)] == ["0", "1", "2", "1", "2", "0"]
+    # Three kinds twice on two GPUs: rounds cut across the kinds' cycles, and still every
+    # kind meets both GPUs.
+    kinds = be.parse_setups("plain,tap,tap-op-only,plain,tap,tap-op-only")
+    placed = be.assign_gpus(kinds, gpus)
+    assert placed == ["0", "1", "0", "1", "0", "1"] and be.unbalanced_kinds(kinds, placed, gpus) == []
+    assert all(len(set(placed[i:i + 2])) == 2 for i in range(0, 6, 2))  # a round never shares a GPU
+    assert be.assign_gpus(["plain", "tap", "eager"] * 3, ["0", "1", "2"]) == ["0", "1", "2", "1", "2", "0",
+                                                                               "2", "0", "1"]
+    # An order that cannot be balanced is named: plain always leads a round of one.
+    assert be.unbalanced_kinds(["plain", "plain"], ["0", "0"], gpus) == ["plain"]
     # Without --gpus nothing is pinned and set-ups run one at a time.
     assert "CUDA_VISIBLE_DEVICES" not in be.plan_setups(["plain"], tmp_path, [], [], "default")[0].env_changes
     assert be.parse_gpus(None) == [] and be.rounds_of(plans, 1) == [[p] for p in plans]

@@ -167,7 +167,7 @@ def test_missing_scores_do_not_hang_the_stream(monkeypatch):
 def test_with_delivery_off_chunks_never_wait_for_scores(monkeypatch):
     """PROBEX_DELIVERY=off (the benchmark's tap-op-only set-up): the engine sends no scores,
     so a chunk must not be held for the score wait, however long it is set."""
-    monkeypatch.setenv("PROBEX_SCORE_WAIT_S", "30")
+    monkeypatch.setenv("PROBEX_SCORE_WAIT_S", "3")
     monkeypatch.setenv("PROBEX_DELIVERY", "off")
     chunks = [{"delta": {"content": "a"}, "token_ids": [7]}, {"delta": {"content": "b"}, "token_ids": [8]}]
     out, last, _, waits = run_stream(chunks, lambda hub, engine_id, i: None)
