@@ -32,6 +32,7 @@ log = logging.getLogger("probex.controller")
 
 # "side": score copies on a side stream (score_transfer.py); an experiment, "same" by default.
 ENV_COPY_STREAM = "PROBEX_COPY_STREAM"
+ENV_SCORE_CONSUMER = "PROBEX_SCORE_CONSUMER"  # "thread" (default) or "engine": see score_transfer
 
 
 class ProbeSetRejected(ValueError):
@@ -91,7 +92,8 @@ class TapController:
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
                                       self._consume_step, threaded=threaded,
-                                      copy_stream=os.environ.get(ENV_COPY_STREAM, "same"))
+                                      copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
+                                      consumer=os.environ.get(ENV_SCORE_CONSUMER, "thread"))
 
     # -- probe sets ------------------------------------------------------------------------
 

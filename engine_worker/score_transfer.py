@@ -35,10 +35,22 @@ side stream waits for it and copies, and the next forward's stream waits for the
 before it can overwrite the score buffers (`before_next_forward`, which the runner
 adapters call before every forward). The copies' device latency then overlaps sampling
 instead of preceding it, for two more driver calls per step on the host.
+
+`consumer="engine"` (PROBEX_SCORE_CONSUMER=engine; an experiment, off by default) takes the
+transfer thread out of the per-step path: a step whose copies have landed (a non-blocking
+`cuEventQuery`) is consumed by the engine thread itself at the start of a later hook —
+usually the next one or the one after, which is when the default mode's thread would have
+woken — and a step without rows (requests ending, the engine about to idle) consumes
+everything still pending, waiting if it must. A watchdog thread, waking every
+`stale_after_s`, consumes steps left pending longer than that (an engine that stopped
+calling the hook). The engine thread then does the few microseconds of bookkeeping and
+encoding per step itself, instead of the two threads handing the GIL to each other around
+every step; whether that is cheaper on a GPU host is what the experiment is for.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import queue
@@ -92,6 +104,7 @@ class _CudaDriver:
                              (self.lib.cuCtxSetCurrent, [ctypes.c_void_p]),
                              (self.lib.cuStreamCreate, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
                              (self.lib.cuStreamWaitEvent, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
+                             (self.lib.cuEventQuery, [ctypes.c_void_p]),
                              (self.waiting.cuEventSynchronize, [ctypes.c_void_p])):
             fn.argtypes = argtypes
         with torch.cuda.device(device):
@@ -144,6 +157,16 @@ class _CudaDriver:
     def synchronize(self, event: ctypes.c_void_p) -> None:
         self.check(self.waiting.cuEventSynchronize(event), "cuEventSynchronize")
 
+    CUDA_ERROR_NOT_READY = 600
+
+    def query(self, event: ctypes.c_void_p) -> bool:
+        """Has the work before `event` finished? Never waits (engine thread, GIL held)."""
+        result = self.lib.cuEventQuery(event)
+        if result == self.CUDA_ERROR_NOT_READY:
+            return False
+        self.check(result, "cuEventQuery")
+        return True
+
 
 class _TorchCopies:
     """The same calls through torch, for a CUDA-type device without libcuda.so.1 (ROCm's HIP
@@ -174,6 +197,9 @@ class _TorchCopies:
     def record(self, event: torch.cuda.Event, stream) -> None:
         event.record(stream)
 
+    def query(self, event: torch.cuda.Event) -> bool:
+        return event.query()
+
     def synchronize(self, event: torch.cuda.Event) -> None:
         event.synchronize()  # releases the GIL while it waits
 
@@ -195,6 +221,9 @@ class _DeviceEvent:
 
     def synchronize(self) -> None:
         self.driver.synchronize(self.handle)  # releases the GIL while it waits
+
+    def done(self) -> bool:
+        return self.driver.query(self.handle)
 
 
 @dataclass
@@ -243,14 +272,21 @@ class ScoreTransfer:
         threaded: bool = True,
         driver=None,
         copy_stream: str = "same",
+        consumer: str = "thread",
+        stale_after_s: float = 0.05,
     ) -> None:
         """`driver`: the device calls (tests pass a recording stand-in); made from libcuda
         when the sources are on a CUDA device. `copy_stream`: "same" (the engine's stream)
-        or "side" (see the module docstring; a device only)."""
+        or "side" (see the module docstring; a device only). `consumer`: "thread" (the
+        transfer thread consumes every step) or "engine" (the engine thread consumes landed
+        steps, a watchdog those left longer than `stale_after_s`; see the module docstring)."""
         if depth < 1:
             raise ValueError("ScoreTransfer needs at least one staging buffer")
         if copy_stream not in ("same", "side"):
             raise ValueError(f"copy_stream must be 'same' or 'side', not {copy_stream!r}")
+        if consumer not in ("thread", "engine"):
+            raise ValueError(f"consumer must be 'thread' or 'engine', not {consumer!r}")
+        self.consumer = consumer
         self._consume = consume
         device = next(iter(sources.values())).device if sources else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -280,8 +316,17 @@ class ScoreTransfer:
         self.handoff_s = 0.0
         self.consume_errors = 0
         self.stats = TransferStats()
+        # consumer="engine": steps staged and not yet consumed, oldest first; the lock keeps
+        # the engine thread and the watchdog from consuming the same step (order is kept).
+        self._pending: collections.deque[StagedStep] = collections.deque()
+        self._pending_lock = threading.Lock()
+        self._closing = threading.Event()
+        self.stale_after_s = stale_after_s
+        self.stale_steps = 0  # steps the watchdog consumed (nobody else came by in time)
         if threaded:
-            self._thread = threading.Thread(target=self._run, name="probex-score-transfer", daemon=True)
+            target, name = ((self._run, "probex-score-transfer") if consumer == "thread"
+                            else (self._watch, "probex-score-watchdog"))
+            self._thread = threading.Thread(target=target, name=name, daemon=True)
             self._thread.start()
 
     def submit(self, rows: int, context: Any) -> None:
@@ -290,6 +335,9 @@ class ScoreTransfer:
         if not 0 <= rows <= self.max_rows:
             raise ValueError(f"a step of {rows} rows does not fit the {self.max_rows}-row score buffers")
         started = time.perf_counter()
+        if self.consumer == "engine" and self._free.empty():
+            with self._pending_lock:  # every buffer waits to be consumed: consume the oldest now
+                self._consume_pending(wait=True, limit=1)
         try:
             slot = self._free.get_nowait()
         except queue.Empty:
@@ -333,7 +381,15 @@ class ScoreTransfer:
             raise
         staged = time.perf_counter()
         step = StagedStep(rows=rows, context=context, _slot=slot, _ready=ready, submitted=staged)
-        if self._threaded:
+        if self.consumer == "engine":
+            with self._pending_lock:
+                self._submitted += 1
+                self._pending.append(step)
+                # A step without rows ends requests, and the engine may go idle after it: wait
+                # for what is left, or the last tokens' scores would wait for the watchdog.
+                self._consume_pending(wait=rows == 0)
+            self.handoff_s += (staging - started) + (time.perf_counter() - staged)
+        elif self._threaded:
             self._submitted += 1
             self._work.put(step)
             self.handoff_s += (staging - started) + (time.perf_counter() - staged)
@@ -358,6 +414,10 @@ class ScoreTransfer:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every submitted step was consumed (tests, shutdown). True if drained."""
+        if self.consumer == "engine":
+            with self._pending_lock:
+                self._consume_pending(wait=True)
+            return True
         if not self._threaded:
             return True
         deadline = time.monotonic() + timeout
@@ -368,9 +428,49 @@ class ScoreTransfer:
         return True
 
     def close(self) -> None:
+        self._closing.set()
         if self._thread is not None and self._thread.is_alive():
             self._work.put(None)
             self._thread.join(timeout=5)
+
+    def _consume_pending(self, wait: bool, limit: int | None = None) -> None:
+        """consumer="engine", with the lock held: consume pending steps in order while their
+        copies have landed (with `wait`, waiting for them), at most `limit`."""
+        consumed = 0
+        while self._pending and (limit is None or consumed < limit):
+            step = self._pending[0]
+            landed = step._ready is None or step._ready.done()
+            if not landed and not wait:
+                return
+            self._pending.popleft()
+            try:
+                # A landed step needs no wait: skipping it keeps the engine thread from
+                # releasing the GIL (cuEventSynchronize does) in the middle of its hook.
+                self._process(step, landed=landed)
+            finally:
+                self._processed += 1
+            consumed += 1
+
+    def _watch(self) -> None:
+        """consumer="engine": the safety net for steps nobody else consumes in time."""
+        if self._driver is not None:
+            try:
+                self._driver.bind_thread()
+            except Exception:
+                # The engine thread still consumes every step; only the net is gone.
+                log.exception("probex: the score watchdog cannot use the engine's CUDA context; steps are "
+                              "consumed by the engine thread only")
+                return
+        while not self._closing.wait(self.stale_after_s):
+            try:
+                oldest = self._pending[0].submitted  # unlocked peek: the engine thread may empty it meanwhile
+            except IndexError:
+                continue
+            if time.perf_counter() - oldest > self.stale_after_s:
+                with self._pending_lock:
+                    stale = len(self._pending)
+                    self._consume_pending(wait=True)
+                    self.stale_steps += stale
 
     def _run(self) -> None:
         if self._driver is not None:
@@ -389,9 +489,9 @@ class ScoreTransfer:
             finally:
                 self._processed += 1
 
-    def _process(self, step: StagedStep) -> None:
+    def _process(self, step: StagedStep, landed: bool = False) -> None:
         try:
-            if step._ready is not None:
+            if step._ready is not None and not landed:
                 step._ready.synchronize()  # releases the GIL while it waits
             landed = time.perf_counter()
             self._consume(step)
@@ -404,6 +504,7 @@ class ScoreTransfer:
 
     def describe(self) -> dict[str, Any]:
         return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
+                "consumer": self.consumer, "stale_steps": self.stale_steps,
                 "unguarded_forwards": self.unguarded_forwards, "waits_for_staging": self.waits_for_staging,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
                 **self.stats.as_dict()}

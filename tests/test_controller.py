@@ -121,6 +121,28 @@ def test_scores_are_consumed_off_the_engine_thread(setup):
     controller.transfer.close()
 
 
+def test_with_the_engine_as_consumer_steps_are_published_in_order_on_the_engine_thread(setup, monkeypatch):
+    """PROBEX_SCORE_CONSUMER=engine on the CPU: copies are synchronous there, so each step is
+    consumed inside its own hook, on the engine thread, with the same messages."""
+    monkeypatch.setenv("PROBEX_SCORE_CONSUMER", "engine")
+    taps, probes, published = setup
+    threads = []
+    controller = TapController(taps, served(), lambda m: (threads.append(threading.current_thread().name),
+                                                         published.append(m)))
+    controller.load([str(p) for p in probes])
+    assert controller.transfer.consumer == "engine"
+    for computed in (0, 2, 3):
+        run_step(taps, {l: torch.randn(2 if computed == 0 else 1, HIDDEN) for l in taps})
+        rows = 2 if computed == 0 else 1
+        controller.after_forward(StepLayout(["a"], np.array([rows]), np.array([computed]), np.array([2])))
+        assert len(published) == (1 if computed == 0 else computed)  # consumed before after_forward returned
+    assert threads == [threading.current_thread().name] * 3
+    events = [StepReader().read(m) for m in published[:1]]
+    assert events[0].prompt[0]["req"] == "a"
+    assert controller.flush() and controller.transfer.describe()["consumer"] == "engine"
+    controller.transfer.close()
+
+
 def test_idle_step_releases_finished_requests(setup):
     taps, probes, published = setup
     controller = TapController(taps, served(), published.append, threaded=False)
@@ -228,6 +250,85 @@ class RecordingDriver:
 
     def synchronize(self, event) -> None:
         self.calls.append(("wait", event))
+
+
+class LandingDriver(RecordingDriver):
+    """A recording driver whose events land when the test says so (`land`); a wait lands them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.landed: set = set()
+        self.recorded: dict = {}  # event -> how many times recorded (slots reuse their events)
+
+    def record(self, event, stream) -> None:
+        super().record(event, stream)
+        self.recorded[event] = self.recorded.get(event, 0) + 1
+        self.landed.discard(event)
+
+    def land(self, *events) -> None:
+        self.landed.update(events)
+
+    def query(self, event) -> bool:
+        self.calls.append(("query", event))
+        return event in self.landed
+
+    def synchronize(self, event) -> None:
+        super().synchronize(event)
+        self.landed.add(event)
+
+
+def test_the_engine_consumes_landed_steps_at_its_next_hooks_in_order_without_waiting():
+    source = torch.zeros(8, 1)
+    driver = LandingDriver()
+    seen = []
+    transfer = ScoreTransfer({0: source}, lambda step: seen.append((step.context, threading.current_thread().name)),
+                             depth=4, threaded=False, driver=driver, consumer="engine")
+    transfer.submit(1, "s0")  # its copy is in flight: nothing to consume yet
+    assert seen == [] and ("wait", "event-1") not in driver.calls
+    transfer.submit(1, "s1")
+    assert seen == []
+    driver.land("event-1")  # s0's copy lands; s1's has not
+    transfer.submit(1, "s2")
+    assert [c for c, _ in seen] == ["s0"] and seen[0][1] == threading.current_thread().name
+    assert not [c for c in driver.calls if c[0] == "wait"]  # landed steps are never waited for
+    driver.land("event-3")  # s2 landed before s1: order is kept, s2 waits behind s1
+    transfer.submit(1, "s3")
+    assert [c for c, _ in seen] == ["s0"]
+    # A step without rows (requests ending; the engine may go idle) waits for all that is left.
+    transfer.submit(0, "end")
+    assert [c for c, _ in seen] == ["s0", "s1", "s2", "s3", "end"]
+    assert transfer.flush() and transfer.describe()["steps"] == 5
+
+
+def test_the_engine_consumer_frees_a_buffer_itself_when_all_are_pending():
+    driver = LandingDriver()
+    seen = []
+    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=2,
+                             threaded=False, driver=driver, consumer="engine")
+    transfer.submit(1, "a")
+    transfer.submit(1, "b")
+    transfer.submit(1, "c")  # both buffers pending: the oldest is waited for and consumed, not dropped
+    assert seen == ["a"] and ("wait", "event-1") in driver.calls and transfer.waits_for_staging == 0
+
+
+def test_the_watchdog_consumes_steps_the_engine_left_pending():
+    driver = LandingDriver()
+    consumed = threading.Event()
+    seen = []
+
+    def consume(step):
+        seen.append((step.context, threading.current_thread().name))
+        consumed.set()
+
+    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, consume, depth=2, driver=driver, consumer="engine",
+                             stale_after_s=0.02)
+    transfer.submit(1, "last")  # the engine never comes by again
+    assert consumed.wait(5)
+    assert seen == [("last", "probex-score-watchdog")] and transfer.stale_steps == 1
+    assert ("bind", "probex-score-watchdog") in driver.calls  # it waits in the engine's context
+    transfer.close()
+    with pytest.raises(ValueError, match="consumer"):
+        ScoreTransfer({0: torch.zeros(8, 1)}, consume, consumer="gpu")
 
 
 def test_on_a_device_each_step_is_one_driver_copy_per_layer_then_one_event_the_consumer_waits_for():
@@ -409,6 +510,13 @@ def test_the_cuda_driver_calls_match_the_driver_api(monkeypatch):
     assert calls[-1] == ("cuStreamWaitEvent", (side, event, 0))
     driver.bind_thread()
     assert calls[-1][0] == "cuCtxSetCurrent" and calls[-1][1][0].value == 0xC0DE
+    assert library.cuEventQuery.argtypes == [ctypes.c_void_p]
+    assert driver.query(event) is True and calls[-1] == ("cuEventQuery", (event,))
+    monkeypatch.setattr(library, "cuEventQuery", lambda event: 600, raising=False)  # CUDA_ERROR_NOT_READY
+    assert driver.query(event) is False
+    monkeypatch.setattr(library, "cuEventQuery", lambda event: 700, raising=False)
+    with pytest.raises(RuntimeError, match="cuEventQuery failed"):
+        driver.query(event)
     monkeypatch.setattr(library, "cuEventSynchronize", lambda event: 700, raising=False)  # an error code
     with pytest.raises(RuntimeError, match="cuEventSynchronize failed with CUDA driver error 700"):
         driver.synchronize(event)
