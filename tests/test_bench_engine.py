@@ -658,8 +658,13 @@ def test_worker_env_takes_probex_settings_only_and_reaches_worker_set_ups_only(t
 
 
 def test_the_op_only_set_up_turns_delivery_off_and_its_missing_scores_are_no_problem(tmp_path):
-    plans = be.plan_setups(be.parse_setups("plain,tap,tap-op-only"), tmp_path, [tmp_path / "p"], [], "default")
-    assert [p.env_changes.get("PROBEX_DELIVERY") for p in plans] == [None, None, "off"]
+    plans = be.plan_setups(be.parse_setups("plain,tap,tap-op-only,tap-engine-consumer"), tmp_path,
+                           [tmp_path / "p"], [], "default")
+    assert [p.env_changes.get("PROBEX_DELIVERY") for p in plans] == [None, None, "off", None]
+    assert [p.env_changes.get("PROBEX_SCORE_CONSUMER") for p in plans] == [None, None, None, "engine"]
+    consumer = be.analyze([_setup("plain", "plain", {"1": 5.0}), _setup("tap", "tap", {"1": 5.1}),
+                           _setup("tap-engine-consumer", "tap-engine-consumer", {"1": 5.049})])["overhead_pct"]
+    assert consumer["tap-engine-consumer_vs_tap"]["1"]["tpot_p50"] == pytest.approx(-1.0)
     assert "probex.cli" in plans[2].argv and "worker" in plans[2].argv
     run = _saved_run()
     unscored = dict(run["setups"][1]["results"]["1"]["scores"], scored_tokens=0, coverage=0.0,
