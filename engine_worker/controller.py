@@ -27,12 +27,12 @@ from engine_worker.score_transfer import ScoreTransfer, StagedStep
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
+from engine_worker.tap_config import ENV_SCORE_CONSUMER
 
 log = logging.getLogger("probex.controller")
 
 # "side": score copies on a side stream (score_transfer.py); an experiment, "same" by default.
 ENV_COPY_STREAM = "PROBEX_COPY_STREAM"
-ENV_SCORE_CONSUMER = "PROBEX_SCORE_CONSUMER"  # "thread" (default) or "engine": see score_transfer
 
 
 class ProbeSetRejected(ValueError):

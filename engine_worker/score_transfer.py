@@ -37,13 +37,15 @@ adapters call before every forward). The copies' device latency then overlaps sa
 instead of preceding it, for two more driver calls per step on the host.
 
 `consumer="engine"` (PROBEX_SCORE_CONSUMER=engine; an experiment, off by default) takes the
-transfer thread out of the per-step path: a step whose copies have landed (a non-blocking
-`cuEventQuery`) is consumed by the engine thread itself at the start of a later hook —
-usually the next one or the one after, which is when the default mode's thread would have
-woken — and a step without rows (requests ending, the engine about to idle) consumes
-everything still pending, waiting if it must. A watchdog thread, waking every
-`stale_after_s`, consumes steps left pending longer than that (an engine that stopped
-calling the hook). The engine thread then does the few microseconds of bookkeeping and
+transfer thread out of the per-step path: at the end of each hook, after staging its own
+step, the engine thread consumes the pending steps whose copies have landed (a
+non-blocking `cuEventQuery`) — usually the step before last, a step later than the default
+mode's thread would publish it — and a step without rows (requests ending, the engine about
+to idle) consumes everything still pending, waiting if it must; so does a hook that finds
+every staging buffer pending (the oldest). A watchdog thread, waking every
+`stale_after_s`, consumes what landed once the engine has not come by for that long (an
+engine that stopped calling the hook); it waits for the device outside the lock, so an
+engine that comes back never waits for it. The engine thread then does the few microseconds of bookkeeping and
 encoding per step itself, instead of the two threads handing the GIL to each other around
 every step; whether that is cheaper on a GPU host is what the experiment is for.
 """
@@ -323,6 +325,8 @@ class ScoreTransfer:
         self._closing = threading.Event()
         self.stale_after_s = stale_after_s
         self.stale_steps = 0  # steps the watchdog consumed (nobody else came by in time)
+        self.query_errors = 0
+        self._last_submit = time.perf_counter()  # consumer="engine": when the engine last came by
         if threaded:
             target, name = ((self._run, "probex-score-transfer") if consumer == "thread"
                             else (self._watch, "probex-score-watchdog"))
@@ -334,8 +338,9 @@ class ScoreTransfer:
         self._raise_if_failed()
         if not 0 <= rows <= self.max_rows:
             raise ValueError(f"a step of {rows} rows does not fit the {self.max_rows}-row score buffers")
-        started = time.perf_counter()
+        started = self._last_submit = time.perf_counter()
         if self.consumer == "engine" and self._free.empty():
+            self.waits_for_staging += 1
             with self._pending_lock:  # every buffer waits to be consumed: consume the oldest now
                 self._consume_pending(wait=True, limit=1)
         try:
@@ -414,7 +419,7 @@ class ScoreTransfer:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every submitted step was consumed (tests, shutdown). True if drained."""
-        if self.consumer == "engine":
+        if self.consumer == "engine":  # waits on the device events themselves, GIL released: no timeout
             with self._pending_lock:
                 self._consume_pending(wait=True)
             return True
@@ -428,6 +433,8 @@ class ScoreTransfer:
         return True
 
     def close(self) -> None:
+        if self.consumer == "engine":
+            self.flush()  # what is pending is consumed here; the watchdog only stops
         self._closing.set()
         if self._thread is not None and self._thread.is_alive():
             self._work.put(None)
@@ -439,7 +446,7 @@ class ScoreTransfer:
         consumed = 0
         while self._pending and (limit is None or consumed < limit):
             step = self._pending[0]
-            landed = step._ready is None or step._ready.done()
+            landed = step._ready is None or self._landed(step._ready)
             if not landed and not wait:
                 return
             self._pending.popleft()
@@ -450,6 +457,18 @@ class ScoreTransfer:
             finally:
                 self._processed += 1
             consumed += 1
+
+    def _landed(self, ready: _DeviceEvent) -> bool:
+        """A failing query counts as not landed: the step is then waited for (and a failing
+        wait is counted and logged by `_process`, which gives the buffer back) instead of
+        raising inside vLLM's step at every later hook."""
+        try:
+            return ready.done()
+        except Exception:
+            self.query_errors += 1
+            if self.query_errors in (1, 100) or self.query_errors % 10000 == 0:
+                log.exception("probex: querying a score copy's event failed (%d times)", self.query_errors)
+            return False
 
     def _watch(self) -> None:
         """consumer="engine": the safety net for steps nobody else consumes in time."""
@@ -463,14 +482,28 @@ class ScoreTransfer:
                 return
         while not self._closing.wait(self.stale_after_s):
             try:
-                oldest = self._pending[0].submitted  # unlocked peek: the engine thread may empty it meanwhile
-            except IndexError:
-                continue
-            if time.perf_counter() - oldest > self.stale_after_s:
-                with self._pending_lock:
-                    stale = len(self._pending)
-                    self._consume_pending(wait=True)
-                    self.stale_steps += stale
+                self._consume_if_engine_away()
+            except Exception:
+                log.exception("probex: the score watchdog failed a round; it goes on")
+
+    def _consume_if_engine_away(self) -> None:
+        if time.perf_counter() - self._last_submit <= self.stale_after_s:
+            return  # the engine comes by: it consumes its own steps
+        try:
+            head = self._pending[0]  # unlocked peek: the engine thread may consume it meanwhile
+        except IndexError:
+            return
+        if head._ready is not None:
+            # Outside the lock, so an engine that comes back meanwhile never waits for this.
+            # (Should the engine consume the step and reuse its buffer, this waits for that
+            # buffer's next copy instead: harmless.)
+            head._ready.synchronize()
+        with self._pending_lock:
+            if time.perf_counter() - self._last_submit <= self.stale_after_s:
+                return
+            before = self._processed
+            self._consume_pending(wait=False)
+            self.stale_steps += self._processed - before
 
     def _run(self) -> None:
         if self._driver is not None:
@@ -504,7 +537,7 @@ class ScoreTransfer:
 
     def describe(self) -> dict[str, Any]:
         return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
-                "consumer": self.consumer, "stale_steps": self.stale_steps,
+                "consumer": self.consumer, "stale_steps": self.stale_steps, "query_errors": self.query_errors,
                 "unguarded_forwards": self.unguarded_forwards, "waits_for_staging": self.waits_for_staging,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
                 **self.stats.as_dict()}

@@ -17,6 +17,11 @@ ADDITIONAL_CONFIG_KEY = "probex"
 ENV_DELIVERY = "PROBEX_DELIVERY"
 
 
+# Experiment: "engine" has the engine thread consume each step's scores once its copies land,
+# instead of the transfer thread (engine_worker/score_transfer.py; set-up "tap-engine-consumer").
+ENV_SCORE_CONSUMER = "PROBEX_SCORE_CONSUMER"
+
+
 def scores_delivered() -> bool:
     return os.environ.get(ENV_DELIVERY, "on").strip().lower() not in ("off", "0", "false", "no")
 

@@ -92,7 +92,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from engine_worker.tap_config import ENV_DELIVERY  # torch-free: the benchmark runs without the engine stack
+from engine_worker.tap_config import ENV_DELIVERY, ENV_SCORE_CONSUMER  # torch-free
 
 from probex.processes import free_port
 
@@ -112,7 +112,7 @@ UNDELIVERED_KINDS = ("tap-op-only",)
 # Worker settings a set-up kind stands for (on top of --worker-env): experiments measured
 # against `tap` in the same run. tap-engine-consumer: the engine thread consumes each step's
 # scores once its copies land, instead of the transfer thread (engine_worker/score_transfer.py).
-KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": {"PROBEX_SCORE_CONSUMER": "engine"}}
+KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": {ENV_SCORE_CONSUMER: "engine"}}
 STEER_KINDS = ("steer-idle", "steer-active", "steer-gated")  # ... plus a steering vector loaded
 STEERED_KINDS = ("steer-active", "steer-gated")  # ... and every request steered
 STEER_VECTOR_NAME = "bench-steer"
@@ -1037,6 +1037,9 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "consume_max_ms_so_far": t1["consume_max_s"] * 1e3,
             "waits_for_staging": t1.get("waits_for_staging", 0) - t0.get("waits_for_staging", 0),
             "copy_stream": t1.get("copy_stream", "same"),
+            "consumer": t1.get("consumer", "thread"),
+            # consumer="engine": steps the watchdog had to take (the engine did not come by)
+            "stale_steps": t1.get("stale_steps", 0) - t0.get("stale_steps", 0),
         }
     e0, e1 = before.get("engine_thread") or {}, after.get("engine_thread") or {}
     engine_steps = e1.get("steps", 0) - e0.get("steps", 0)
@@ -1103,6 +1106,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         record["checks"]["probex_probes_listed"] = len(listing.get("probes", []))
         record["checks"]["probex_probes_expected"] = len(probe_names)
         record["checks"]["probex_tapped_layers"] = listing.get("tapped_layers")
+        record["checks"]["probex_score_consumer"] = (listing.get("transfer") or {}).get("consumer")
     if plan.kind in STEER_KINDS and steer is not None:
         steering = httpx.get(server.url + "/probex/steering", timeout=60).json()
         record["checks"]["probex_steer_layers"] = steering.get("steer_layers")
@@ -1505,6 +1509,11 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                             f"{checks.get('probex_probes_expected')}")
         if s["kind"] in STEER_KINDS:
             problems += steering_problems(s)
+        consumer = checks.get("probex_score_consumer")
+        wanted = KIND_WORKER_ENV.get(s["kind"], {}).get(ENV_SCORE_CONSUMER, "thread")
+        if s["kind"] in WORKER_KINDS and consumer is not None and consumer != wanted:
+            problems.append(f"{label}: the worker consumed scores on the {consumer} side, not {wanted} "
+                            f"({ENV_SCORE_CONSUMER} set for the wrong set-ups?)")
         for c, e in s.get("results", {}).items():
             if e.get("failed"):
                 problems.append(f"{label} c={c}: {e['failed']} failed requests ({'; '.join(e.get('errors', []))})")
@@ -1615,7 +1624,8 @@ def markdown_tables(result: dict[str, Any]) -> str:
     lines += rows("_vs_plain")
     over_tap = rows("_vs_tap")
     if over_tap:
-        lines += ["", "Overhead of the steer set-ups over tap (the steering op alone), percent:", "",
+        lines += ["", "Overhead over tap (the steer set-ups: the steering op alone; tap-engine-consumer: the "
+                  "experiment against the default), percent:", "",
                   "| set-up | concurrency | TPOT p50 | TPOT mean | ITL p50 | TTFT p50 | output tok/s |",
                   "|---|---:|---:|---:|---:|---:|---:|", *over_tap]
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})

@@ -449,6 +449,7 @@ def test_delivery_delta_reads_the_worker_and_hub_counters_per_phase():
              "score_waits": {"tokens": {"calls": 15, "waited": 3, "waited_s": 0.006, "max_s": 0.002}}}
     delta = be.delivery_delta(before, after)
     assert delta["transfer"].pop("copy_stream") == "side"  # which copy path the phase ran
+    assert delta["transfer"].pop("consumer") == "thread" and delta["transfer"].pop("stale_steps") == 0
     assert delta["engine_thread"] == pytest.approx({"steps": 20, "hook_mean_ms": 0.1, "layout_mean_ms": 0.02,
                                                     "stage_mean_ms": 0.04, "handoff_mean_ms": 0.01,
                                                     "other_mean_ms": 0.03})
@@ -503,7 +504,7 @@ def test_steer_set_ups_overheads_over_plain_and_over_tap(tmp_path):
     assert overhead["steer-idle_vs_plain"]["1"]["tpot_p50"] == pytest.approx(2.0)
     assert overhead["steer-active_vs_tap"]["8"]["tpot_p50"] == pytest.approx((6.3 / 6.06 - 1) * 100)
     tables = be.markdown_tables(result)
-    head, over_tap = tables.split("Overhead of the steer set-ups over tap")
+    head, over_tap = tables.split("Overhead over tap")
     assert "| steer-idle | 1 | +2.0% |" in head and "| steer-active | 1 | +4.0% |" in head
     assert "| steer-idle | 1 | +1.0% |" in over_tap and "| tap |" not in over_tap
     if importlib.util.find_spec("matplotlib"):
@@ -665,6 +666,15 @@ def test_the_op_only_set_up_turns_delivery_off_and_its_missing_scores_are_no_pro
     consumer = be.analyze([_setup("plain", "plain", {"1": 5.0}), _setup("tap", "tap", {"1": 5.1}),
                            _setup("tap-engine-consumer", "tap-engine-consumer", {"1": 5.049})])["overhead_pct"]
     assert consumer["tap-engine-consumer_vs_tap"]["1"]["tpot_p50"] == pytest.approx(-1.0)
+    # The worker reports its consumer; a set-up that did not get the one it stands for is flagged
+    # (e.g. --worker-env PROBEX_SCORE_CONSUMER=engine switching the tap baseline too).
+    tap_ok, tap_switched, experiment = (_setup("tap", "tap#1", {"1": 5.0}), _setup("tap", "tap#2", {"1": 5.0}),
+                                        _setup("tap-engine-consumer", "tap-engine-consumer", {"1": 5.0}))
+    tap_ok["checks"]["probex_score_consumer"] = "thread"
+    tap_switched["checks"]["probex_score_consumer"] = "engine"
+    experiment["checks"]["probex_score_consumer"] = "engine"
+    problems = be.find_problems([tap_ok, tap_switched, experiment])
+    assert [p.split(":")[0] for p in problems if "consumed scores" in p] == ["tap#2"]
     assert "probex.cli" in plans[2].argv and "worker" in plans[2].argv
     run = _saved_run()
     unscored = dict(run["setups"][1]["results"]["1"]["scores"], scored_tokens=0, coverage=0.0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -307,8 +308,40 @@ def test_the_engine_consumer_frees_a_buffer_itself_when_all_are_pending():
                              threaded=False, driver=driver, consumer="engine")
     transfer.submit(1, "a")
     transfer.submit(1, "b")
-    transfer.submit(1, "c")  # both buffers pending: the oldest is waited for and consumed, not dropped
-    assert seen == ["a"] and ("wait", "event-1") in driver.calls and transfer.waits_for_staging == 0
+    # Both buffers pending: the oldest is waited for and consumed, not dropped (in a thread
+    # with a deadline, so a regression that waits for a buffer nobody frees fails, not hangs).
+    third = threading.Thread(target=transfer.submit, args=(1, "c"), daemon=True)
+    third.start()
+    third.join(5)
+    assert not third.is_alive()
+    assert seen == ["a"] and ("wait", "event-1") in driver.calls and transfer.waits_for_staging == 1
+    transfer.close()  # consumes what is still pending
+    assert seen == ["a", "b", "c"]
+
+
+def test_the_engine_consumer_flushes_pending_steps_on_request():
+    driver = LandingDriver()
+    seen = []
+    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=4,
+                             threaded=False, driver=driver, consumer="engine")
+    transfer.submit(1, "a")
+    transfer.submit(1, "b")
+    assert seen == [] and transfer.flush() and seen == ["a", "b"]
+
+
+def test_a_failing_event_query_is_waited_through_instead_of_raising_in_the_engine_step():
+    driver = LandingDriver()
+
+    def broken_query(event):
+        raise RuntimeError("cuEventQuery failed with CUDA driver error 700")
+
+    driver.query = broken_query
+    seen = []
+    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=4,
+                             threaded=False, driver=driver, consumer="engine")
+    transfer.submit(1, "a")  # not consumed (its event counts as not landed), and no exception
+    transfer.submit(0, "end")
+    assert seen == ["a", "end"] and transfer.query_errors >= 1
 
 
 def test_the_watchdog_consumes_steps_the_engine_left_pending():
@@ -324,11 +357,35 @@ def test_the_watchdog_consumes_steps_the_engine_left_pending():
                              stale_after_s=0.02)
     transfer.submit(1, "last")  # the engine never comes by again
     assert consumed.wait(5)
+    transfer.close()  # joins the watchdog, so its count is final
     assert seen == [("last", "probex-score-watchdog")] and transfer.stale_steps == 1
     assert ("bind", "probex-score-watchdog") in driver.calls  # it waits in the engine's context
-    transfer.close()
     with pytest.raises(ValueError, match="consumer"):
         ScoreTransfer({0: torch.zeros(8, 1)}, consume, consumer="gpu")
+
+
+def test_the_watchdog_leaves_steps_to_an_engine_that_keeps_coming_by():
+    """Old pending steps are the engine's while it calls the hook: the watchdog takes over only
+    once the engine has been away for `stale_after_s`, not when a step is merely old."""
+    driver = LandingDriver()
+    busy = threading.Event()
+    busy.set()
+    # While the engine keeps feeding it, no copy has landed yet when it looks; once it stops,
+    # the device finishes everything.
+    driver.query = lambda event: not busy.is_set()
+    seen = []
+    transfer = ScoreTransfer({0: torch.zeros(64, 1)}, lambda step: seen.append(threading.current_thread().name),
+                             depth=64, driver=driver, consumer="engine", stale_after_s=0.2)
+    for i in range(50):  # 0.5 s of steps every 10 ms: the oldest is long past 0.2 s
+        transfer.submit(1, i)
+        time.sleep(0.01)
+    assert seen == [] and transfer.stale_steps == 0
+    busy.clear()
+    deadline = time.monotonic() + 5
+    while len(seen) < 50 and time.monotonic() < deadline:  # the engine is gone: the watchdog takes them
+        time.sleep(0.01)
+    transfer.close()
+    assert seen == ["probex-score-watchdog"] * 50 and transfer.stale_steps == 50
 
 
 def test_on_a_device_each_step_is_one_driver_copy_per_layer_then_one_event_the_consumer_waits_for():
