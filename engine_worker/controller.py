@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -289,6 +290,17 @@ class TapController:
         """Before any forward is enqueued (real or dummy): with side-stream copies, the forward
         must not overwrite the score buffers before the last copy out of them has run."""
         self.transfer.before_next_forward()
+
+    @property
+    def consumes_on_engine_thread(self) -> bool:
+        """PROBEX_SCORE_CONSUMER=engine: the runner adapters call `consume_landed_scores` where
+        the engine reads a step's sampled tokens."""
+        return self.transfer.consumer == "engine" and self.reads_scores
+
+    def consume_landed_scores(self) -> None:
+        started = time.perf_counter()
+        self.transfer.consume_landed()
+        self.engine_thread_s += time.perf_counter() - started
 
     @property
     def reads_scores(self) -> bool:

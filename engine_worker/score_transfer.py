@@ -37,10 +37,10 @@ adapters call before every forward). The copies' device latency then overlaps sa
 instead of preceding it, for two more driver calls per step on the host.
 
 `consumer="engine"` (PROBEX_SCORE_CONSUMER=engine; an experiment, off by default) takes the
-transfer thread out of the per-step path: at the end of each hook, after staging its own
-step, the engine thread consumes the pending steps whose copies have landed (a
-non-blocking `cuEventQuery`) — usually the step before last, a step later than the default
-mode's thread would publish it — and a step without rows (requests ending, the engine about
+transfer thread out of the per-step path: where the engine reads a step's sampled tokens
+(runner V2: `consume_landed`, called by the adapter), and at the end of each hook after
+staging its own step, the engine thread consumes the pending steps whose copies have landed
+(a non-blocking `cuEventQuery`) — so a step's scores leave with its tokens — and a step without rows (requests ending, the engine about
 to idle) consumes everything still pending, waiting if it must; so does a hook that finds
 every staging buffer pending (the oldest). A watchdog thread, waking every
 `stale_after_s`, consumes what landed once the engine has not come by for that long (an
@@ -439,6 +439,15 @@ class ScoreTransfer:
         if self._thread is not None and self._thread.is_alive():
             self._work.put(None)
             self._thread.join(timeout=5)
+
+    def consume_landed(self) -> None:
+        """consumer="engine": consume, in order, the pending steps whose copies have landed
+        (the runner adapter calls this where the engine has just read a step's sampled
+        tokens, whose copy was ordered after that step's score copies). Never waits."""
+        if self.consumer != "engine":
+            return
+        with self._pending_lock:
+            self._consume_pending(wait=False)
 
     def _consume_pending(self, wait: bool, limit: int | None = None) -> None:
         """consumer="engine", with the lock held: consume pending steps in order while their

@@ -14,6 +14,10 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
   built later, on the transfer thread, from the batch's per-step arrays.
 - V2 keeps no `SamplingParams` per request after `add_requests`, so the per-request
   capture flag and steering settings are read there.
+- With the engine thread as the scores' consumer (PROBEX_SCORE_CONSUMER=engine), a step's
+  scores are consumed when vLLM reads its sampled tokens: `sample_tokens` returns an
+  `AsyncOutput` whose `get_output` the engine calls (after waiting for the tokens' copy,
+  which is ordered after the score copies); we wrap that object's `get_output`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def patch_v2_runner() -> bool:
     GPUModelRunner.add_requests = _remember_capture_flags(GPUModelRunner.add_requests)
     GPUModelRunner.prepare_inputs = _layout_before_forward(GPUModelRunner.prepare_inputs)
     GPUModelRunner.execute_model = _scores_after_forward(GPUModelRunner.execute_model)
+    GPUModelRunner.sample_tokens = _scores_with_sampled_tokens(GPUModelRunner.sample_tokens)
     setattr(GPUModelRunner, _PATCHED_MARK, True)
     return True
 
@@ -135,6 +140,28 @@ def _scores_after_forward(execute_model):
         elif finished:
             controller.after_idle_step(finished)  # nothing ran, but requests ended
         controller.engine_thread_s += time.perf_counter() - started
+        return output
+
+    return wrapper
+
+
+def _scores_with_sampled_tokens(sample_tokens):
+    @functools.wraps(sample_tokens)
+    def wrapper(self, *args, **kwargs):
+        output = sample_tokens(self, *args, **kwargs)
+        controller = controller_of(self)
+        if controller is None or not controller.consumes_on_engine_thread or not hasattr(output, "get_output"):
+            return output  # the default: the transfer thread consumes, nothing to add here
+        read_tokens = output.get_output
+
+        def read_tokens_then_scores():
+            result = read_tokens()
+            # The tokens' copy was ordered after this step's score copies, so they have
+            # landed: the scores leave now, just ahead of the tokens they belong to.
+            controller.consume_landed_scores()
+            return result
+
+        output.get_output = read_tokens_then_scores
         return output
 
     return wrapper

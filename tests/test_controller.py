@@ -114,6 +114,7 @@ def test_scores_are_consumed_off_the_engine_thread(setup):
     taps, probes, published = setup
     threads = []
     controller = TapController(taps, served(), lambda m: threads.append(threading.current_thread().name))
+    assert not controller.consumes_on_engine_thread  # the default
     controller.load([str(p) for p in probes])
     run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
     controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])))
@@ -131,7 +132,9 @@ def test_with_the_engine_as_consumer_steps_are_published_in_order_on_the_engine_
     controller = TapController(taps, served(), lambda m: (threads.append(threading.current_thread().name),
                                                          published.append(m)))
     controller.load([str(p) for p in probes])
-    assert controller.transfer.consumer == "engine"
+    assert controller.transfer.consumer == "engine" and controller.consumes_on_engine_thread
+    controller.consume_landed_scores()  # nothing pending: nothing happens
+    assert published == []
     for computed in (0, 2, 3):
         run_step(taps, {l: torch.randn(2 if computed == 0 else 1, HIDDEN) for l in taps})
         rows = 2 if computed == 0 else 1
@@ -299,6 +302,21 @@ def test_the_engine_consumes_landed_steps_at_its_next_hooks_in_order_without_wai
     transfer.submit(0, "end")
     assert [c for c, _ in seen] == ["s0", "s1", "s2", "s3", "end"]
     assert transfer.flush() and transfer.describe()["steps"] == 5
+
+
+def test_consume_landed_takes_what_has_landed_and_never_waits():
+    driver = LandingDriver()
+    seen = []
+    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=4,
+                             threaded=False, driver=driver, consumer="engine")
+    transfer.submit(1, "a")
+    transfer.submit(1, "b")
+    driver.land("event-1")
+    transfer.consume_landed()  # where the engine has read step a's tokens
+    assert seen == ["a"] and not [c for c in driver.calls if c[0] == "wait"]
+    threaded = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, depth=2, threaded=False, driver=driver)
+    threaded.consume_landed()  # the default consumer: nothing to do here
+    assert threaded.describe()["steps"] == 0
 
 
 def test_the_engine_consumer_frees_a_buffer_itself_when_all_are_pending():

@@ -47,6 +47,11 @@ class RecordingController:
     def before_forward_launch(self):
         self.launches = getattr(self, "launches", 0) + 1
 
+    consumes_on_engine_thread = False  # PROBEX_SCORE_CONSUMER=engine
+
+    def consume_landed_scores(self):
+        self.calls.append(("consume landed",))
+
 
 class FakeV2Runner:
     """The V2 call order: execute_model -> add_requests, prepare_inputs (real steps only), forward."""
@@ -83,6 +88,11 @@ class FakeV2Runner:
         self.forwards += 1
         return None
 
+    def sample_tokens(self, grammar_output=None):
+        """V2 returns an AsyncOutput: the engine reads the tokens later, through get_output."""
+        calls = self.controller_to_install.calls
+        return SimpleNamespace(get_output=lambda: calls.append(("tokens read",)) or "runner output")
+
 
 def wrapped_runner_class():
     cls = type("WrappedFakeV2Runner", (FakeV2Runner,), {})
@@ -90,6 +100,7 @@ def wrapped_runner_class():
     cls.add_requests = v2._remember_capture_flags(FakeV2Runner.add_requests)
     cls.prepare_inputs = v2._layout_before_forward(FakeV2Runner.prepare_inputs)
     cls.execute_model = v2._scores_after_forward(FakeV2Runner.execute_model)
+    cls.sample_tokens = v2._scores_with_sampled_tokens(FakeV2Runner.sample_tokens)
     return cls
 
 
@@ -227,3 +238,23 @@ def test_v2_adapter_reads_no_layout_on_a_rank_that_reads_no_scores(monkeypatch):
                                computed={"a": 0, "b": 0}))
     runner.execute_model(sched(scheduled={"b": 1}, computed={"b": 3}, finished={"a"}))
     assert controller.calls == [("after", [], []), ("after", [], ["a"])]
+
+
+def test_v2_adapter_consumes_scores_where_the_engine_reads_the_sampled_tokens(monkeypatch):
+    """PROBEX_SCORE_CONSUMER=engine: the step's scores are consumed right after vLLM has read
+    its sampled tokens (AsyncOutput.get_output, on the engine thread); by default the
+    AsyncOutput is left alone."""
+    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    controller = RecordingController()
+    runner = wrapped_runner_class()(controller)
+    runner.load_model()
+    output = runner.sample_tokens()
+    assert output.get_output() == "runner output" and controller.calls == [("tokens read",)]
+    controller.calls.clear()
+    controller.consumes_on_engine_thread = True
+    output = runner.sample_tokens()
+    assert controller.calls == []  # nothing before the engine reads the tokens
+    assert output.get_output() == "runner output"
+    assert controller.calls == [("tokens read",), ("consume landed",)]
+    controller.calls.clear()
+    assert wrapped_runner_class().sample_tokens.__wrapped__ is FakeV2Runner.sample_tokens
