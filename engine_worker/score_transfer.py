@@ -443,7 +443,8 @@ class ScoreTransfer:
     def consume_landed(self) -> None:
         """consumer="engine": consume, in order, the pending steps whose copies have landed
         (the runner adapter calls this where the engine has just read a step's sampled
-        tokens, whose copy was ordered after that step's score copies). Never waits."""
+        tokens, whose copy was ordered after that step's same-stream score copies). Never
+        waits for the device; it may wait for the lock while another thread consumes."""
         if self.consumer != "engine":
             return
         with self._pending_lock:

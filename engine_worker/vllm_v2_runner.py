@@ -17,7 +17,9 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
 - With the engine thread as the scores' consumer (PROBEX_SCORE_CONSUMER=engine), a step's
   scores are consumed when vLLM reads its sampled tokens: `sample_tokens` returns an
   `AsyncOutput` whose `get_output` the engine calls (after waiting for the tokens' copy,
-  which is ordered after the score copies); we wrap that object's `get_output`.
+  which, with the score copies on the engine's stream, is ordered after them); we wrap that
+  object's `get_output`. At TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread;
+  at TP>1 with async scheduling, on its worker's output-copy thread.
 """
 
 from __future__ import annotations
@@ -155,10 +157,19 @@ def _scores_with_sampled_tokens(sample_tokens):
         read_tokens = output.get_output
 
         def read_tokens_then_scores():
+            # Drop the instance attribute first: it holds this closure, which holds the bound
+            # method, which holds the output — a cycle keeping each step's tensors alive
+            # until the garbage collector runs.
+            output.__dict__.pop("get_output", None)
             result = read_tokens()
-            # The tokens' copy was ordered after this step's score copies, so they have
-            # landed: the scores leave now, just ahead of the tokens they belong to.
-            controller.consume_landed_scores()
+            # With the copies on the engine's stream (the default), the tokens' copy was
+            # ordered after this step's score copies, so they have landed: the scores leave
+            # now, just ahead of the tokens they belong to. (Side-stream copies may land
+            # later; they are then consumed at a later hook.)
+            try:
+                controller.consume_landed_scores()
+            except Exception:  # ProbeX must never cost vLLM a step's tokens
+                log.exception("probex: consuming landed scores failed")
             return result
 
         output.get_output = read_tokens_then_scores

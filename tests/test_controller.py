@@ -314,9 +314,9 @@ def test_consume_landed_takes_what_has_landed_and_never_waits():
     driver.land("event-1")
     transfer.consume_landed()  # where the engine has read step a's tokens
     assert seen == ["a"] and not [c for c in driver.calls if c[0] == "wait"]
-    threaded = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, depth=2, threaded=False, driver=driver)
-    threaded.consume_landed()  # the default consumer: nothing to do here
-    assert threaded.describe()["steps"] == 0
+    default = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, depth=2, threaded=False, driver=driver)
+    default.consume_landed()  # the transfer thread is the consumer: nothing to do here
+    assert default.describe()["steps"] == 0
 
 
 def test_the_engine_consumer_frees_a_buffer_itself_when_all_are_pending():

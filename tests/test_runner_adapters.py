@@ -256,5 +256,9 @@ def test_v2_adapter_consumes_scores_where_the_engine_reads_the_sampled_tokens(mo
     assert controller.calls == []  # nothing before the engine reads the tokens
     assert output.get_output() == "runner output"
     assert controller.calls == [("tokens read",), ("consume landed",)]
+    assert "get_output" not in vars(output)  # the wrapper let go of itself (no reference cycle)
     controller.calls.clear()
+    controller.consume_landed_scores = lambda: 1 / 0
+    output = runner.sample_tokens()
+    assert output.get_output() == "runner output"  # a ProbeX failure never costs vLLM the tokens
     assert wrapped_runner_class().sample_tokens.__wrapped__ is FakeV2Runner.sample_tokens
