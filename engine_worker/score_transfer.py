@@ -37,17 +37,18 @@ adapters call before every forward). The copies' device latency then overlaps sa
 instead of preceding it, for two more driver calls per step on the host.
 
 `consumer="engine"` (PROBEX_SCORE_CONSUMER=engine; an experiment, off by default) takes the
-transfer thread out of the per-step path: where the engine reads a step's sampled tokens
-(runner V2: `consume_landed`, called by the adapter), and at the end of each hook after
-staging its own step, the engine thread consumes the pending steps whose copies have landed
-(a non-blocking `cuEventQuery`) — so a step's scores leave with its tokens — and a step without rows (requests ending, the engine about
-to idle) consumes everything still pending, waiting if it must; so does a hook that finds
-every staging buffer pending (the oldest). A watchdog thread, waking every
-`stale_after_s`, consumes what landed once the engine has not come by for that long (an
-engine that stopped calling the hook); it waits for the device outside the lock, so an
-engine that comes back never waits for it. The engine thread then does the few microseconds of bookkeeping and
-encoding per step itself, instead of the two threads handing the GIL to each other around
-every step; whether that is cheaper on a GPU host is what the experiment is for.
+transfer thread out of the per-step path. The engine thread consumes, in order, the pending
+steps whose copies have landed (a non-blocking `cuEventQuery`): where the engine reads a
+step's sampled tokens (runner V2: the adapter calls `consume_landed`), so a step's scores
+leave with its tokens, and at the end of each hook after staging its own step. A step
+without rows (requests ending, the engine about to idle) consumes everything still pending,
+waiting if it must; so does a hook that finds every staging buffer pending (the oldest
+only). A watchdog thread, waking every `stale_after_s`, consumes what has landed once the
+engine has not come by for that long (an engine that stopped calling the hook); it waits
+for the device outside the lock, so an engine that comes back never waits for it. The
+engine thread then does the few microseconds of bookkeeping and encoding per step itself,
+instead of two threads handing the GIL to each other around every step; whether that is
+cheaper on a GPU host is what the experiment is for.
 """
 
 from __future__ import annotations
