@@ -281,6 +281,16 @@ class LandingDriver(RecordingDriver):
         self.landed.add(event)
 
 
+def engine_consumer(depth: int, driver: LandingDriver | None = None):
+    """A ScoreTransfer with the engine as consumer, inline (no watchdog), over one 8-row
+    buffer: the transfer, its driver and the contexts of the steps consumed, in order."""
+    driver = driver or LandingDriver()
+    seen: list = []
+    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=depth,
+                             threaded=False, driver=driver, consumer="engine")
+    return transfer, driver, seen
+
+
 def test_the_engine_consumes_landed_steps_at_its_next_hooks_in_order_without_waiting():
     source = torch.zeros(8, 1)
     driver = LandingDriver()
@@ -305,10 +315,7 @@ def test_the_engine_consumes_landed_steps_at_its_next_hooks_in_order_without_wai
 
 
 def test_consume_landed_takes_what_has_landed_and_never_waits():
-    driver = LandingDriver()
-    seen = []
-    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=4,
-                             threaded=False, driver=driver, consumer="engine")
+    transfer, driver, seen = engine_consumer(depth=4)
     transfer.submit(1, "a")
     transfer.submit(1, "b")
     driver.land("event-1")
@@ -320,10 +327,7 @@ def test_consume_landed_takes_what_has_landed_and_never_waits():
 
 
 def test_the_engine_consumer_frees_a_buffer_itself_when_all_are_pending():
-    driver = LandingDriver()
-    seen = []
-    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=2,
-                             threaded=False, driver=driver, consumer="engine")
+    transfer, driver, seen = engine_consumer(depth=2)
     transfer.submit(1, "a")
     transfer.submit(1, "b")
     # Both buffers pending: the oldest is waited for and consumed, not dropped (in a thread
@@ -338,10 +342,7 @@ def test_the_engine_consumer_frees_a_buffer_itself_when_all_are_pending():
 
 
 def test_the_engine_consumer_flushes_pending_steps_on_request():
-    driver = LandingDriver()
-    seen = []
-    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=4,
-                             threaded=False, driver=driver, consumer="engine")
+    transfer, driver, seen = engine_consumer(depth=4)
     transfer.submit(1, "a")
     transfer.submit(1, "b")
     assert seen == [] and transfer.flush() and seen == ["a", "b"]
@@ -354,9 +355,7 @@ def test_a_failing_event_query_is_waited_through_instead_of_raising_in_the_engin
         raise RuntimeError("cuEventQuery failed with CUDA driver error 700")
 
     driver.query = broken_query
-    seen = []
-    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=4,
-                             threaded=False, driver=driver, consumer="engine")
+    transfer, driver, seen = engine_consumer(depth=4, driver=driver)
     transfer.submit(1, "a")  # not consumed (its event counts as not landed), and no exception
     transfer.submit(0, "end")
     assert seen == ["a", "end"] and transfer.query_errors >= 1
