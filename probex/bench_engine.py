@@ -43,9 +43,9 @@ may repeat a set-up (``plain,tap,plain,tap``) to see run-to-run noise; overheads
 mean of repeats. ``tap-op-only`` (diagnostic) is the tap with its scores never copied out or
 delivered (``PROBEX_DELIVERY=off``): over plain it is the op's own cost, under tap the host
 path's. ``tap-engine-consumer`` (experiment) is the tap with ``PROBEX_SCORE_CONSUMER=engine``.
-``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that shift the
-assignment (so repeats meet every GPU), and adds each set-up's TPOT over plain on the same
-GPU: two GPUs of one host can differ by more than the tap costs.
+``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
+where its kind has run least (so repeats meet every GPU), and adds each set-up's TPOT over
+plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
 
 The model is a real architecture with ``--load-format dummy`` (timings do not depend on
 weight values): ``--model-config llama-3.1-8b`` writes Llama-3.1-8B's config.json next to
@@ -773,7 +773,9 @@ def unbalanced_kinds(kinds: Sequence[str], assigned: Sequence[str], gpus: Sequen
 
 
 def rounds_of(plans: Sequence[SetupPlan], lanes: int) -> list[list[SetupPlan]]:
-    return [list(plans[i:i + lanes]) for i in range(0, len(plans), max(1, lanes))]
+    """Set-ups `lanes` at a time; no lanes (no --gpus) means one at a time."""
+    lanes = max(1, lanes)
+    return [list(plans[i:i + lanes]) for i in range(0, len(plans), lanes)]
 
 
 class Server:
@@ -1360,7 +1362,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 record["checks"].update(log_checks((out / record["log"]).read_text(errors="replace")))
                 save()
 
-        for round_plans in rounds_of(plans, max(1, len(gpus))):
+        for round_plans in rounds_of(plans, len(gpus)):
             try:
                 if len(round_plans) == 1:
                     run_one(round_plans[0])

@@ -713,6 +713,7 @@ def test_side_by_side_set_ups_swap_gpus_every_round(tmp_path):
     # Without --gpus nothing is pinned and set-ups run one at a time.
     assert "CUDA_VISIBLE_DEVICES" not in be.plan_setups(["plain"], tmp_path, [], [], "default")[0].env_changes
     assert be.parse_gpus(None) == [] and be.rounds_of(plans, 1) == [[p] for p in plans]
+    assert be.rounds_of(plans, len(be.parse_gpus(None))) == [[p] for p in plans]
     for bad in ("0,0", "a,1"):
         with pytest.raises(SystemExit):
             be.parse_gpus(bad)
