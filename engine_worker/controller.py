@@ -28,7 +28,7 @@ from engine_worker.score_transfer import ScoreTransfer, StagedStep
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
-from engine_worker.tap_config import ENV_SCORE_CONSUMER
+from engine_worker.tap_config import ENV_SCORE_CONSUMER, hook_spin_s
 
 log = logging.getLogger("probex.controller")
 
@@ -69,7 +69,12 @@ class TapController:
         capture_dir: str | None = None,
         threaded: bool = True,
         steers: dict[int, LayerSteer] | None = None,
+        consumer: str = "thread",
     ) -> None:
+        """`consumer`: who consumes each step's scores once its copies land ("thread" or
+        "engine", see score_transfer.py), unless PROBEX_SCORE_CONSUMER says otherwise. The
+        runner adapter picks it: "engine" only where it calls `consume_landed_scores` at the
+        point the engine reads a step's sampled tokens."""
         if not taps:
             raise ValueError("TapController needs at least one tapped layer")
         self.taps = dict(sorted(taps.items()))
@@ -91,10 +96,11 @@ class TapController:
         self.layout_s = 0.0  # the part of it spent reading the step's layout from the runner
         self._capture_requests: dict[str, dict[int, np.ndarray]] = {}
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
+        self._hook_spin_s = hook_spin_s()  # PROBEX_HOOK_SPIN_US, a diagnostic; 0 otherwise
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
                                       self._consume_step, threaded=threaded,
                                       copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
-                                      consumer=os.environ.get(ENV_SCORE_CONSUMER, "thread"))
+                                      consumer=os.environ.get(ENV_SCORE_CONSUMER) or consumer)
 
     # -- probe sets ------------------------------------------------------------------------
 
@@ -293,8 +299,8 @@ class TapController:
 
     @property
     def consumes_on_engine_thread(self) -> bool:
-        """PROBEX_SCORE_CONSUMER=engine: the runner adapters call `consume_landed_scores` where
-        the engine reads a step's sampled tokens."""
+        """The engine thread consumes the scores: the runner adapter calls `consume_landed_scores`
+        where the engine reads a step's sampled tokens."""
         return self.transfer.consumer == "engine" and self.reads_scores
 
     def consume_landed_scores(self) -> None:
@@ -333,6 +339,10 @@ class TapController:
             num_rows = layout.num_rows
         context = (layout, self.table, list(finished), self._capture_plan, captured)
         self.transfer.submit(num_rows, context)
+        if self._hook_spin_s:
+            spin_until = time.perf_counter() + self._hook_spin_s
+            while time.perf_counter() < spin_until:
+                pass
 
     def forget(self, finished: set[str] | list[str]) -> None:
         for req_id in finished:

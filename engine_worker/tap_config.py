@@ -22,6 +22,17 @@ ENV_DELIVERY = "PROBEX_DELIVERY"
 ENV_SCORE_CONSUMER = "PROBEX_SCORE_CONSUMER"
 
 
+# Diagnostic: the engine thread busy-waits this many microseconds (GIL held, like Python work)
+# at the end of every tap hook (set-up "tap-slow-hook"). If TPOT grows by that much per step,
+# engine-thread time is on the step's critical path; if not, the engine thread has slack.
+ENV_HOOK_SPIN_US = "PROBEX_HOOK_SPIN_US"
+
+
+def hook_spin_s() -> float:
+    value = os.environ.get(ENV_HOOK_SPIN_US, "").strip()
+    return max(0.0, float(value)) * 1e-6 if value else 0.0
+
+
 def scores_delivered() -> bool:
     return os.environ.get(ENV_DELIVERY, "on").strip().lower() not in ("off", "0", "false", "no")
 

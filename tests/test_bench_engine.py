@@ -421,6 +421,32 @@ def _saved_run() -> dict:
             "workload": {"input_len": 1024, "output_len": 256}, "probes": [{}] * 8, "runner": "v1"}
 
 
+def test_idle_ttft_compares_set_ups_prompt_by_prompt_and_flags_failures():
+    def with_idle(setup, ttfts, failed=0, scores=None):
+        setup["idle_ttft"] = {"requests": len(ttfts), "failed": failed, "errors": ["boom"] if failed else [],
+                              "per_request_ttft_ms": ttfts, "ttft_ms": {"p50": float(np.nanmedian(ttfts))},
+                              **({"scores": scores} if scores else {})}
+        return setup
+
+    plain = [with_idle(_setup("plain", "plain#1", {"1": 5.0}), [30.0, 40.0, 50.0]),
+             with_idle(_setup("plain", "plain#2", {"1": 5.0}), [30.0, 40.0, 50.0])]
+    # every prompt 2% slower, but one repeat lost a request: its prompt counts from the other repeat
+    tap = [with_idle(_setup("tap", "tap#1", {"1": 5.0}), [30.6, 40.8, 51.0]),
+           with_idle(_setup("tap", "tap#2", {"1": 5.0}), [30.6, math.nan, 51.0], failed=1)]
+    summary = be.idle_ttft_summary(plain + tap)
+    assert summary["ttft_p50_ms"]["plain"] == pytest.approx(40.0)
+    assert summary["overhead_pct_vs_plain"]["tap"]["per_prompt_median"] == pytest.approx(2.0)
+    problems = be.find_problems(plain + tap)
+    assert [p for p in problems if "idle TTFT" in p] == ["tap#2 idle TTFT: 1 failed requests (boom)"]
+    partial = {"coverage": 0.5, "scored_tokens": 1, "generated_tokens": 2, "requests_with_all_prompt_scores": 1,
+               "requests": 1}
+    undelivered = with_idle(_setup("tap", "tap#3", {"1": 5.0}), [30.0, 40.0, 50.0], scores=partial)
+    assert any("tap#3 idle TTFT: SCORES NOT FULLY DELIVERED" in p for p in be.find_problems([undelivered]))
+    table = be.markdown_tables({"setups": plain + tap, "workload": {"idle_ttft_requests": 3, "idle_ttft_pause_s": 0.1},
+                                **be.analyze(plain + tap)})
+    assert "| tap | 40.80 | +2.0% | +2.0% |" in table
+
+
 def test_analyze_means_over_repeats_and_overheads():
     result = be.merge_runs([_saved_run()])
     per_kind = result["summary"]["per_kind"]
@@ -601,6 +627,13 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
                 assert delivery["prompt_waits"]["chunks"] == scores["requests"], (where, delivery)
             else:
                 assert e["responses_with_probex_field"] == 0, where
+        idle = setup["idle_ttft"]  # two requests, one at a time, after the concurrency phases
+        assert idle["requests"] == 2 and idle["failed"] == 0 and idle["max_tokens"] == 2, (setup["label"], idle)
+        assert all(math.isfinite(v) and v > 0 for v in idle["per_request_ttft_ms"]), (setup["label"], idle)
+        if setup["kind"] in ("tap", "steer-active"):
+            assert idle["scores"]["coverage"] == 1.0, (setup["label"], idle["scores"])
+    assert set(result["idle_ttft"]["overhead_pct_vs_plain"]) == {"tap", "eager", "steer-active"}
+    assert "TTFT at an idle engine (2 requests one at a time" in proc.stdout
     # dummy weights sample ids the SmolLM2 tokenizer (49152 tokens) lacks: served as empty text, counted all the same
     assert max(e["max_generated_token_id"] for s in result["setups"] for e in s["results"].values()) >= 49152
     tap = result["setups"][1]
@@ -659,21 +692,29 @@ def test_worker_env_takes_probex_settings_only_and_reaches_worker_set_ups_only(t
 
 
 def test_the_op_only_set_up_turns_delivery_off_and_its_missing_scores_are_no_problem(tmp_path):
-    plans = be.plan_setups(be.parse_setups("plain,tap,tap-op-only,tap-engine-consumer"), tmp_path,
+    plans = be.plan_setups(be.parse_setups("plain,tap,tap-op-only,tap-engine-consumer,tap-thread-consumer"), tmp_path,
                            [tmp_path / "p"], [], "default")
-    assert [p.env_changes.get("PROBEX_DELIVERY") for p in plans] == [None, None, "off", None]
-    assert [p.env_changes.get("PROBEX_SCORE_CONSUMER") for p in plans] == [None, None, None, "engine"]
+    assert [p.env_changes.get("PROBEX_DELIVERY") for p in plans] == [None, None, "off", None, None]
+    assert [p.env_changes.get("PROBEX_SCORE_CONSUMER") for p in plans] == [None, None, None, "engine", "thread"]
+    # With vLLM choosing the runner, the bench cannot know the tap's default consumer.
+    assert [p.score_consumer for p in plans] == [None, None, None, "engine", "thread"]
+    on_v2 = be.plan_setups(["plain", "tap", "tap-thread-consumer"], tmp_path, [tmp_path / "p"], [], "v2")
+    on_v1 = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], [], "v1")
+    assert [p.score_consumer for p in on_v2] == [None, "engine", "thread"] and on_v1[0].score_consumer == "thread"
     consumer = be.analyze([_setup("plain", "plain", {"1": 5.0}), _setup("tap", "tap", {"1": 5.1}),
-                           _setup("tap-engine-consumer", "tap-engine-consumer", {"1": 5.049})])["overhead_pct"]
-    assert consumer["tap-engine-consumer_vs_tap"]["1"]["tpot_p50"] == pytest.approx(-1.0)
+                           _setup("tap-thread-consumer", "tap-thread-consumer", {"1": 5.151})])["overhead_pct"]
+    assert consumer["tap-thread-consumer_vs_tap"]["1"]["tpot_p50"] == pytest.approx(1.0)
     # The worker reports its consumer; a set-up that did not get the one it stands for is flagged
-    # (e.g. --worker-env PROBEX_SCORE_CONSUMER=engine switching the tap baseline too).
-    tap_ok, tap_switched, experiment = (_setup("tap", "tap#1", {"1": 5.0}), _setup("tap", "tap#2", {"1": 5.0}),
-                                        _setup("tap-engine-consumer", "tap-engine-consumer", {"1": 5.0}))
-    tap_ok["checks"]["probex_score_consumer"] = "thread"
-    tap_switched["checks"]["probex_score_consumer"] = "engine"
-    experiment["checks"]["probex_score_consumer"] = "engine"
-    problems = be.find_problems([tap_ok, tap_switched, experiment])
+    # (e.g. --worker-env PROBEX_SCORE_CONSUMER=thread switching the tap baseline too).
+    tap_ok, tap_switched, experiment, unknown = (
+        _setup("tap", "tap#1", {"1": 5.0}), _setup("tap", "tap#2", {"1": 5.0}),
+        _setup("tap-thread-consumer", "tap-thread-consumer", {"1": 5.0}), _setup("tap", "tap#3", {"1": 5.0}))
+    for setup, reported, expected in ((tap_ok, "engine", "engine"), (tap_switched, "thread", "engine"),
+                                      (experiment, "thread", "thread"), (unknown, "thread", None)):
+        setup["checks"]["probex_score_consumer"] = reported
+        if expected:
+            setup["checks"]["probex_score_consumer_expected"] = expected
+    problems = be.find_problems([tap_ok, tap_switched, experiment, unknown])
     assert [p.split(":")[0] for p in problems if "consumed scores" in p] == ["tap#2"]
     assert "probex.cli" in plans[2].argv and "worker" in plans[2].argv
     run = _saved_run()

@@ -110,6 +110,19 @@ def test_steps_are_scored_published_in_order_and_match_w_dot_x(setup, threaded, 
     controller.transfer.close()
 
 
+def test_the_slow_hook_diagnostic_spins_the_engine_thread_after_each_step(setup, monkeypatch):
+    """PROBEX_HOOK_SPIN_US (bench set-up tap-slow-hook) lengthens every hook by at least that much."""
+    taps, probes, _ = setup
+    monkeypatch.setenv("PROBEX_HOOK_SPIN_US", "20000")
+    controller = TapController(taps, served(), lambda message: None, threaded=False)
+    controller.load([str(p) for p in probes])
+    run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
+    started = time.perf_counter()
+    controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])))
+    assert time.perf_counter() - started >= 0.02
+    controller.transfer.close()
+
+
 def test_scores_are_consumed_off_the_engine_thread(setup):
     taps, probes, published = setup
     threads = []
@@ -121,6 +134,18 @@ def test_scores_are_consumed_off_the_engine_thread(setup):
     assert controller.flush()
     assert threads == ["probex-score-transfer"]
     controller.transfer.close()
+
+
+def test_the_adapter_picks_the_consumer_and_the_environment_overrides_it(setup, monkeypatch):
+    taps, _, _ = setup
+    monkeypatch.delenv("PROBEX_SCORE_CONSUMER", raising=False)
+    picked = TapController(taps, served(), None, threaded=False, consumer="engine")
+    assert picked.transfer.consumer == "engine"
+    monkeypatch.setenv("PROBEX_SCORE_CONSUMER", "thread")
+    overridden = TapController(taps, served(), None, threaded=False, consumer="engine")
+    assert overridden.transfer.consumer == "thread" and not overridden.consumes_on_engine_thread
+    for controller in (picked, overridden):
+        controller.transfer.close()
 
 
 def test_with_the_engine_as_consumer_steps_are_published_in_order_on_the_engine_thread(setup, monkeypatch):

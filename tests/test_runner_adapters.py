@@ -117,10 +117,14 @@ def sched(new=(), scheduled=None, computed=None, finished=()):
 
 
 def test_v2_adapter_reads_layout_in_batch_order_and_hands_over_after_forward(monkeypatch):
-    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    asked = []
+    monkeypatch.setattr(v2, "install_controller",
+                        lambda runner, **kwargs: (asked.append(kwargs), getattr(runner, CONTROLLER_ATTR))[1])
     controller = RecordingController()
     runner = wrapped_runner_class()(controller)
     runner.load_model()
+    # V2 has a point where the engine reads a step's sampled tokens: its scores are consumed there
+    assert asked == [{"score_consumer": "engine"}]
     # step 1: prefill a (7) and b (3, capture on)
     runner.execute_model(sched(new=[new_req("a", steer=("v", 2.0)), new_req("b", capture=True)], scheduled={"a": 7, "b": 3},
                                computed={"a": 0, "b": 0}))
@@ -149,7 +153,7 @@ def test_v2_adapter_reads_layout_in_batch_order_and_hands_over_after_forward(mon
 
 
 def test_v2_adapter_is_inert_without_a_tap(monkeypatch):
-    monkeypatch.setattr(v2, "install_controller", lambda runner: None)
+    monkeypatch.setattr(v2, "install_controller", lambda runner, **_: None)
     runner = wrapped_runner_class()(None)
     runner.load_model()
     runner.execute_model(sched(new=[new_req("a")], scheduled={"a": 7}, computed={"a": 0}))
@@ -174,7 +178,7 @@ def test_v1_adapter_reads_steering_from_sampling_params_once_per_request():
 
 
 def test_v2_adapter_counts_its_own_engine_thread_time_and_not_the_forward(monkeypatch):
-    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    monkeypatch.setattr(v2, "install_controller", lambda runner, **_: getattr(runner, CONTROLLER_ATTR))
     controller = RecordingController()
     slow_hook = controller.before_forward
 
@@ -193,7 +197,7 @@ def test_v2_adapter_counts_its_own_engine_thread_time_and_not_the_forward(monkey
 
 
 def test_v2_adapter_builds_the_layout_after_the_launch_when_only_scores_are_read(monkeypatch):
-    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    monkeypatch.setattr(v2, "install_controller", lambda runner, **_: getattr(runner, CONTROLLER_ATTR))
     controller = RecordingController()
     controller.needs_layout_before_forward = False
     runner = wrapped_runner_class()(controller)
@@ -208,7 +212,7 @@ def test_v2_adapter_builds_the_layout_after_the_launch_when_only_scores_are_read
 
 
 def test_v2_adapter_leaves_the_scores_only_layout_to_the_transfer_thread_with_its_prompt_lengths_copied(monkeypatch):
-    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    monkeypatch.setattr(v2, "install_controller", lambda runner, **_: getattr(runner, CONTROLLER_ATTR))
     controller = RecordingController()
     controller.needs_layout_before_forward = False
     deferred = []
@@ -228,7 +232,7 @@ def test_v2_adapter_leaves_the_scores_only_layout_to_the_transfer_thread_with_it
 def test_v2_adapter_reads_no_layout_on_a_rank_that_reads_no_scores(monkeypatch):
     """A tensor-parallel rank that does not deliver: steps are still counted and requests
     still end, but no per-step layout is built for nobody to read."""
-    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    monkeypatch.setattr(v2, "install_controller", lambda runner, **_: getattr(runner, CONTROLLER_ATTR))
     controller = RecordingController()
     controller.needs_layout_before_forward = False
     controller.reads_scores = False
@@ -244,7 +248,7 @@ def test_v2_adapter_consumes_scores_where_the_engine_reads_the_sampled_tokens(mo
     """PROBEX_SCORE_CONSUMER=engine: the step's scores are consumed right after vLLM has read
     its sampled tokens (AsyncOutput.get_output, on the engine thread); by default the
     AsyncOutput is left alone."""
-    monkeypatch.setattr(v2, "install_controller", lambda runner: getattr(runner, CONTROLLER_ATTR))
+    monkeypatch.setattr(v2, "install_controller", lambda runner, **_: getattr(runner, CONTROLLER_ATTR))
     controller = RecordingController()
     runner = wrapped_runner_class()(controller)
     runner.load_model()
