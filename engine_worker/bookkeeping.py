@@ -88,17 +88,24 @@ class ProbeTable:
             out.setdefault(slot.layer, []).append((slot.slot, column))
         return out
 
-    def slot_columns_by_layer(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """layer -> (slots, columns) index arrays: one fancy-indexed copy per layer per step."""
+    def slot_columns_by_layer(self) -> dict[int, tuple[np.ndarray | slice, np.ndarray | slice]]:
+        """layer -> (slots, columns) indexes: one copy per layer per step. Consecutive indexes
+        (the usual case: a layer's probes fill its slots in column order) become slices, which
+        numpy copies several times faster than an index array."""
         cached = self.__dict__.get("_slot_columns")
         if cached is None:
-            cached = {layer: (np.array([s for s, _ in pairs]), np.array([c for _, c in pairs]))
+            cached = {layer: (_as_range(np.array([s for s, _ in pairs])), _as_range(np.array([c for _, c in pairs])))
                       for layer, pairs in self.columns_by_layer().items()}
             object.__setattr__(self, "_slot_columns", cached)  # frozen dataclass: cache once
         return cached
 
     def describe(self) -> list[list]:
-        return [[s.name, s.read, s.slope, s.intercept, s.layer] for s in self.slots]
+        """What the receiving side needs of each slot; built once per table (sent every step)."""
+        cached = self.__dict__.get("_described")
+        if cached is None:
+            cached = [[s.name, s.read, s.slope, s.intercept, s.layer] for s in self.slots]
+            object.__setattr__(self, "_described", cached)
+        return cached
 
 
 @dataclass
@@ -146,6 +153,13 @@ def gather_scores(table: ProbeTable, step_rows: int, raw_by_layer: dict[int, np.
     for layer, (slots, columns) in table.slot_columns_by_layer().items():
         full[:, columns] = raw_by_layer[layer][:step_rows, slots]
     return full
+
+
+def _as_range(index: np.ndarray) -> np.ndarray | slice:
+    """`index` as a slice where it counts up by one, else unchanged."""
+    if len(index) and np.array_equal(index, np.arange(index[0], index[0] + len(index))):
+        return slice(int(index[0]), int(index[0]) + len(index))
+    return index
 
 
 class ScoreBook:
