@@ -1218,7 +1218,9 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     if idle_ttft_requests:
         # Same prompts in every set-up, so set-ups compare request by request.
         prompts = random_prompts(idle_ttft_requests, input_len, seed * 1_000_003 + IDLE_TTFT_SEED)
+        before = scrape_server_metrics(server.url)
         results = asyncio.run(run_idle_ttft(server.url, model, prompts, idle_ttft_pause_s, expect, xargs))
+        server_side = server_means_ms(before, scrape_server_metrics(server.url))
         if cancelled():
             raise SetupCancelled("during the idle-TTFT requests")
         ok = [r for r in results if r.ok]
@@ -1226,7 +1228,10 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                  "errors": sorted({r.error for r in results if r.error})[:5], "pause_s": idle_ttft_pause_s,
                  "max_tokens": IDLE_TTFT_TOKENS, "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
                  # NaN for a failed request keeps the list aligned with the prompts
-                 "per_request_ttft_ms": [r.ttft_s * 1e3 if r.ok else math.nan for r in results]}
+                 "per_request_ttft_ms": [r.ttft_s * 1e3 if r.ok else math.nan for r in results],
+                 # vLLM's own TTFT (arrival in its API layer to the first token's output there):
+                 # what the client's TTFT adds on top is HTTP, the middleware and the chunk path
+                 "server": server_side}
         if worker:
             entry["scores"] = score_coverage(results, len(probe_names))
         record["idle_ttft"] = entry
@@ -1548,16 +1553,18 @@ def idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
     (each set-up sent the same prompts; a prompt's TTFT is the mean of its repeats), which
     compares like with like request by request."""
     p50: dict[str, float] = {}
+    server: dict[str, float] = {}  # vLLM's own TTFT mean: the part before the middleware's chunk path
     per_prompt: dict[str, np.ndarray] = {}
     for kind in KINDS:
         entries = [s["idle_ttft"] for s in setups if s["kind"] == kind and s.get("idle_ttft")]
         if not entries or len({len(e["per_request_ttft_ms"]) for e in entries}) != 1:
             continue
         p50[kind] = float(np.mean([_metric(e, ("ttft_ms", "p50")) for e in entries]))
+        server[kind] = float(np.mean([_metric(e, ("server", "ttft_mean_ms")) for e in entries]))
         with np.errstate(all="ignore"):
             per_prompt[kind] = np.nanmean(np.array([e["per_request_ttft_ms"] for e in entries], dtype=np.float64),
                                           axis=0)
-    out: dict[str, Any] = {"ttft_p50_ms": p50, "overhead_pct_vs_plain": {}}
+    out: dict[str, Any] = {"ttft_p50_ms": p50, "vllm_ttft_mean_ms": server, "overhead_pct_vs_plain": {}}
     base = per_prompt.get("plain")
     for kind, values in per_prompt.items():
         if kind == "plain" or base is None or len(values) != len(base):
@@ -1744,11 +1751,14 @@ def markdown_tables(result: dict[str, Any]) -> str:
         workload = result.get("workload", {})
         lines += ["", f"TTFT at an idle engine ({workload.get('idle_ttft_requests')} requests one at a time, "
                   f"{workload.get('idle_ttft_pause_s')} s apart, the same prompts in every set-up), ms and over plain:",
-                  "", "| set-up | TTFT p50 | over plain (p50) | over plain (per-prompt median) |", "|---|---:|---:|---:|"]
+                  "", "| set-up | TTFT p50 | over plain (p50) | over plain (per-prompt median) | vLLM's TTFT mean |",
+                  "|---|---:|---:|---:|---:|"]
         for kind, value in idle["ttft_p50_ms"].items():
             over = idle.get("overhead_pct_vs_plain", {}).get(kind, {})
+            vllm_ttft = (idle.get("vllm_ttft_mean_ms") or {}).get(kind, math.nan)
             lines.append(f"| {kind} | {value:.2f} | {_pct(over.get('ttft_p50', math.nan)) if over else '—'} | "
-                         f"{_pct(over.get('per_prompt_median', math.nan)) if over else '—'} |")
+                         f"{_pct(over.get('per_prompt_median', math.nan)) if over else '—'} | "
+                         + (f"{vllm_ttft:.2f} |" if math.isfinite(vllm_ttft) else "n/a |"))
     by_gpu = result.get("tpot_p50_overhead_pct_by_gpu") or {}
     if by_gpu:
         lines += ["", "TPOT p50 over plain on the same GPU (set-ups side by side): "

@@ -444,7 +444,7 @@ def test_idle_ttft_compares_set_ups_prompt_by_prompt_and_flags_failures():
     assert any("tap#3 idle TTFT: SCORES NOT FULLY DELIVERED" in p for p in be.find_problems([undelivered]))
     table = be.markdown_tables({"setups": plain + tap, "workload": {"idle_ttft_requests": 3, "idle_ttft_pause_s": 0.1},
                                 **be.analyze(plain + tap)})
-    assert "| tap | 40.80 | +2.0% | +2.0% |" in table
+    assert "| tap | 40.80 | +2.0% | +2.0% | n/a |" in table  # no vLLM metrics in these records
 
 
 def test_analyze_means_over_repeats_and_overheads():
@@ -630,6 +630,7 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
         idle = setup["idle_ttft"]  # two requests, one at a time, after the concurrency phases
         assert idle["requests"] == 2 and idle["failed"] == 0 and idle["max_tokens"] == 2, (setup["label"], idle)
         assert all(math.isfinite(v) and v > 0 for v in idle["per_request_ttft_ms"]), (setup["label"], idle)
+        assert idle["server"]["ttft_mean_ms"] > 0, (setup["label"], idle)  # vLLM's own /metrics
         if setup["kind"] in ("tap", "steer-active"):
             assert idle["scores"]["coverage"] == 1.0, (setup["label"], idle["scores"])
     assert set(result["idle_ttft"]["overhead_pct_vs_plain"]) == {"tap", "eager", "steer-active"}
