@@ -99,11 +99,11 @@ class ProbeTable:
             object.__setattr__(self, "_slot_columns", cached)  # frozen dataclass: cache once
         return cached
 
-    def describe(self) -> list[list]:
+    def describe(self) -> tuple[tuple, ...]:
         """What the receiving side needs of each slot; built once per table (sent every step)."""
         cached = self.__dict__.get("_described")
         if cached is None:
-            cached = [[s.name, s.read, s.slope, s.intercept, s.layer] for s in self.slots]
+            cached = tuple((s.name, s.read, s.slope, s.intercept, s.layer) for s in self.slots)
             object.__setattr__(self, "_described", cached)
         return cached
 
@@ -183,9 +183,12 @@ class ScoreBook:
         prompt_count = np.minimum(c + n, p) - c
         for i in np.flatnonzero(prompt_count > 0).tolist():  # requests prefilling this step
             first, count, pos = int(starts[i]), int(prompt_count[i]), int(c[i])
-            if pos == 0 and count == p[i] and layout.req_ids[i] not in self._prompts:
-                # The whole prompt in this step (nothing cached, no chunking), the usual case:
-                # its book is the step's rows themselves, nothing allocated or copied.
+            if pos == 0 and count == n[i] == p[i] and layout.req_ids[i] not in self._prompts:
+                # The whole prompt and nothing else in this step (nothing cached, no chunking,
+                # not a preempted request recomputing prompt + generated tokens), the usual
+                # case: its book is the step's rows themselves, nothing allocated or copied.
+                # Its summary goes out below, in this call, so the view never outlives `raw`
+                # (on the API server a read-only view of the message).
                 self._prompts[layout.req_ids[i]] = _PromptAccumulator(table.version, raw[first : first + count],
                                                                       np.ones(count, dtype=bool))
                 continue
@@ -242,10 +245,10 @@ class ScoreBook:
 
 
 def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
-    # On the API server's event loop, on the way to the request's first chunk: a 1024-token
-    # prompt's [P, k] rows are reduced down the long axis, which numpy does slowly (mean and
-    # max along axis 0 of a [1024, 8] array: ~40 µs on the dev machine). A matrix-vector
-    # product sums the columns, and the max runs along rows of the transposed copy (~8 µs).
+    # On the API server's event loop, on the way to the request's first chunk: numpy reduces
+    # a [P, k] block down its long axis slowly (mean and max along axis 0 of a [1024, 8]
+    # array: ~40 µs on the dev machine). A float64 matrix-vector product sums the columns
+    # (of a float64 copy) and the max runs along rows of a transposed copy (~8 µs together).
     tokens_scored = int(acc.ran.sum())
     # the last prompt row always ran, so this is never empty; no copy when every row ran
     scored = acc.raw if tokens_scored == len(acc.ran) else acc.raw[acc.ran]
@@ -263,8 +266,8 @@ def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
 #
 # The worker sends each step as it came off the GPU: the layout and the [rows, k] raw block.
 # The books (prompt accumulators, which row is which token) are kept on the receiving side,
-# the API server: the worker's transfer thread shares the GIL with the engine loop, and
-# every microsecond of Python it runs per step can hold the next step's scheduling back.
+# the API server: the worker's consumer (the engine thread itself, or a transfer thread
+# sharing the GIL with it) runs as little Python per step as it can.
 
 
 def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finished: list[str]) -> dict:

@@ -6,8 +6,10 @@ layer taps' static buffers, turns the step's raw scores into events, publishes t
 in capture mode, saves residual rows for extraction.
 
 Threads: `load`, `before_forward` and `after_forward` run on the engine thread;
-everything that reads scores (bookkeeping, capture files, publishing) runs on the
-`ScoreTransfer` thread, in step order, so the engine never waits for the device.
+everything that reads scores (bookkeeping, capture files, publishing) runs, in step order,
+once the step's copies have landed, so the engine never waits for the device: on the
+`ScoreTransfer` thread, or (the engine consumer, runner V2's default on one GPU) on the
+engine thread where it finds them landed.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class TapController:
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
                                       self._consume_step, threaded=threaded,
                                       copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
-                                      consumer=os.environ.get(ENV_SCORE_CONSUMER) or consumer)
+                                      consumer=os.environ.get(ENV_SCORE_CONSUMER, "").strip().lower() or consumer)
 
     # -- probe sets ------------------------------------------------------------------------
 
@@ -317,12 +319,13 @@ class TapController:
 
     def after_forward(self, layout: StepLayout | Callable[[], StepLayout], finished: set[str] | list[str] = (),
                       num_rows: int | None = None) -> None:
-        """Hand the step to the transfer thread; returns without waiting for the device.
+        """Stage the step's score copies and hand it to its consumer; returns without waiting
+        for the device.
 
         `layout` may be a function that builds it, with the step's `num_rows`: it is then
-        called on the transfer thread, keeping the engine thread's hook to the copies and the
-        hand-off. It must read only values the engine does not change afterwards (the
-        runner's per-step arrays, or snapshots of shared ones).
+        called by the consumer once the copies have landed, keeping the hook to the copies
+        and the hand-off. It must read only values the engine does not change afterwards
+        (the runner's per-step arrays, or snapshots of shared ones).
         """
         self.steps += 1
         if self._steer_warned and finished:
@@ -361,9 +364,9 @@ class TapController:
         return self.transfer.flush(timeout)
 
     def _consume_step(self, step: StagedStep) -> None:
-        """On the transfer thread: the step's raw block goes out as it is (`step_message`);
-        the API server keeps the books. Only capture mode keeps books here too, to know when
-        a captured prompt is complete."""
+        """On the scores' consumer (engine or transfer thread): the step's raw block goes out
+        as it is (`step_message`); the API server keeps the books. Only capture mode keeps
+        books here too, to know when a captured prompt is complete."""
         layout, table, finished, capture_plan, captured = step.context
         if not isinstance(layout, StepLayout):
             layout = self._build_layout(layout, step.rows, table, finished)

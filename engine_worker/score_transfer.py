@@ -4,9 +4,9 @@ Reading a device buffer with `.cpu()` right after the forward waits for the whol
 forward to finish: the engine loop then cannot prepare the next step while the GPU
 works, which costs more than the probes themselves. Instead, after each forward the
 engine thread only *enqueues* a device→host copy of the step's few score floats into a
-pinned staging buffer, records a CUDA event and hands the step to a single background
-thread. That thread waits on the event, then runs the bookkeeping and publishes, in step
-order.
+pinned staging buffer and records a CUDA event. The step is consumed (bookkeeping and
+publishing, in step order) once the event has completed: by a background transfer thread
+that waits on it, or by the engine thread where it finds it complete (`consumer`, below).
 
 The wait must not compete with the engine thread for the GIL. `Event.query()` holds the
 GIL, so polling it (even with sleeps between polls) wakes the thread thousands of times a
@@ -36,19 +36,19 @@ before it can overwrite the score buffers (`before_next_forward`, which the runn
 adapters call before every forward). The copies' device latency then overlaps sampling
 instead of preceding it, for two more driver calls per step on the host.
 
-`consumer="engine"` (PROBEX_SCORE_CONSUMER=engine; an experiment, off by default) takes the
-transfer thread out of the per-step path. The engine thread consumes, in order, the pending
-steps whose copies have landed (a non-blocking `cuEventQuery`): where the engine reads a
-step's sampled tokens (runner V2: the adapter calls `consume_landed`), so a step's scores
-leave with its tokens, and at the end of each hook after staging its own step. A step
-without rows (requests ending, the engine about to idle) consumes everything still pending,
-waiting if it must; so does a hook that finds every staging buffer pending (the oldest
-only). A watchdog thread, waking every `stale_after_s`, consumes what has landed once the
-engine has not come by for that long (an engine that stopped calling the hook); it waits
-for the device outside the lock, so an engine that comes back never waits for it. The
-engine thread then does the few microseconds of bookkeeping and encoding per step itself,
-instead of two threads handing the GIL to each other around every step; whether that is
-cheaper on a GPU host is what the experiment is for.
+`consumer="engine"` (runner V2's default on one GPU; `TapController` takes it from the
+adapter, PROBEX_SCORE_CONSUMER overrides) takes the transfer thread out of the per-step
+path. The engine thread consumes, in order, the pending steps whose copies have landed (a
+non-blocking `cuEventQuery`): where the engine reads a step's sampled tokens (runner V2:
+the adapter calls `consume_landed`), so a step's scores leave with its tokens, and at the
+end of each hook after staging its own step. A step without rows (requests ending, the
+engine about to idle) consumes everything still pending, waiting if it must; so does a
+hook that finds every staging buffer pending (the oldest only). A watchdog thread, waking
+every `stale_after_s`, consumes what has landed once the engine has not come by for that
+long (an engine that stopped calling the hook); it waits for the device outside the lock,
+so an engine that comes back never waits for it. On the H200 the two consumers measured
+the same speed (docs/benchmarks.md, session 8); the engine consumer wakes no second
+thread per step.
 """
 
 from __future__ import annotations
@@ -265,10 +265,11 @@ class _StagingSlot:
 
 
 class ScoreTransfer:
-    """Copies `sources[layer][:rows]` to the host each step and calls `consume` off-thread.
+    """Copies `sources[layer][:rows]` to the host each step and calls `consume` once they land.
 
-    `consume(step)` runs on the transfer thread, one step at a time in submission order;
-    `step.scores()` is only valid during that call.
+    `consume(step)` runs one step at a time in submission order, on the transfer thread or
+    (consumer="engine") on the engine thread or the watchdog; `step.scores()` is only valid
+    during that call.
     """
 
     def __init__(

@@ -17,8 +17,9 @@ ADDITIONAL_CONFIG_KEY = "probex"
 ENV_DELIVERY = "PROBEX_DELIVERY"
 
 
-# Experiment: "engine" has the engine thread consume each step's scores once its copies land,
-# instead of the transfer thread (engine_worker/score_transfer.py; set-up "tap-engine-consumer").
+# Who consumes each step's scores once its copies land: "engine" (the engine thread, runner
+# V2's default on one GPU) or "thread" (a transfer thread, the default otherwise);
+# engine_worker/score_transfer.py. Unset: the runner adapter's default.
 ENV_SCORE_CONSUMER = "PROBEX_SCORE_CONSUMER"
 
 
@@ -30,7 +31,12 @@ ENV_HOOK_SPIN_US = "PROBEX_HOOK_SPIN_US"
 
 def hook_spin_s() -> float:
     value = os.environ.get(ENV_HOOK_SPIN_US, "").strip()
-    return max(0.0, float(value)) * 1e-6 if value else 0.0
+    if not value:
+        return 0.0
+    try:
+        return max(0.0, float(value)) * 1e-6
+    except ValueError:
+        raise ValueError(f"{ENV_HOOK_SPIN_US} must be a number of microseconds, not {value!r}") from None
 
 
 def scores_delivered() -> bool:

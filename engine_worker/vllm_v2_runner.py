@@ -11,11 +11,12 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
   call), so the step is handed to the controller when `execute_model` returns: the
   forward is enqueued by then and the controller only enqueues a copy behind it. When
   nothing is staged before the forward (no steering, no capture), the layout itself is
-  built later, on the transfer thread, from the batch's per-step arrays.
+  built later, by the scores' consumer, from the batch's per-step arrays.
 - V2 keeps no `SamplingParams` per request after `add_requests`, so the per-request
   capture flag and steering settings are read there.
-- The engine thread consumes the scores (the default here; PROBEX_SCORE_CONSUMER=thread
-  hands them to the transfer thread instead), when vLLM reads the step's sampled tokens:
+- The engine thread consumes the scores (the default here on one GPU; with tensor
+  parallelism, and with PROBEX_SCORE_CONSUMER=thread, the transfer thread does), when vLLM
+  reads the step's sampled tokens:
   `sample_tokens` returns an `AsyncOutput` whose `get_output` the engine calls (after
   waiting for the tokens' copy, which, with the score copies on the engine's stream, is
   ordered after them); we wrap that object's `get_output`. At TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread;
@@ -60,9 +61,7 @@ def _after_load_model(load_model):
     @functools.wraps(load_model)
     def wrapper(self, *args, **kwargs):
         result = load_model(self, *args, **kwargs)
-        # The engine thread consumes the scores where vLLM reads the sampled tokens (below):
-        # measured on the H200 against the transfer thread in docs/benchmarks.md.
-        if install_controller(self, score_consumer="engine") is not None:
+        if install_controller(self, score_consumer=_default_score_consumer(self)) is not None:
             self._probex_capture_flags = {}
             self._probex_steering = {}  # req id -> SteerRequest, steered requests only
             self._probex_layout = None  # built before the forward (steering or capture on)
@@ -71,6 +70,15 @@ def _after_load_model(load_model):
         return result
 
     return wrapper
+
+
+def _default_score_consumer(runner) -> str:
+    """The engine thread where vLLM reads the sampled tokens on it (one GPU; measured on the
+    H200 against the transfer thread, docs/benchmarks.md session 8). With tensor parallelism
+    vLLM reads them on its own output-copy thread, a path not yet run on a GPU: the transfer
+    thread there, as measured at TP=2."""
+    parallel = getattr(runner.vllm_config, "parallel_config", None)
+    return "engine" if getattr(parallel, "tensor_parallel_size", 1) == 1 else "thread"
 
 
 def _remember_capture_flags(add_requests):

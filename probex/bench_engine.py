@@ -122,9 +122,22 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    "tap-thread-consumer": {ENV_SCORE_CONSUMER: "thread"},
                    # Diagnostic: is engine-thread time on the step's critical path? (tap_config.py)
                    "tap-slow-hook": {ENV_HOOK_SPIN_US: str(SLOW_HOOK_SPIN_US)}}
-# The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set (None: the
-# runner is vLLM's choice, so the bench cannot tell which adapter runs).
+# The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
+# the runner is vLLM's choice, so the bench cannot tell which adapter runs). With tensor
+# parallelism both runners use the transfer thread.
 RUNNER_SCORE_CONSUMER = {"v1": "thread", "v2": "engine"}
+
+
+def default_score_consumer(runner: str, engine_args: Sequence[str]) -> str | None:
+    """The consumer the worker should report when the set-up does not choose one."""
+    args = list(engine_args)
+    tensor_parallel = 1
+    for i, arg in enumerate(args):
+        if arg in ("--tensor-parallel-size", "-tp") and i + 1 < len(args):
+            tensor_parallel = int(args[i + 1])
+        elif arg.startswith("--tensor-parallel-size="):
+            tensor_parallel = int(arg.split("=", 1)[1])
+    return "thread" if tensor_parallel > 1 and runner in RUNNER_SCORE_CONSUMER else RUNNER_SCORE_CONSUMER.get(runner)
 STEER_KINDS = ("steer-idle", "steer-active", "steer-gated")  # ... plus a steering vector loaded
 STEERED_KINDS = ("steer-active", "steer-gated")  # ... and every request steered
 STEER_VECTOR_NAME = "bench-steer"
@@ -772,7 +785,7 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             env["VLLM_PLUGINS"] = None
             env.update(worker_env or {})
             env.update(KIND_WORKER_ENV.get(kind, {}))
-            consumer = env.get(ENV_SCORE_CONSUMER) or RUNNER_SCORE_CONSUMER.get(runner)
+            consumer = env.get(ENV_SCORE_CONSUMER) or default_score_consumer(runner, engine_args)
         else:
             # The module `probex worker` execs, with the same interpreter flags and server count.
             argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
@@ -1232,8 +1245,11 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                  # vLLM's own TTFT (arrival in its API layer to the first token's output there):
                  # what the client's TTFT adds on top is HTTP, the middleware and the chunk path
                  "server": server_side}
+        entry["requests_with_wrong_token_count"] = sum(1 for r in ok if r.output_tokens != IDLE_TTFT_TOKENS)
         if worker:
             entry["scores"] = score_coverage(results, len(probe_names))
+        else:
+            entry["responses_with_probex_field"] = sum(1 for r in results if r.has_scores)
         record["idle_ttft"] = entry
         save()
         say(f"  {plan.label:9} idle TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  mean {entry['ttft_ms']['mean']:8.2f} ms"
@@ -1615,36 +1631,39 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
             problems += steering_problems(s)
         consumer, wanted = checks.get("probex_score_consumer"), checks.get("probex_score_consumer_expected")
         if s["kind"] in WORKER_KINDS and consumer is not None and wanted is not None and consumer != wanted:
-            problems.append(f"{label}: the worker consumed scores on the {consumer} side, not {wanted} "
-                            f"({ENV_SCORE_CONSUMER} set for the wrong set-ups?)")
-        idle = s.get("idle_ttft") or {}
-        if idle.get("failed"):
-            problems.append(f"{label} idle TTFT: {idle['failed']} failed requests ({'; '.join(idle.get('errors', []))})")
-        scores = idle.get("scores")
-        if scores is not None and s["kind"] not in UNDELIVERED_KINDS and (
-                scores["coverage"] != 1.0 or scores["requests_with_all_prompt_scores"] != scores["requests"]):
-            problems.append(f"{label} idle TTFT: SCORES NOT FULLY DELIVERED: {scores['scored_tokens']}/"
-                            f"{scores['generated_tokens']} generated tokens scored, prompt scores on "
-                            f"{scores['requests_with_all_prompt_scores']}/{scores['requests']} requests")
-        for c, e in s.get("results", {}).items():
-            if e.get("failed"):
-                problems.append(f"{label} c={c}: {e['failed']} failed requests ({'; '.join(e.get('errors', []))})")
-            if e.get("requests_with_wrong_token_count"):
-                problems.append(f"{label} c={c}: {e['requests_with_wrong_token_count']} requests without exactly "
-                                "the tokens they asked for")
-            scores = e.get("scores")
-            if scores is not None and s["kind"] in UNDELIVERED_KINDS and scores.get("scored_tokens"):
-                problems.append(f"{label} c={c}: scores were delivered ({scores['scored_tokens']} tokens): "
-                                "PROBEX_DELIVERY=off did not reach the worker, so this measured the whole tap")
-            if scores is not None and s["kind"] not in UNDELIVERED_KINDS and (scores["coverage"] != 1.0
-                                       or scores["requests_with_all_prompt_scores"] != scores["requests"]
-                                       or scores["problems"]):
-                problems.append(f"{label} c={c}: SCORES NOT FULLY DELIVERED: {scores['scored_tokens']}/"
-                                f"{scores['generated_tokens']} generated tokens scored, prompt scores on "
-                                f"{scores['requests_with_all_prompt_scores']}/{scores['requests']} requests "
-                                f"{scores['problems']}")
-            if e.get("responses_with_probex_field"):
-                problems.append(f"{label} c={c}: responses carry a probex field: this is not stock vLLM")
+            problems.append(f"{label}: the worker consumed scores on the {consumer} side, not {wanted}: it "
+                            f"ignored {ENV_SCORE_CONSUMER}, another runner ran, or the bench's own environment "
+                            f"set it")
+        for c, entry in s.get("results", {}).items():
+            problems += phase_problems(f"{label} c={c}", s["kind"], entry)
+        if s.get("idle_ttft"):
+            problems += phase_problems(f"{label} idle TTFT", s["kind"], s["idle_ttft"])
+    return problems
+
+
+def phase_problems(where: str, kind: str, entry: dict[str, Any]) -> list[str]:
+    """One phase of one set-up (a concurrency, or the idle-TTFT requests): failed requests,
+    wrong token counts, and scores not delivered where they should be (or delivered where
+    they should not)."""
+    problems = []
+    if entry.get("failed"):
+        problems.append(f"{where}: {entry['failed']} failed requests ({'; '.join(entry.get('errors', []))})")
+    if entry.get("requests_with_wrong_token_count"):
+        problems.append(f"{where}: {entry['requests_with_wrong_token_count']} requests without exactly "
+                        "the tokens they asked for")
+    scores = entry.get("scores")
+    if scores is not None and kind in UNDELIVERED_KINDS and scores.get("scored_tokens"):
+        problems.append(f"{where}: scores were delivered ({scores['scored_tokens']} tokens): "
+                        "PROBEX_DELIVERY=off did not reach the worker, so this measured the whole tap")
+    if scores is not None and kind not in UNDELIVERED_KINDS and (scores["coverage"] != 1.0
+                                                                 or scores["requests_with_all_prompt_scores"] != scores["requests"]
+                                                                 or scores.get("problems")):
+        problems.append(f"{where}: SCORES NOT FULLY DELIVERED: {scores['scored_tokens']}/"
+                        f"{scores['generated_tokens']} generated tokens scored, prompt scores on "
+                        f"{scores['requests_with_all_prompt_scores']}/{scores['requests']} requests "
+                        f"{scores.get('problems', [])}")
+    if entry.get("responses_with_probex_field"):
+        problems.append(f"{where}: responses carry a probex field: this is not stock vLLM")
     return problems
 
 

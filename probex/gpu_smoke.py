@@ -189,6 +189,7 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
     forced = None
     url = f"http://127.0.0.1:{port}"
     with logged_worker(cmd, env, log_path, url, label) as ready_s:
+        score_consumer = probex_score_consumer(url)
         responses = asyncio.run(query(url, str(model)))
         if name == "graphs":
             try:
@@ -203,10 +204,22 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
     for response in responses:
         (path,) = capture.glob(f"{response['id']}-*.safetensors")
         response["_captured"] = load_file(str(path))
-    info = {"ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:8], "runner_log_lines": runner_lines[:4]}
+    info = {"ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:8], "runner_log_lines": runner_lines[:4],
+            "score_consumer": score_consumer}
     if forced is not None:
         info["teacher_forced"] = forced
     return responses, info
+
+
+def probex_score_consumer(url: str) -> str | None:
+    """Which thread consumed the worker's scores ("engine" or "thread", from /probex/probes),
+    so a saved smoke says which path it checked; None if the worker did not say."""
+    import httpx
+
+    try:
+        return (httpx.get(url + "/probex/probes", timeout=30).json().get("transfer") or {}).get("consumer")
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def residual_cosines(a: list[dict], b: list[dict]) -> dict:
@@ -327,6 +340,8 @@ def report(result: dict, comparisons: dict) -> None:
     for label, info in result["modes"].items():
         captured = [l for l in info["graph_log_lines"] if "Capturing CUDA graphs" in l or "Graph capturing" in l]
         line = f"{label}: ready in {info['ready_s']} s; CUDA-graph capture log lines: {len(captured)}"
+        if info.get("score_consumer"):
+            line += f"; scores consumed on the {info['score_consumer']} thread"
         if info.get("runner_log_lines"):
             line += "; V2 runner confirmed in log"
         if "error" in info.get("teacher_forced", {}):

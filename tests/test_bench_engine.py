@@ -702,11 +702,13 @@ def test_the_op_only_set_up_turns_delivery_off_and_its_missing_scores_are_no_pro
     on_v2 = be.plan_setups(["plain", "tap", "tap-thread-consumer"], tmp_path, [tmp_path / "p"], [], "v2")
     on_v1 = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], [], "v1")
     assert [p.score_consumer for p in on_v2] == [None, "engine", "thread"] and on_v1[0].score_consumer == "thread"
+    on_two_gpus = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], ["--tensor-parallel-size", "2"], "v2")
+    assert on_two_gpus[0].score_consumer == "thread"  # V2 reads tokens on another thread at TP > 1
     consumer = be.analyze([_setup("plain", "plain", {"1": 5.0}), _setup("tap", "tap", {"1": 5.1}),
                            _setup("tap-thread-consumer", "tap-thread-consumer", {"1": 5.151})])["overhead_pct"]
     assert consumer["tap-thread-consumer_vs_tap"]["1"]["tpot_p50"] == pytest.approx(1.0)
-    # The worker reports its consumer; a set-up that did not get the one it stands for is flagged
-    # (e.g. --worker-env PROBEX_SCORE_CONSUMER=thread switching the tap baseline too).
+    # The worker reports its consumer; a set-up that did not get the one planned for it is
+    # flagged (e.g. a worker ignoring the setting, or another runner than the one asked for).
     tap_ok, tap_switched, experiment, unknown = (
         _setup("tap", "tap#1", {"1": 5.0}), _setup("tap", "tap#2", {"1": 5.0}),
         _setup("tap-thread-consumer", "tap-thread-consumer", {"1": 5.0}), _setup("tap", "tap#3", {"1": 5.0}))

@@ -131,6 +131,19 @@ def test_a_complete_prompt_keeps_only_a_marker_and_a_recomputed_prompt_is_not_re
     assert book.finish(["a"]) == ["a"] and len(book) == 0
 
 
+def test_a_request_recomputed_after_preemption_is_read_from_the_wire_without_a_first_summary():
+    """A resumed request whose first step recomputes prompt + generated tokens (no summary: its
+    first sampled index is above 0) and then recomputes again: the book must own its rows,
+    since the message's rows are a read-only view that the next message does not extend."""
+    table = ProbeTable(version=1, slots=(ProbeSlot("x", 5, 0, "prompt_mean", 1.0, 0.0),))
+    reader = StepReader()
+    for scheduled in (6, 7):  # prompt 4 plus 2, then plus 3 generated tokens, from position 0
+        step = layout([("a", scheduled, 0, 4)])
+        raw = np.arange(scheduled, dtype=np.float32).reshape(scheduled, 1)
+        events = reader.read(step_message(table, step, raw, []))
+        assert events.prompt == [] and events.token_indexes == [scheduled - 4]
+
+
 def test_books_left_open_by_a_lost_end_are_forgotten_after_the_retention_window():
     table = ProbeTable(version=1, slots=(ProbeSlot("x", 5, 0, "prompt_mean", 1.0, 0.0),))
     book = ScoreBook()

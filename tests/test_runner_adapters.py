@@ -56,8 +56,9 @@ class RecordingController:
 class FakeV2Runner:
     """The V2 call order: execute_model -> add_requests, prepare_inputs (real steps only), forward."""
 
-    def __init__(self, controller) -> None:
+    def __init__(self, controller, tensor_parallel_size: int = 1) -> None:
         self.controller_to_install = controller
+        self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size))
         self.req_states = SimpleNamespace(prompt_len=SimpleNamespace(np=np.array([7, 3, 5, 0], dtype=np.int32)),
                                           req_id_to_index={})
         self.forwards = 0
@@ -123,8 +124,10 @@ def test_v2_adapter_reads_layout_in_batch_order_and_hands_over_after_forward(mon
     controller = RecordingController()
     runner = wrapped_runner_class()(controller)
     runner.load_model()
-    # V2 has a point where the engine reads a step's sampled tokens: its scores are consumed there
-    assert asked == [{"score_consumer": "engine"}]
+    # On one GPU the engine thread reads a step's sampled tokens: its scores are consumed there;
+    # with tensor parallelism vLLM reads them on another thread, and the transfer thread consumes
+    wrapped_runner_class()(RecordingController(), tensor_parallel_size=2).load_model()
+    assert asked == [{"score_consumer": "engine"}, {"score_consumer": "thread"}]
     # step 1: prefill a (7) and b (3, capture on)
     runner.execute_model(sched(new=[new_req("a", steer=("v", 2.0)), new_req("b", capture=True)], scheduled={"a": 7, "b": 3},
                                computed={"a": 0, "b": 0}))
@@ -245,9 +248,9 @@ def test_v2_adapter_reads_no_layout_on_a_rank_that_reads_no_scores(monkeypatch):
 
 
 def test_v2_adapter_consumes_scores_where_the_engine_reads_the_sampled_tokens(monkeypatch):
-    """PROBEX_SCORE_CONSUMER=engine: the step's scores are consumed right after vLLM has read
-    its sampled tokens (AsyncOutput.get_output, on the engine thread); by default the
-    AsyncOutput is left alone."""
+    """The engine consumer (V2's default): the step's scores are consumed right after vLLM has
+    read its sampled tokens (AsyncOutput.get_output, on the engine thread); with the transfer
+    thread as consumer the AsyncOutput is left alone."""
     monkeypatch.setattr(v2, "install_controller", lambda runner, **_: getattr(runner, CONTROLLER_ATTR))
     controller = RecordingController()
     runner = wrapped_runner_class()(controller)
