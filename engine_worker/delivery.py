@@ -113,6 +113,11 @@ class ScoreHub:
         # How long responses were held back waiting for scores (the cost the tap adds to
         # latency, if any), split by first chunk (prompt summary) and later tokens.
         self.waits = {"prompt": WaitStats(), "tokens": WaitStats()}
+        # Event-loop time this hub and the middleware spend on a request's way to its first
+        # token: taking in the worker's step messages (those completing a prompt apart) and
+        # decorating first chunks (their wait for scores included).
+        self.intake = {"steps": TimeStats(), "prompt_steps": TimeStats()}
+        self.first_chunks = TimeStats()
 
     def start(self) -> None:
         if self._task is not None:
@@ -142,6 +147,7 @@ class ScoreHub:
     def ingest(self, message: dict) -> None:
         """One worker step (`bookkeeping.step_message`: layout + raw block), read through the
         books here into prompt summaries, sampled-token scores and request ends."""
+        started = time.perf_counter()
         self.messages_received += 1
         version = message["v"]
         table = self._tables.get(version)
@@ -168,6 +174,10 @@ class ScoreHub:
             if state is not None:
                 state.finished = True
                 state.changed.set()
+        elapsed = time.perf_counter() - started
+        self.intake["steps"].add(elapsed)
+        if events.prompt:
+            self.intake["prompt_steps"].add(elapsed)
 
     def _external_id(self, engine_request_id: str) -> str:
         key = self._external_ids.get(engine_request_id)
@@ -231,6 +241,28 @@ class ScoreHub:
 
     def wait_stats(self) -> dict[str, dict[str, float | int]]:
         return {kind: stats.as_dict() for kind, stats in self.waits.items()}
+
+    def loop_time_stats(self) -> dict[str, dict[str, float | int]]:
+        """The event-loop time of `intake` and `first_chunks` (see __init__), for /probex/health."""
+        return {**{f"intake_{kind}": stats.as_dict() for kind, stats in self.intake.items()},
+                "first_chunks": self.first_chunks.as_dict()}
+
+
+@dataclass
+class TimeStats:
+    """Count, total and maximum of one recurring piece of work's time, in seconds."""
+
+    count: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        self.max_s = max(self.max_s, seconds)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"count": self.count, "total_s": self.total_s, "max_s": self.max_s}
 
 
 @dataclass

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -304,6 +305,7 @@ class ProbexMiddleware:
         listing = (await _engine_client(scope).collective_rpc("probex_list_probes"))[0]
         listing["score_messages_received"] = self.hub.messages_received
         listing["score_waits"] = self.hub.wait_stats()
+        listing["score_loop_time"] = self.hub.loop_time_stats()
         listing["open_prompt_books"] = self.hub.open_prompt_books
         listing["retention"] = self.retention.values
         listing["retention_status"] = self.retention.status
@@ -433,6 +435,8 @@ class StreamRelay:
     async def _decorate_event(self, event: bytes) -> bytes:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
             return event
+        started = time.perf_counter()
+        include_prompt = False
         try:
             chunk = _decode_json(event[6:])
         except ValueError:
@@ -459,7 +463,10 @@ class StreamRelay:
                 choice.pop("prompt_token_ids", None)
         if not self.call.wants_token_ids:
             chunk.pop("prompt_token_ids", None)
-        return b"data: " + _encode_json(chunk)
+        encoded = b"data: " + _encode_json(chunk)
+        if include_prompt:  # the request's first chunk with scores: on its way to the client's TTFT
+            self.hub.first_chunks.add(time.perf_counter() - started)
+        return encoded
 
 
 # Every stream chunk is decoded and re-encoded on the API server's event loop, which at high

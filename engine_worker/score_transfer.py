@@ -544,7 +544,7 @@ class ScoreTransfer:
                 step._ready.synchronize()  # releases the GIL while it waits
             landed = time.perf_counter()
             self._consume(step)
-            self.stats.add(landed - step.submitted, time.perf_counter() - landed)
+            self.stats.add(landed - step.submitted, time.perf_counter() - landed, step.rows)
         except Exception:  # a bad step must not stop delivery for every later one
             self.consume_errors += 1
             log.exception("probex: processing a step's scores failed")
@@ -559,14 +559,20 @@ class ScoreTransfer:
                 **self.stats.as_dict()}
 
 
+# Steps of more rows than this carry prefill chunks (a decode step has one row per running
+# request); their scores are on the way to a first token, so they are timed apart too.
+LARGE_STEP_ROWS = 256
+
+
 class TransferStats:
     """Where a step's scores spend their time before they are published, for benchmarks.
 
     `landed` is submit → the copy seen complete on the host (the rest of the forward and of
     any step still ahead of it on the GPU, the driver's wake-up, and any wait for earlier
-    steps' bookkeeping); `consume` is the
-    bookkeeping and publish after it, all on the transfer thread. Sums and maxima only:
-    cheap enough to keep on in production, and readers take differences between snapshots.
+    steps' bookkeeping); `consume` is the bookkeeping and publish after it, on whichever
+    thread consumes; `large_*` counts the consume of steps of more than LARGE_STEP_ROWS rows
+    (prefill chunks) apart. Sums and maxima only: cheap enough to keep on in production, and
+    readers take differences between snapshots.
     """
 
     def __init__(self) -> None:
@@ -575,8 +581,11 @@ class TransferStats:
         self.landed_max_s = 0.0
         self.consume_s = 0.0
         self.consume_max_s = 0.0
+        self.large_steps = 0
+        self.large_consume_s = 0.0
+        self.large_consume_max_s = 0.0
 
-    def add(self, landed: float, consume: float) -> None:
+    def add(self, landed: float, consume: float, rows: int = 0) -> None:
         self.steps += 1
         self.landed_s += landed
         self.consume_s += consume
@@ -584,7 +593,14 @@ class TransferStats:
             self.landed_max_s = landed
         if consume > self.consume_max_s:
             self.consume_max_s = consume
+        if rows > LARGE_STEP_ROWS:
+            self.large_steps += 1
+            self.large_consume_s += consume
+            if consume > self.large_consume_max_s:
+                self.large_consume_max_s = consume
 
     def as_dict(self) -> dict[str, float | int]:
         return {"steps": self.steps, "landed_s": self.landed_s, "landed_max_s": self.landed_max_s,
-                "consume_s": self.consume_s, "consume_max_s": self.consume_max_s}
+                "consume_s": self.consume_s, "consume_max_s": self.consume_max_s,
+                "large_steps": self.large_steps, "large_consume_s": self.large_consume_s,
+                "large_consume_max_s": self.large_consume_max_s}

@@ -1098,6 +1098,10 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             # consumer="engine": steps the watchdog had to take (the engine did not come by)
             "stale_steps": t1.get("stale_steps", 0) - t0.get("stale_steps", 0),
         }
+        large = t1.get("large_steps", 0) - t0.get("large_steps", 0)
+        if large > 0:  # prefill-sized steps: their consume is on the way to a first token
+            out["transfer"]["large_steps"] = large
+            out["transfer"]["large_consume_mean_ms"] = (t1["large_consume_s"] - t0["large_consume_s"]) / large * 1e3
     e0, e1 = before.get("engine_thread") or {}, after.get("engine_thread") or {}
     engine_steps = e1.get("steps", 0) - e0.get("steps", 0)
     if engine_steps > 0:
@@ -1114,6 +1118,16 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
                 measured[f"{part}_mean_ms"] = (end[key] - start[key]) / engine_steps * 1e3
         if all(f"{part}_mean_ms" in measured for part in parts):
             measured["other_mean_ms"] = measured["hook_mean_ms"] - sum(measured[f"{p}_mean_ms"] for p in parts)
+    # The API server's event-loop time for the hub's intake of step messages (those completing
+    # a prompt apart) and the middleware's first chunks, per occurrence.
+    l0, l1 = before.get("score_loop_time") or {}, after.get("score_loop_time") or {}
+    for kind, end in l1.items():
+        start = l0.get(kind, {})
+        count = end["count"] - start.get("count", 0)
+        if count > 0:
+            out.setdefault("api_loop", {})[kind] = {
+                "count": count, "mean_ms": (end["total_s"] - start.get("total_s", 0.0)) / count * 1e3,
+                "max_ms_so_far": end["max_s"] * 1e3}
     w0, w1 = before.get("score_waits") or {}, after.get("score_waits") or {}
     for kind, end in w1.items():
         start = w0.get(kind, {})
@@ -1138,7 +1152,13 @@ def delivery_line(delivery: dict[str, Any]) -> str:
         parts.append(f"engine thread: {e['hook_mean_ms']:.3f} ms of ProbeX hooks per step" + (f" ({split})" if split else ""))
     if "transfer" in delivery:
         t = delivery["transfer"]
-        parts.append(f"transfer: landed {t['landed_mean_ms']:.3f} ms, consume {t['consume_mean_ms']:.3f} ms per step")
+        parts.append(f"transfer: landed {t['landed_mean_ms']:.3f} ms, consume {t['consume_mean_ms']:.3f} ms per step"
+                     + (f" ({t['large_consume_mean_ms']:.3f} ms for the {t['large_steps']} prefill-sized)"
+                        if t.get("large_steps") else ""))
+    loop = delivery.get("api_loop") or {}
+    if loop:
+        parts.append("API server loop: " + ", ".join(f"{kind} {v['mean_ms']:.3f} ms x{v['count']}"
+                                                     for kind, v in loop.items()))
     for kind in ("prompt", "tokens"):
         w = delivery.get(f"{kind}_waits")
         if w and w["chunks"]:
@@ -1232,8 +1252,10 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         # Same prompts in every set-up, so set-ups compare request by request.
         prompts = random_prompts(idle_ttft_requests, input_len, seed * 1_000_003 + IDLE_TTFT_SEED)
         before = scrape_server_metrics(server.url)
+        health_before = probex_health(server.url) if worker else None
         results = asyncio.run(run_idle_ttft(server.url, model, prompts, idle_ttft_pause_s, expect, xargs))
         server_side = server_means_ms(before, scrape_server_metrics(server.url))
+        delivery = delivery_delta(health_before, probex_health(server.url)) if worker else None
         if cancelled():
             raise SetupCancelled("during the idle-TTFT requests")
         ok = [r for r in results if r.ok]
@@ -1246,6 +1268,8 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                  # what the client's TTFT adds on top is HTTP, the middleware and the chunk path
                  "server": server_side}
         entry["requests_with_wrong_token_count"] = sum(1 for r in ok if r.output_tokens != IDLE_TTFT_TOKENS)
+        if delivery:
+            entry["delivery"] = delivery  # every step here is a prefill or a first decode
         if worker:
             entry["scores"] = score_coverage(results, len(probe_names))
         else:
@@ -1253,7 +1277,8 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         record["idle_ttft"] = entry
         save()
         say(f"  {plan.label:9} idle TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  mean {entry['ttft_ms']['mean']:8.2f} ms"
-            f"  ({len(results)} requests one at a time, {idle_ttft_pause_s} s apart)  failed {entry['failed']}")
+            f"  ({len(results)} requests one at a time, {idle_ttft_pause_s} s apart)  failed {entry['failed']}",
+            *(["            " + delivery_line(delivery)] if delivery else []))
     if plan.kind in STEERED_KINDS and steer is not None:
         effect = record["checks"]["steering_effect"] = steering_effect(
             server.url, model, input_len, seed, probe_layers or {}, steer, plan.kind)

@@ -486,6 +486,18 @@ def test_delivery_delta_reads_the_worker_and_hub_counters_per_phase():
     line = be.delivery_line(delta)
     assert "0.100 ms of ProbeX hooks per step (layout 0.020, stage 0.040, handoff 0.010, other 0.030)" in line
     assert be.delivery_delta(None, after) == {}
+    # prefill-sized steps' consume, and the API server's loop time (intake, first chunks)
+    before["transfer"].update(large_steps=1, large_consume_s=0.0005)
+    after["transfer"].update(large_steps=3, large_consume_s=0.0015)
+    before["score_loop_time"] = {"intake_prompt_steps": {"count": 1, "total_s": 0.0001, "max_s": 0.0001}}
+    after["score_loop_time"] = {"intake_prompt_steps": {"count": 3, "total_s": 0.0005, "max_s": 0.0002},
+                                "first_chunks": {"count": 0, "total_s": 0.0, "max_s": 0.0}}
+    delta = be.delivery_delta(before, after)
+    assert delta["transfer"]["large_steps"] == 2 and delta["transfer"]["large_consume_mean_ms"] == pytest.approx(0.5)
+    assert delta["api_loop"] == {"intake_prompt_steps": pytest.approx({"count": 2, "mean_ms": 0.2,
+                                                                       "max_ms_so_far": 0.2})}
+    line = be.delivery_line(delta)
+    assert "(0.500 ms for the 2 prefill-sized)" in line and "API server loop: intake_prompt_steps 0.200 ms x2" in line
     # a worker from before the split reports the hook only
     old = {"engine_thread": {"steps": 10, "hook_s": 0.001}}
     assert be.delivery_delta(old, {"engine_thread": {"steps": 20, "hook_s": 0.002}})["engine_thread"] == \
@@ -633,6 +645,9 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
         assert idle["server"]["ttft_mean_ms"] > 0, (setup["label"], idle)  # vLLM's own /metrics
         if setup["kind"] in ("tap", "steer-active"):
             assert idle["scores"]["coverage"] == 1.0, (setup["label"], idle["scores"])
+            # the worker's and the API server's accounts of the first tokens' path
+            loop = idle["delivery"]["api_loop"]
+            assert loop["intake_prompt_steps"]["count"] == 2 and loop["first_chunks"]["count"] == 2, loop
     assert set(result["idle_ttft"]["overhead_pct_vs_plain"]) == {"tap", "eager", "steer-active"}
     assert "TTFT at an idle engine (2 requests one at a time" in proc.stdout
     # dummy weights sample ids the SmolLM2 tokenizer (49152 tokens) lacks: served as empty text, counted all the same

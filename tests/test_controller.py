@@ -243,6 +243,23 @@ def test_engine_waits_for_a_staging_buffer_instead_of_dropping_steps():
     transfer.close()
 
 
+def test_prefill_sized_steps_have_their_consume_timed_apart():
+    """Steps of more than LARGE_STEP_ROWS rows (prefill chunks, on their way to a first token)
+    are counted apart, so a benchmark can read their consume separately from decode steps'."""
+    from engine_worker.score_transfer import LARGE_STEP_ROWS
+
+    rows_seen = []
+    transfer = ScoreTransfer({0: torch.zeros(LARGE_STEP_ROWS + 8, 2)}, lambda step: rows_seen.append(step.rows),
+                             threaded=False)
+    for rows in (4, LARGE_STEP_ROWS + 1, LARGE_STEP_ROWS, LARGE_STEP_ROWS + 8):
+        transfer.submit(rows, None)
+    stats = transfer.describe()
+    assert rows_seen == [4, LARGE_STEP_ROWS + 1, LARGE_STEP_ROWS, LARGE_STEP_ROWS + 8]
+    assert stats["steps"] == 4 and stats["large_steps"] == 2
+    assert 0 < stats["large_consume_s"] <= stats["consume_s"] and stats["large_consume_max_s"] <= stats["consume_max_s"]
+    transfer.close()
+
+
 class RecordingDriver:
     """Stands in for the CUDA driver on the CPU: the copies are real memmoves between host
     addresses, so the consumer sees what a device copy would have delivered."""

@@ -103,7 +103,8 @@ def run_stream(chunks, feed):
         sent = await post_through(middleware, "/v1/chat/completions", body)
         text = response_body(sent).decode()
         events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
-        return [json.loads(e) for e in events if e != "[DONE]"], events[-1], len(hub), hub.wait_stats()
+        waits = dict(hub.wait_stats(), loop_time=hub.loop_time_stats())
+        return [json.loads(e) for e in events if e != "[DONE]"], events[-1], len(hub), waits
 
     return asyncio.run(go())
 
@@ -154,6 +155,14 @@ def test_each_chunk_waits_for_and_carries_its_own_token_scores():
     assert waits["prompt"]["calls"] == 1 and waits["prompt"]["waited"] == 1
     assert waits["tokens"]["calls"] == 1 and waits["tokens"]["waited"] == 1
     assert 0.04 < waits["prompt"]["waited_s"] and 0.04 < waits["tokens"]["max_s"] < 1.0
+    # The event loop's time on the way to the first token: the hub took in the step messages
+    # that came before the stream ended (the three token steps at least), one completing the
+    # prompt, and the middleware decorated one first chunk (its 50 ms wait for the prompt's
+    # scores included).
+    loop = waits["loop_time"]
+    assert loop["intake_steps"]["count"] >= 3 and loop["intake_prompt_steps"]["count"] == 1
+    assert 0 < loop["intake_prompt_steps"]["total_s"] <= loop["intake_steps"]["total_s"]
+    assert loop["first_chunks"]["count"] == 1 and 0.04 < loop["first_chunks"]["total_s"] < 1.0
 
 
 def test_missing_scores_do_not_hang_the_stream(monkeypatch):
