@@ -266,16 +266,11 @@ class TimeStats:
 
 
 @dataclass
-class WaitStats:
-    calls: int = 0  # every wait_for, including those whose scores were already in
-    waited: int = 0  # those that had to wait
-    waited_s: float = 0.0
-    max_s: float = 0.0
+class WaitStats(TimeStats):
+    """The waits for scores (`count` of them had to wait, `total_s` in all), out of `calls`:
+    every wait_for, including those whose scores were already in."""
 
-    def add(self, seconds: float) -> None:
-        self.waited += 1
-        self.waited_s += seconds
-        self.max_s = max(self.max_s, seconds)
+    calls: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"calls": self.calls, "waited": self.waited, "waited_s": self.waited_s, "max_s": self.max_s}
+        return {"calls": self.calls, "waited": self.count, "waited_s": self.total_s, "max_s": self.max_s}
