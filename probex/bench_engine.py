@@ -768,6 +768,8 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
         seen[kind] = seen.get(kind, 0) + 1
         label = kind if counts[kind] == 1 else f"{kind}#{seen[kind]}"
         port = free_port()
+        while port in {plan.port for plan in plans}:  # the OS may hand out a just-closed port again
+            port = free_port()
         env: dict[str, str | None] = {"VLLM_DISABLE_COMPILE_CACHE": "1", RUNNER_ENV: RUNNERS[runner],
                                       "PYTHONUNBUFFERED": "1"}
         if kind in WORKER_KINDS:

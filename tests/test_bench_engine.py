@@ -170,6 +170,14 @@ def test_plans_same_launcher_and_plugin_switch(tmp_path):
         be.parse_setups("plain,hooks")
 
 
+def test_planned_set_ups_never_share_a_port(tmp_path, monkeypatch):
+    """Side by side, set-ups start together: a port the OS hands out twice must not reach two."""
+    handed_out = iter([5000, 5000, 5001, 5000, 5001, 5002])
+    monkeypatch.setattr(be, "free_port", lambda: next(handed_out))
+    plans = be.plan_setups(["plain", "tap", "plain"], tmp_path, [tmp_path / "p1"], [], "v2")
+    assert [p.port for p in plans] == [5000, 5001, 5002]
+
+
 def test_log_checks():
     text = ("... enforce_eager=True, kv_cache_dtype=auto ...\nINFO Using V2 Model Runner\n"
             "Capturing CUDA graphs (decode, FULL): 100%\nGraph capturing finished in 5 secs\n")
