@@ -469,7 +469,7 @@ class ScoreTransfer:
             try:
                 # A landed step needs no wait: skipping it keeps the engine thread from
                 # releasing the GIL (cuEventSynchronize does) in the middle of its hook.
-                self._process(step, landed=landed)
+                self._process(step, already_landed=landed)
             finally:
                 self._processed += 1
             consumed += 1
@@ -538,9 +538,9 @@ class ScoreTransfer:
             finally:
                 self._processed += 1
 
-    def _process(self, step: StagedStep, landed: bool = False) -> None:
+    def _process(self, step: StagedStep, already_landed: bool = False) -> None:
         try:
-            if step._ready is not None and not landed:
+            if step._ready is not None and not already_landed:
                 step._ready.synchronize()  # releases the GIL while it waits
             landed = time.perf_counter()
             self._consume(step)

@@ -16,11 +16,11 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
   capture flag and steering settings are read there.
 - The engine thread consumes the scores (the default here on one GPU; with tensor
   parallelism, and with PROBEX_SCORE_CONSUMER=thread, the transfer thread does), when vLLM
-  reads the step's sampled tokens:
-  `sample_tokens` returns an `AsyncOutput` whose `get_output` the engine calls (after
-  waiting for the tokens' copy, which, with the score copies on the engine's stream, is
-  ordered after them); we wrap that object's `get_output`. At TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread;
-  at TP>1 with async scheduling, on its worker's output-copy thread.
+  reads the step's sampled tokens: `sample_tokens` returns an `AsyncOutput` whose
+  `get_output` the engine calls (after waiting for the tokens' copy, which, with the score
+  copies on the engine's stream, is ordered after them); we wrap that object's
+  `get_output`. At TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread; at TP>1
+  with async scheduling, on its worker's output-copy thread.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ may repeat a set-up (``plain,tap,plain,tap``) to see run-to-run noise; overheads
 mean of repeats. ``tap-op-only`` (diagnostic) is the tap with its scores never copied out or
 delivered (``PROBEX_DELIVERY=off``): over plain it is the op's own cost, under tap the host
 path's. ``tap-engine-consumer`` and ``tap-thread-consumer`` are the tap with
-``PROBEX_SCORE_CONSUMER`` set (runner V2 consumes on the engine thread by default, V1 on the
-transfer thread), to compare the two in one run. ``tap-slow-hook`` (diagnostic) is the tap
+``PROBEX_SCORE_CONSUMER`` set (by default runner V2 on one GPU consumes on the engine
+thread, otherwise a transfer thread does), to compare the two in one run. ``tap-slow-hook`` (diagnostic) is the tap
 with the engine thread spinning 100 µs more per step: whether TPOT grows by that much tells
 whether engine-thread time is on the step's critical path.
 ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
@@ -1145,6 +1145,27 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
     return out
 
 
+def server_counters(url: str, worker: bool) -> tuple[dict[str, tuple[float, float]], dict[str, Any] | None]:
+    """vLLM's /metrics and (ProbeX workers) /probex/health, read before a measured phase."""
+    return scrape_server_metrics(url), probex_health(url) if worker else None
+
+
+def phase_server_fields(url: str, before: tuple[dict[str, tuple[float, float]], dict[str, Any] | None],
+                        results: Sequence[RequestResult], worker: bool, probe_count: int) -> dict[str, Any]:
+    """What a measured phase records besides the client's numbers: vLLM's own means over it,
+    the worker's account of delivery (ProbeX workers; `before` from `server_counters`), and
+    the check of its responses' scores (or, on stock vLLM, that none carried a probex field)."""
+    metrics, health = before
+    out: dict[str, Any] = {"server": server_means_ms(metrics, scrape_server_metrics(url))}
+    if health is not None:
+        out["delivery"] = delivery_delta(health, probex_health(url))
+    if worker:
+        out["scores"] = score_coverage(results, probe_count)
+    else:
+        out["responses_with_probex_field"] = sum(1 for r in results if r.has_scores)
+    return out
+
+
 def delivery_line(delivery: dict[str, Any]) -> str:
     parts = []
     if "engine_thread" in delivery:
@@ -1212,8 +1233,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         spread = arrival_spread_s(warm_results) if spreads else 0.0
         prompts = random_prompts(num_prompts[c], input_len, seed * 1_000_003 + c * 2)
         lengths = output_lengths(num_prompts[c], output_len, length_spread, seed * 1_000_003 + c * 2 + 7)
-        before = scrape_server_metrics(server.url)
-        health_before = probex_health(server.url) if worker else None
+        before = server_counters(server.url, worker)
         ticks_before, phase_began = group_cpu_ticks(server.proc.pid), time.monotonic()
         results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, lengths, expect, xargs,
                                                    spread_s=spread))
@@ -1223,13 +1243,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         entry["arrival_spread_s"] = round(spread, 4)
         if spreads and spread == 0:  # no warm-up request succeeded: the clients started together
             entry["arrivals_not_spread"] = True
-        entry["server"] = server_means_ms(before, scrape_server_metrics(server.url))
-        if health_before is not None:
-            entry["delivery"] = delivery_delta(health_before, probex_health(server.url))
-        if worker:
-            entry["scores"] = score_coverage(results, len(probe_names))
-        else:
-            entry["responses_with_probex_field"] = sum(1 for r in results if r.has_scores)
+        entry.update(phase_server_fields(server.url, before, results, worker, len(probe_names)))
         entry["per_request"] = [
             {"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
              "e2e_ms": r.e2e_s * 1e3,
@@ -1253,34 +1267,25 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     if idle_ttft_requests:
         # Same prompts in every set-up, so set-ups compare request by request.
         prompts = random_prompts(idle_ttft_requests, input_len, seed * 1_000_003 + IDLE_TTFT_SEED)
-        before = scrape_server_metrics(server.url)
-        health_before = probex_health(server.url) if worker else None
+        before = server_counters(server.url, worker)
+        cpu0, t0 = time.thread_time(), time.perf_counter()
         results = asyncio.run(run_idle_ttft(server.url, model, prompts, idle_ttft_pause_s, expect, xargs))
-        server_side = server_means_ms(before, scrape_server_metrics(server.url))
-        delivery = delivery_delta(health_before, probex_health(server.url)) if worker else None
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
         if cancelled():
             raise SetupCancelled("during the idle-TTFT requests")
-        ok = [r for r in results if r.ok]
-        entry = {"requests": len(results), "failed": len(results) - len(ok),
-                 "errors": sorted({r.error for r in results if r.error})[:5], "pause_s": idle_ttft_pause_s,
-                 "max_tokens": IDLE_TTFT_TOKENS, "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
-                 # NaN for a failed request keeps the list aligned with the prompts
-                 "per_request_ttft_ms": [r.ttft_s * 1e3 if r.ok else math.nan for r in results],
-                 # vLLM's own TTFT (arrival in its API layer to the first token's output there):
-                 # what the client's TTFT adds on top is HTTP, the middleware and the chunk path
-                 "server": server_side}
-        entry["requests_with_wrong_token_count"] = sum(1 for r in ok if r.output_tokens != IDLE_TTFT_TOKENS)
-        if delivery:
-            entry["delivery"] = delivery  # every step here is a prefill or a first decode
-        if worker:
-            entry["scores"] = score_coverage(results, len(probe_names))
-        else:
-            entry["responses_with_probex_field"] = sum(1 for r in results if r.has_scores)
+        entry = summarize(results, wall, cpu, expected_tokens=IDLE_TTFT_TOKENS)
+        entry.update(pause_s=idle_ttft_pause_s, max_tokens=IDLE_TTFT_TOKENS,
+                     # NaN for a failed request keeps the list aligned with the prompts
+                     per_request_ttft_ms=[r.ttft_s * 1e3 if r.ok else math.nan for r in results])
+        # `server`, vLLM's own TTFT (arrival in its API layer to the first token's output
+        # there): what the client's TTFT adds on top is HTTP, the middleware and the chunk
+        # path; `delivery`: every step here is a prefill or a first decode.
+        entry.update(phase_server_fields(server.url, before, results, worker, len(probe_names)))
         record["idle_ttft"] = entry
         save()
         say(f"  {plan.label:9} idle TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  mean {entry['ttft_ms']['mean']:8.2f} ms"
             f"  ({len(results)} requests one at a time, {idle_ttft_pause_s} s apart)  failed {entry['failed']}",
-            *(["            " + delivery_line(delivery)] if delivery else []))
+            *(["            " + delivery_line(entry["delivery"])] if entry.get("delivery") else []))
     if plan.kind in STEERED_KINDS and steer is not None:
         effect = record["checks"]["steering_effect"] = steering_effect(
             server.url, model, input_len, seed, probe_layers or {}, steer, plan.kind)
