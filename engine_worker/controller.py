@@ -310,6 +310,18 @@ class TapController:
         self.transfer.consume_landed()
         self.engine_thread_s += time.perf_counter() - started
 
+    def scores_step_mark(self) -> int:
+        """The latest step handed to the transfer: what `consume_scores_through` waits for."""
+        return self.transfer.submitted_steps
+
+    def consume_scores_through(self, mark: int) -> None:
+        """Consume the steps up to `mark` (`scores_step_mark`), waiting for their copies; the
+        wait (GIL released, in place of vLLM's own wait for the tokens) is not counted as
+        engine-thread time."""
+        started, waited = time.perf_counter(), self.transfer.device_wait_s
+        self.transfer.consume_through(mark)
+        self.engine_thread_s += time.perf_counter() - started - (self.transfer.device_wait_s - waited)
+
     @property
     def reads_scores(self) -> bool:
         """False on a tensor-parallel rank other than the delivering one (which is also the

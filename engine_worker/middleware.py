@@ -378,6 +378,8 @@ class BodyRelay:
         await self._send({"type": "http.response.body", "body": body})
 
     async def _decorate(self, body: bytes) -> bytes:
+        if not self.call.wants_token_ids:
+            body = _without_prompt_token_ids(body)
         try:
             payload = _decode_json(body)
         except ValueError:
@@ -437,8 +439,9 @@ class StreamRelay:
             return event
         started = time.perf_counter()
         include_prompt = False
+        payload = event[6:] if self.call.wants_token_ids else _without_prompt_token_ids(event[6:])
         try:
-            chunk = _decode_json(event[6:])
+            chunk = _decode_json(payload)
         except ValueError:
             return event
         choices = chunk.get("choices") or []
@@ -508,6 +511,35 @@ def _decode_json(raw: bytes) -> Any:
 
 def _encode_json(payload: Any) -> bytes:
     return _json_encoder.encode(payload)
+
+
+_PROMPT_IDS_MEMBER = b'"prompt_token_ids":['
+
+
+def _without_prompt_token_ids(payload: bytes) -> bytes:
+    """`payload` with its `"prompt_token_ids":[...]` members cut out of the bytes, unparsed.
+
+    The middleware asks vLLM for token ids (to count each chunk's tokens) and strips them
+    again for clients that did not: the prompt's ids arrive with the first chunk, 1024 of
+    them for a 1024-token prompt, on that chunk's way to the client's first token. Cutting
+    them out first saves decoding and re-encoding them. Only vLLM's compact form is cut (a
+    member after `{` or `,`, a list of integers, which holds no `]`); the bytes cannot occur
+    inside a JSON string, where quotes are escaped. Anything else is left to the decoded
+    path, which drops the key as well."""
+    start = payload.find(_PROMPT_IDS_MEMBER)
+    while start > 0:
+        end = payload.find(b"]", start + len(_PROMPT_IDS_MEMBER))
+        before = payload[start - 1 : start]
+        if end < 0 or before not in (b",", b"{"):
+            return payload
+        if before == b",":  # drop the comma ahead of the member
+            payload = payload[: start - 1] + payload[end + 1 :]
+        elif payload[end + 1 : end + 2] == b",":  # first member: drop the comma after it
+            payload = payload[:start] + payload[end + 2 :]
+        else:  # the only member
+            payload = payload[:start] + payload[end + 1 :]
+        start = payload.find(_PROMPT_IDS_MEMBER, start - 1)
+    return payload
 
 
 @dataclass(frozen=True)

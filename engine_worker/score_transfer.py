@@ -39,9 +39,11 @@ instead of preceding it, for two more driver calls per step on the host.
 `consumer="engine"` (runner V2's default on one GPU; `TapController` takes it from the
 adapter, PROBEX_SCORE_CONSUMER overrides) takes the transfer thread out of the per-step
 path. The engine thread consumes, in order, the pending steps whose copies have landed (a
-non-blocking `cuEventQuery`): where the engine reads a step's sampled tokens (runner V2:
-the adapter calls `consume_landed`), so a step's scores leave with its tokens, and at the
-end of each hook after staging its own step. A step without rows (requests ending, the
+non-blocking `cuEventQuery`): where the engine is about to wait for a step's sampled
+tokens (runner V2: the adapter calls `consume_through`, which waits for that step's
+copies, queued ahead of its sampling, so its scores leave ahead of its tokens while the
+device samples; then `consume_landed` after the tokens), and at the end of each hook
+after staging its own step. A step without rows (requests ending, the
 engine about to idle) consumes everything still pending, waiting if it must; so does a
 hook that finds every staging buffer pending (the oldest only). A watchdog thread, waking
 every `stale_after_s`, consumes what has landed once the engine has not come by for that
@@ -323,6 +325,9 @@ class ScoreTransfer:
         self.stage_s = 0.0
         self.handoff_s = 0.0
         self.consume_errors = 0
+        # Time the consuming threads spent waiting for copies to land (GIL released): for the
+        # engine thread, time vLLM would otherwise spend waiting for the same step's tokens.
+        self.device_wait_s = 0.0
         self.stats = TransferStats()
         # consumer="engine": steps staged and not yet consumed, oldest first; the lock keeps
         # the engine thread and the watchdog from consuming the same step (order is kept).
@@ -456,6 +461,26 @@ class ScoreTransfer:
         with self._pending_lock:
             self._consume_pending(wait=False)
 
+    @property
+    def submitted_steps(self) -> int:
+        """How many steps have been submitted: the number of the latest, for `consume_through`."""
+        return self._submitted
+
+    def consume_through(self, step_number: int) -> None:
+        """consumer="engine": consume, in order, the pending steps up to the `step_number`-th
+        submitted, waiting for their copies with the GIL released.
+
+        The runner adapter calls this where the engine is about to wait for a step's sampled
+        tokens. That step's score copies went onto the engine's stream right behind its
+        forward, ahead of its logits and sampling, so they land first: consumed here, they
+        are booked and sent while the device still samples, and leave ahead of the tokens
+        instead of after them. With side-stream copies, which may land after the tokens, it
+        does nothing (the adapter's `consume_landed` after the tokens takes them)."""
+        if self.consumer != "engine" or self._side is not None:
+            return
+        with self._pending_lock:
+            self._consume_pending(wait=True, limit=step_number - self._processed)
+
     def _consume_pending(self, wait: bool, limit: int | None = None) -> None:
         """consumer="engine", with the lock held: consume pending steps in order while their
         copies have landed (with `wait`, waiting for them), at most `limit`."""
@@ -541,7 +566,9 @@ class ScoreTransfer:
     def _process(self, step: StagedStep, already_landed: bool = False) -> None:
         try:
             if step._ready is not None and not already_landed:
+                waiting = time.perf_counter()
                 step._ready.synchronize()  # releases the GIL while it waits
+                self.device_wait_s += time.perf_counter() - waiting
             landed = time.perf_counter()
             self._consume(step)
             self.stats.add(landed - step.submitted, time.perf_counter() - landed, step.rows)
@@ -556,6 +583,7 @@ class ScoreTransfer:
                 "consumer": self.consumer, "stale_steps": self.stale_steps, "query_errors": self.query_errors,
                 "unguarded_forwards": self.unguarded_forwards, "waits_for_staging": self.waits_for_staging,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
+                "device_wait_s": self.device_wait_s,
                 **self.stats.as_dict()}
 
 

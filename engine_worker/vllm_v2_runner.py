@@ -17,10 +17,11 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
 - The engine thread consumes the scores (the default here on one GPU; with tensor
   parallelism, and with PROBEX_SCORE_CONSUMER=thread, the transfer thread does), when vLLM
   reads the step's sampled tokens: `sample_tokens` returns an `AsyncOutput` whose
-  `get_output` the engine calls (after waiting for the tokens' copy, which, with the score
-  copies on the engine's stream, is ordered after them); we wrap that object's
-  `get_output`. At TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread; at TP>1
-  with async scheduling, on its worker's output-copy thread.
+  `get_output` the engine calls to wait for the tokens' copy; we wrap that object's
+  `get_output` to wait first for the step's score copies (on the engine's stream they
+  land before the logits and sampling are done), consume them, then read the tokens. At
+  TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread; at TP>1 with async
+  scheduling, on its worker's output-copy thread.
 """
 
 from __future__ import annotations
@@ -165,24 +166,31 @@ def _scores_with_sampled_tokens(sample_tokens):
         if controller is None or not controller.consumes_on_engine_thread or not hasattr(output, "get_output"):
             return output  # the transfer thread consumes (PROBEX_SCORE_CONSUMER=thread), or no async output
         read_tokens = output.get_output
+        this_step = controller.scores_step_mark()  # this output's step was the last one handed over
 
-        def read_tokens_then_scores():
+        def scores_then_tokens():
             # Drop the instance attribute first: it holds this closure, which holds the bound
             # method, which holds the output — a cycle keeping each step's tensors alive
             # until the garbage collector runs.
             output.__dict__.pop("get_output", None)
+            try:
+                # The step's score copies were queued behind its forward, ahead of its logits
+                # and sampling: waiting for them (GIL released, as vLLM's own wait for the
+                # tokens is), then booking and sending them, overlaps the device's sampling,
+                # and the scores leave ahead of their tokens instead of holding them up.
+                controller.consume_scores_through(this_step)
+            except Exception:  # ProbeX must never cost vLLM a step's tokens
+                log.exception("probex: consuming the step's scores failed")
             result = read_tokens()
-            # With the copies on the engine's stream (the default), the tokens' copy was
-            # ordered after this step's score copies, so they have landed: the scores leave
-            # now, just ahead of the tokens they belong to. (Side-stream copies may land
-            # later; they are then consumed at a later hook.)
+            # Anything else landed meanwhile (side-stream copies, which may land after the
+            # tokens, are taken here or at a later hook).
             try:
                 controller.consume_landed_scores()
-            except Exception:  # ProbeX must never cost vLLM a step's tokens
+            except Exception:
                 log.exception("probex: consuming landed scores failed")
             return result
 
-        output.get_output = read_tokens_then_scores
+        output.get_output = scores_then_tokens
         return output
 
     return wrapper

@@ -368,6 +368,38 @@ def test_consume_landed_takes_what_has_landed_and_never_waits():
     assert default.describe()["steps"] == 0
 
 
+def test_consume_through_waits_for_the_steps_up_to_the_mark_and_no_later_one():
+    """Where the engine is about to wait for step b's tokens: a and b are consumed (b waited
+    for, with the GIL released; a had landed), c, handed over after b, is left pending."""
+    transfer, driver, seen = engine_consumer(depth=4)
+    transfer.submit(1, "a")
+    transfer.submit(1, "b")
+    mark = transfer.submitted_steps
+    transfer.submit(1, "c")
+    driver.land("event-1")
+    transfer.consume_through(mark)
+    assert seen == ["a", "b"] and driver.calls.count(("wait", "event-2")) == 1
+    assert ("wait", "event-1") not in driver.calls and ("wait", "event-3") not in driver.calls
+    transfer.consume_through(mark)  # nothing left up to the mark: no wait, nothing consumed
+    assert seen == ["a", "b"] and [c for c in driver.calls if c[0] == "wait"] == [("wait", "event-2")]
+    assert transfer.describe()["device_wait_s"] >= 0 and transfer.flush() and seen == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("kind", ["thread consumer", "side-stream copies"])
+def test_consume_through_leaves_steps_it_must_not_wait_for(kind):
+    driver = LandingDriver()
+    if kind == "thread consumer":
+        transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, depth=2, threaded=False, driver=driver)
+        transfer.submit(1, "a")  # consumed inline (threaded=False) by the "thread" consumer
+        driver.calls.clear()
+    else:  # side-stream copies may land after the tokens: waiting for them could hold the tokens up
+        transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, depth=2, threaded=False,
+                                 driver=driver, consumer="engine", copy_stream="side")
+        transfer.submit(1, "a")
+    transfer.consume_through(transfer.submitted_steps)
+    assert not [c for c in driver.calls if c[0] == "wait"]
+
+
 def test_the_engine_consumer_frees_a_buffer_itself_when_all_are_pending():
     transfer, driver, seen = engine_consumer(depth=2)
     transfer.submit(1, "a")

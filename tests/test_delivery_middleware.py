@@ -13,7 +13,7 @@ import pytest
 
 from engine_worker.bookkeeping import ProbeTable, StepLayout, step_message
 from engine_worker.delivery import ScoreHub, external_request_id
-from engine_worker.middleware import ProbexMiddleware, RequestRefused, inspect_request
+from engine_worker.middleware import ProbexMiddleware, RequestRefused, _without_prompt_token_ids, inspect_request
 from engine_worker.tap import ProbeSlot
 from engine_worker.tap_config import TapConfig
 from probes.scoring import calibrate
@@ -50,8 +50,8 @@ def test_xargs_are_normalised_and_token_ids_requested():
 class FakeEngineApp:
     """Streams chunks like vLLM; the test feeds the hub as the worker would."""
 
-    def __init__(self, hub, chunks, feed):
-        self.hub, self.chunks, self.feed = hub, chunks, feed
+    def __init__(self, hub, chunks, feed, separators=(",", ":")):
+        self.hub, self.chunks, self.feed, self.separators = hub, chunks, feed, separators
         self.seen_request_id = None
 
     async def __call__(self, scope, receive, send):
@@ -62,7 +62,8 @@ class FakeEngineApp:
         for i, chunk in enumerate(self.chunks):
             asyncio.get_running_loop().call_later(0.05, self.feed, engine_id, i)  # scores arrive *after* the chunk
             payload = {"choices": [{"index": 0, **chunk}], "prompt_token_ids": [1, 2] if i == 0 else None}
-            data = b"data: " + json.dumps(payload).encode() + b"\n\n"
+            # compact, as vLLM's pydantic models write it (the form the middleware cuts unparsed)
+            data = b"data: " + json.dumps(payload, separators=self.separators).encode() + b"\n\n"
             await send({"type": "http.response.body", "body": data, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         assert body["return_token_ids"] is True
@@ -94,12 +95,12 @@ def response_body(sent: list[dict]) -> bytes:
     return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
-def run_stream(chunks, feed):
+def run_stream(chunks, feed, separators=(",", ":"), **request):
     async def go():
         hub = idle_hub()
-        app = FakeEngineApp(hub, chunks, lambda engine_id, i: feed(hub, engine_id, i))
+        app = FakeEngineApp(hub, chunks, lambda engine_id, i: feed(hub, engine_id, i), separators)
         middleware = ProbexMiddleware(app, hub=hub, tap_config=TapConfig(layers=(3,)))
-        body = json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+        body = json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True, **request}).encode()
         sent = await post_through(middleware, "/v1/chat/completions", body)
         text = response_body(sent).decode()
         events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
@@ -193,6 +194,39 @@ def test_a_swap_refused_by_any_rank_is_reported_as_refused():
     assert _every_rank([refused, refused])["error"] == "bad file"
     split = _every_rank([ok, refused])
     assert split["ok"] is False and "1 of 2 workers" in split["error"]
+
+
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")], ids=["compact", "spaced"])
+@pytest.mark.parametrize("client_asked", [False, True])
+def test_token_ids_reach_only_clients_that_asked_for_them(separators, client_asked):
+    """Compact chunks (vLLM's) lose their prompt ids unparsed, spaced ones once decoded; a
+    client that asked for token ids gets both lists untouched."""
+    request = {"return_token_ids": True} if client_asked else {}
+    out, *_ = run_stream(ROLE_TWO_TEXT_CHUNKS_STOP, step_feed([[0.0, 0.0], [1.0], [2.0]]), separators, **request)
+    assert [c["choices"][0]["delta"] for c in out] == [c["delta"] for c in ROLE_TWO_TEXT_CHUNKS_STOP]
+    assert out[1]["probex"]["scores"]["p"]["prompt"]["prompt_tokens"] == 2
+    if client_asked:
+        assert out[0]["prompt_token_ids"] == [1, 2] and [c["choices"][0]["token_ids"] for c in out] == [[], [7], [8, 9], []]
+    else:
+        assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c for c in out)
+
+
+@pytest.mark.parametrize("payload, expected", [
+    (b'{"id":"x","prompt_token_ids":[1,2,3]}', b'{"id":"x"}'),
+    (b'{"prompt_token_ids":[1],"id":"x"}', b'{"id":"x"}'),
+    (b'{"prompt_token_ids":[]}', b'{}'),
+    (b'{"choices":[{"index":0,"prompt_token_ids":[5,6],"text":"a"},{"prompt_token_ids":[7]}],"prompt_token_ids":[1]}',
+     b'{"choices":[{"index":0,"text":"a"},{}]}'),
+    # inside a string the quotes are escaped: not a member, left alone; a null is left to the decoded path
+    (b'{"text":"\\"prompt_token_ids\\":[1]","prompt_token_ids":null}', None),
+    # spaced forms are left to the decoded path rather than risk a stray comma
+    (b'{"id": "x", "prompt_token_ids": [1]}', None),
+    (b'{"id":"x", "prompt_token_ids":[1]}', None),
+])
+def test_prompt_token_ids_are_cut_out_of_compact_json_only(payload, expected):
+    out = _without_prompt_token_ids(payload)
+    assert out == (payload if expected is None else expected)
+    json.loads(out)
 
 
 def test_scores_sent_as_worker_step_messages_reach_their_chunks():

@@ -52,6 +52,14 @@ class RecordingController:
     def consume_landed_scores(self):
         self.calls.append(("consume landed",))
 
+    submitted = 0  # steps handed over so far
+
+    def scores_step_mark(self):
+        return self.submitted
+
+    def consume_scores_through(self, mark):
+        self.calls.append(("consume through", mark))
+
 
 class FakeV2Runner:
     """The V2 call order: execute_model -> add_requests, prepare_inputs (real steps only), forward."""
@@ -248,9 +256,11 @@ def test_v2_adapter_reads_no_layout_on_a_rank_that_reads_no_scores(monkeypatch):
 
 
 def test_v2_adapter_consumes_scores_where_the_engine_reads_the_sampled_tokens(monkeypatch):
-    """The engine consumer (V2's default): the step's scores are consumed right after vLLM has
-    read its sampled tokens (AsyncOutput.get_output, on the engine thread); with the transfer
-    thread as consumer the AsyncOutput is left alone."""
+    """The engine consumer (V2's default): where vLLM reads a step's sampled tokens
+    (AsyncOutput.get_output, on the engine thread), the step's own scores are consumed first
+    (through the step handed over when its sampling was launched, not a later one), then the
+    tokens read, then anything else landed; with the transfer thread as consumer the
+    AsyncOutput is left alone."""
     monkeypatch.setattr(v2, "install_controller", lambda runner, **_: getattr(runner, CONTROLLER_ATTR))
     controller = RecordingController()
     runner = wrapped_runner_class()(controller)
@@ -259,13 +269,16 @@ def test_v2_adapter_consumes_scores_where_the_engine_reads_the_sampled_tokens(mo
     assert output.get_output() == "runner output" and controller.calls == [("tokens read",)]
     controller.calls.clear()
     controller.consumes_on_engine_thread = True
+    controller.submitted = 5
     output = runner.sample_tokens()
+    controller.submitted = 6  # the next step is handed over before the engine reads this one's tokens
     assert controller.calls == []  # nothing before the engine reads the tokens
     assert output.get_output() == "runner output"
-    assert controller.calls == [("tokens read",), ("consume landed",)]
+    assert controller.calls == [("consume through", 5), ("tokens read",), ("consume landed",)]
     assert "get_output" not in vars(output)  # the wrapper let go of itself (no reference cycle)
     controller.calls.clear()
     controller.consume_landed_scores = lambda: 1 / 0
+    controller.consume_scores_through = lambda mark: 1 / 0
     output = runner.sample_tokens()
     assert output.get_output() == "runner output"  # a ProbeX failure never costs vLLM the tokens
     assert wrapped_runner_class().sample_tokens.__wrapped__ is FakeV2Runner.sample_tokens
