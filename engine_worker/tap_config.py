@@ -29,6 +29,16 @@ ENV_SCORE_CONSUMER = "PROBEX_SCORE_CONSUMER"
 ENV_HOOK_SPIN_US = "PROBEX_HOOK_SPIN_US"
 
 
+# Diagnostic: "0" makes runner V2's engine consumer read a step's tokens first and consume its
+# scores after them (the order before session 9), instead of consuming the scores while the
+# device samples (set-up "tap-scores-after-tokens").
+ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
+
+
+def scores_ahead_of_tokens() -> bool:
+    return os.environ.get(ENV_SCORES_AHEAD, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 def hook_spin_s() -> float:
     value = os.environ.get(ENV_HOOK_SPIN_US, "").strip()
     if not value:

@@ -173,14 +173,16 @@ def _scores_with_sampled_tokens(sample_tokens):
             # method, which holds the output — a cycle keeping each step's tensors alive
             # until the garbage collector runs.
             output.__dict__.pop("get_output", None)
-            try:
-                # The step's score copies were queued behind its forward, ahead of its logits
-                # and sampling: waiting for them (GIL released, as vLLM's own wait for the
-                # tokens is), then booking and sending them, overlaps the device's sampling,
-                # and the scores leave ahead of their tokens instead of holding them up.
-                controller.consume_scores_through(this_step)
-            except Exception:  # ProbeX must never cost vLLM a step's tokens
-                log.exception("probex: consuming the step's scores failed")
+            if controller.scores_ahead_of_tokens:  # PROBEX_SCORES_AHEAD_OF_TOKENS=0 (diagnostic) skips this
+                try:
+                    # The step's score copies were queued behind its forward, ahead of its
+                    # logits and sampling: waiting for them (GIL released, as vLLM's own wait
+                    # for the tokens is), then booking and sending them, overlaps the device's
+                    # sampling, and the scores leave ahead of their tokens instead of holding
+                    # them up.
+                    controller.consume_scores_through(this_step)
+                except Exception:  # ProbeX must never cost vLLM a step's tokens
+                    log.exception("probex: consuming the step's scores failed")
             result = read_tokens()
             # Anything else landed meanwhile (side-stream copies, which may land after the
             # tokens, are taken here or at a later hook).

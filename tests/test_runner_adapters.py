@@ -53,6 +53,7 @@ class RecordingController:
         self.calls.append(("consume landed",))
 
     submitted = 0  # steps handed over so far
+    scores_ahead_of_tokens = True  # PROBEX_SCORES_AHEAD_OF_TOKENS unset
 
     def scores_step_mark(self):
         return self.submitted
@@ -277,6 +278,10 @@ def test_v2_adapter_consumes_scores_where_the_engine_reads_the_sampled_tokens(mo
     assert controller.calls == [("consume through", 5), ("tokens read",), ("consume landed",)]
     assert "get_output" not in vars(output)  # the wrapper let go of itself (no reference cycle)
     controller.calls.clear()
+    controller.scores_ahead_of_tokens = False  # the diagnostic's order: tokens first, then what landed
+    assert runner.sample_tokens().get_output() == "runner output"
+    assert controller.calls == [("tokens read",), ("consume landed",)]
+    controller.scores_ahead_of_tokens = True
     controller.consume_landed_scores = lambda: 1 / 0
     controller.consume_scores_through = lambda mark: 1 / 0
     output = runner.sample_tokens()
