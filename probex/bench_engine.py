@@ -163,6 +163,11 @@ SERVER_METRICS = {  # vLLM's own histograms (sum/count deltas give server-side m
     "itl": "vllm:inter_token_latency_seconds",
     "tpot": "vllm:request_time_per_output_token_seconds",
     "e2e": "vllm:e2e_request_latency_seconds",
+    # The engine's part of TTFT: queued -> first scheduled, and scheduled -> the first token's
+    # output built in the engine core (the prefill's forward, sampling, and the tap's consume
+    # of that step); what vLLM's TTFT has beyond both is the API server's side and the trips.
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
 }
 
 LLAMA_3_1_8B: dict[str, Any] = {
@@ -1598,7 +1603,7 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     name: overhead_pct(values[name], base[name]) for name in OVERHEAD_METRICS}
     return {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
             "overhead_pct": overhead, "tpot_p50_overhead_pct_by_gpu": overhead_by_gpu(setups),
-            "idle_ttft": idle_ttft_summary(setups),
+            "idle_ttft": idle_ttft_summary(setups), "ttft_split": ttft_split_summary(setups),
             "problems": find_problems(setups), "warnings": find_warnings(setups)}
 
 
@@ -1629,6 +1634,33 @@ def idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["overhead_pct_vs_plain"][kind] = {
             "ttft_p50": overhead_pct(p50[kind], p50["plain"]),
             "per_prompt_median": float((np.median(ratios) - 1.0) * 100.0) if len(ratios) else math.nan}
+    return out
+
+
+def ttft_split_summary(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """vLLM's own TTFT split by its request-stage histograms, per kind and phase (each
+    concurrency, and "idle"), means over repeats, in ms: `ttft`, `queue` (waiting to be
+    scheduled), `prefill` (scheduled -> the first token's output in the engine core) and
+    `api` (the rest: the API server's side of the request and of its first token, and the
+    trips between the processes). Phases whose server figures are missing are skipped."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for kind in KINDS:
+        phases: dict[str, list[dict[str, Any]]] = {}
+        for s in setups:
+            if s["kind"] != kind:
+                continue
+            for c, entry in s.get("results", {}).items():
+                phases.setdefault(str(c), []).append(entry)
+            if s.get("idle_ttft"):
+                phases.setdefault("idle", []).append(s["idle_ttft"])
+        for phase, entries in phases.items():
+            parts = {part: [_metric(e, ("server", f"{part}_mean_ms")) for e in entries]
+                     for part in ("ttft", "queue", "prefill")}
+            if not all(math.isfinite(v) for values in parts.values() for v in values):
+                continue
+            split = {part: float(np.mean(values)) for part, values in parts.items()}
+            split["api"] = split["ttft"] - split["queue"] - split["prefill"]
+            out.setdefault(kind, {})[phase] = split
     return out
 
 
@@ -1817,6 +1849,15 @@ def markdown_tables(result: dict[str, Any]) -> str:
             lines.append(f"| {kind} | {value:.2f} | {_pct(over.get('ttft_p50', math.nan)) if over else '—'} | "
                          f"{_pct(over.get('per_prompt_median', math.nan)) if over else '—'} | "
                          + (f"{vllm_ttft:.2f} |" if math.isfinite(vllm_ttft) else "n/a |"))
+    split = result.get("ttft_split") or {}
+    if split:
+        lines += ["", "vLLM's own TTFT split by its stage histograms (means over repeats, ms): waiting to be "
+                  "scheduled, scheduled to the first token's output in the engine, and the rest (API server and "
+                  "trips):", "", "| set-up | phase | vLLM TTFT | queue | prefill | API + trips |", "|---|---|---:|---:|---:|---:|"]
+        for kind, phases in split.items():
+            for phase, v in phases.items():
+                lines.append(f"| {kind} | {phase if phase == 'idle' else 'c=' + phase} | {v['ttft']:.2f} | "
+                             f"{v['queue']:.2f} | {v['prefill']:.2f} | {v['api']:.2f} |")
     by_gpu = result.get("tpot_p50_overhead_pct_by_gpu") or {}
     if by_gpu:
         lines += ["", "TPOT p50 over plain on the same GPU (set-ups side by side): "

@@ -455,6 +455,26 @@ def test_idle_ttft_compares_set_ups_prompt_by_prompt_and_flags_failures():
     assert "| tap | 40.80 | +2.0% | +2.0% | n/a |" in table  # no vLLM metrics in these records
 
 
+def test_vllms_ttft_is_split_by_its_stage_histograms_per_phase():
+    def server(ttft, queue, prefill):
+        return {"server": {"ttft_mean_ms": ttft, "queue_mean_ms": queue, "prefill_mean_ms": prefill}}
+
+    plain = _setup("plain", "plain#1", {"1": 5.0})
+    plain["results"]["1"].update(server(28.0, 0.2, 25.0))
+    plain["idle_ttft"] = {"per_request_ttft_ms": [32.0], "ttft_ms": {"p50": 32.0}, **server(29.0, 0.3, 25.5)}
+    taps = [_setup("tap", f"tap#{i}", {"1": 5.0}) for i in (1, 2)]
+    taps[0]["results"]["1"].update(server(30.0, 0.2, 26.0))
+    taps[1]["results"]["1"].update(server(31.0, 0.4, 26.5))
+    taps[0]["idle_ttft"] = {"per_request_ttft_ms": [30.0], "ttft_ms": {"p50": 30.0},  # no stage histograms: skipped
+                            "server": {"ttft_mean_ms": 28.0}}
+    split = be.ttft_split_summary([plain, *taps])
+    assert split["plain"]["idle"] == pytest.approx({"ttft": 29.0, "queue": 0.3, "prefill": 25.5, "api": 3.2})
+    assert split["tap"]["1"] == pytest.approx({"ttft": 30.5, "queue": 0.3, "prefill": 26.25, "api": 3.95})
+    assert "idle" not in split["tap"]
+    table = be.markdown_tables({"setups": [plain, *taps], "workload": {}, **be.analyze([plain, *taps])})
+    assert "| tap | c=1 | 30.50 | 0.30 | 26.25 | 3.95 |" in table
+
+
 def test_analyze_means_over_repeats_and_overheads():
     result = be.merge_runs([_saved_run()])
     per_kind = result["summary"]["per_kind"]
