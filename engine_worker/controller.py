@@ -30,13 +30,9 @@ from engine_worker.score_transfer import ScoreTransfer, StagedStep
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
-from engine_worker.tap_config import ENV_SCORE_CONSUMER, hook_spin_s, scores_ahead_of_tokens
+from engine_worker.tap_config import ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_spin_s, scores_ahead_of_tokens
 
 log = logging.getLogger("probex.controller")
-
-# "side": score copies on a side stream (score_transfer.py); an experiment, "same" by default.
-ENV_COPY_STREAM = "PROBEX_COPY_STREAM"
-
 
 class ProbeSetRejected(ValueError):
     """A probe set that cannot be served by this worker; the old set stays loaded."""

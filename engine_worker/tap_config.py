@@ -29,6 +29,11 @@ ENV_SCORE_CONSUMER = "PROBEX_SCORE_CONSUMER"
 ENV_HOOK_SPIN_US = "PROBEX_HOOK_SPIN_US"
 
 
+# "side": score copies on a side stream (score_transfer.py), an experiment; "same" (the engine's
+# stream) by default. Set-up "tap-side-copies" measures it against tap.
+ENV_COPY_STREAM = "PROBEX_COPY_STREAM"
+
+
 # Diagnostic: "0" makes runner V2's engine consumer read a step's tokens first and consume its
 # scores after them (the order before session 9), instead of consuming the scores while the
 # device samples (set-up "tap-scores-after-tokens").

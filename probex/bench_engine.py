@@ -49,6 +49,8 @@ with the engine thread spinning 100 µs more per step: whether TPOT grows by tha
 whether engine-thread time is on the step's critical path. ``tap-scores-after-tokens``
 (diagnostic) is the tap with runner V2's engine consumer reading a step's tokens before
 consuming its scores (``PROBEX_SCORES_AHEAD_OF_TOKENS=0``, the order before session 9).
+``tap-side-copies`` (diagnostic) puts the score copies on a side stream
+(``PROBEX_COPY_STREAM=side``), off the device's path from forward to sampling.
 ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
 where its kind has run least (so repeats meet every GPU), and adds each set-up's TPOT over
 plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
@@ -98,7 +100,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from engine_worker.tap_config import ENV_DELIVERY, ENV_HOOK_SPIN_US, ENV_SCORE_CONSUMER, ENV_SCORES_AHEAD  # torch-free
+from engine_worker.tap_config import (ENV_COPY_STREAM, ENV_DELIVERY, ENV_HOOK_SPIN_US,  # torch-free
+                                      ENV_SCORE_CONSUMER, ENV_SCORES_AHEAD)
 
 from probex.processes import free_port
 
@@ -110,10 +113,10 @@ except ImportError:  # pragma: no cover - depends on the machine
     _loads = json.loads
 
 KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-         "tap-scores-after-tokens", "eager",
+         "tap-scores-after-tokens", "tap-side-copies", "eager",
          "steer-idle", "steer-active", "steer-gated")
 WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-                "tap-scores-after-tokens", "steer-idle",
+                "tap-scores-after-tokens", "tap-side-copies", "steer-idle",
                 "steer-active", "steer-gated")  # `probex worker` with the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
@@ -127,7 +130,9 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    # Diagnostic: is engine-thread time on the step's critical path? (tap_config.py)
                    "tap-slow-hook": {ENV_HOOK_SPIN_US: str(SLOW_HOOK_SPIN_US)},
                    # Diagnostic: the V2 engine consumer's order before session 9 (tap_config.py)
-                   "tap-scores-after-tokens": {ENV_SCORES_AHEAD: "0"}}
+                   "tap-scores-after-tokens": {ENV_SCORES_AHEAD: "0"},
+                   # The score copies on a side stream, off the path from forward to sampling
+                   "tap-side-copies": {ENV_COPY_STREAM: "side"}}
 # The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
 # the runner is vLLM's choice, so the bench cannot tell which adapter runs). With tensor
 # parallelism both runners use the transfer thread.
@@ -1592,7 +1597,7 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
     overhead: dict[str, dict[str, dict[str, float]]] = {}
     pairs = [(kind, "plain") for kind in KINDS if kind != "plain"] + [
         (kind, "tap") for kind in (*STEER_KINDS, "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-                                   "tap-scores-after-tokens")]
+                                   "tap-scores-after-tokens", "tap-side-copies")]
     for kind, base_kind in pairs:
         if kind not in per_kind or base_kind not in per_kind:
             continue
@@ -1896,6 +1901,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     probes = len(result.get("probes", [])) or 8
     colors = {"plain": "#4c72b0", "tap": "#55a868", "tap-op-only": "#937860", "tap-engine-consumer": "#da8bc3",
               "tap-thread-consumer": "#8c8c8c", "tap-slow-hook": "#e5ae38", "tap-scores-after-tokens": "#4f9da6",
+              "tap-side-copies": "#b07aa1",
               "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
@@ -1905,6 +1911,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
              "tap-thread-consumer": "ProbeX tap, scores consumed on a transfer thread",
              "tap-slow-hook": f"ProbeX tap + {SLOW_HOOK_SPIN_US} µs engine-thread spin per step",
              "tap-scores-after-tokens": "ProbeX tap, scores consumed after their tokens",
+             "tap-side-copies": "ProbeX tap, score copies on a side stream",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}
