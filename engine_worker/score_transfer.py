@@ -43,9 +43,9 @@ non-blocking `cuEventQuery`): where the engine is about to wait for a step's sam
 tokens (runner V2: the adapter calls `consume_through`, which waits for that step's
 copies, queued ahead of its sampling, so its scores leave ahead of its tokens while the
 device samples; then `consume_landed` after the tokens), and at the end of each hook
-after staging its own step. A step without rows (requests ending, the
-engine about to idle) consumes everything still pending, waiting if it must; so does a
-hook that finds every staging buffer pending (the oldest only). A watchdog thread, waking
+after staging its own step. A step without rows (requests ending, the engine about to
+idle) consumes everything still pending, waiting if it must; so does a hook that finds
+every staging buffer pending (the oldest only). A watchdog thread, waking
 every `stale_after_s`, consumes what has landed once the engine has not come by for that
 long (an engine that stopped calling the hook); it waits for the device outside the lock,
 so an engine that comes back never waits for it. On the H200 the two consumers measured
