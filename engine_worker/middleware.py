@@ -378,12 +378,10 @@ class BodyRelay:
         await self._send({"type": "http.response.body", "body": body})
 
     async def _decorate(self, body: bytes) -> bytes:
-        if not self.call.wants_token_ids:
-            body = _without_prompt_token_ids(body)
         try:
-            payload = _decode_json(body)
+            payload = _decode_json(body if self.call.wants_token_ids else _without_prompt_token_ids(body))
         except ValueError:
-            return body
+            return body  # as vLLM wrote it
         choices = payload.get("choices") or []
         per_choice = []
         for choice in choices:
@@ -514,6 +512,7 @@ def _encode_json(payload: Any) -> bytes:
 
 
 _PROMPT_IDS_MEMBER = b'"prompt_token_ids":['
+_INTEGER_LIST_BYTES = b"0123456789,-"
 
 
 def _without_prompt_token_ids(payload: bytes) -> bytes:
@@ -522,19 +521,22 @@ def _without_prompt_token_ids(payload: bytes) -> bytes:
     The middleware asks vLLM for token ids (to count each chunk's tokens) and strips them
     again for clients that did not: the prompt's ids arrive with the first chunk, 1024 of
     them for a 1024-token prompt, on that chunk's way to the client's first token. Cutting
-    them out first saves decoding and re-encoding them. Only vLLM's compact form is cut (a
-    member after `{` or `,`, a list of integers, which holds no `]`); the bytes cannot occur
-    inside a JSON string, where quotes are escaped. Anything else is left to the decoded
-    path, which drops the key as well."""
+    them out first saves decoding and re-encoding them. Only vLLM's compact form is cut: a
+    member right after `{` or `,`, whose list holds nothing but digits, commas and minus
+    signs and is followed by `,` or `}`; the bytes cannot occur inside a JSON string, where
+    quotes are escaped. Anything else is returned unchanged, for the decoded path, which
+    drops the key as well."""
     start = payload.find(_PROMPT_IDS_MEMBER)
     while start > 0:
-        end = payload.find(b"]", start + len(_PROMPT_IDS_MEMBER))
-        before = payload[start - 1 : start]
-        if end < 0 or before not in (b",", b"{"):
+        first = start + len(_PROMPT_IDS_MEMBER)
+        end = payload.find(b"]", first)
+        before, after = payload[start - 1 : start], payload[end + 1 : end + 2]
+        if (end < 0 or before not in (b",", b"{") or after not in (b",", b"}")
+                or payload[first:end].translate(None, _INTEGER_LIST_BYTES)):  # anything but digits, commas, signs
             return payload
         if before == b",":  # drop the comma ahead of the member
             payload = payload[: start - 1] + payload[end + 1 :]
-        elif payload[end + 1 : end + 2] == b",":  # first member: drop the comma after it
+        elif after == b",":  # first member: drop the comma after it
             payload = payload[:start] + payload[end + 2 :]
         else:  # the only member
             payload = payload[:start] + payload[end + 1 :]

@@ -222,6 +222,11 @@ def test_token_ids_reach_only_clients_that_asked_for_them(separators, client_ask
     # spaced forms are left to the decoded path rather than risk a stray comma
     (b'{"id": "x", "prompt_token_ids": [1]}', None),
     (b'{"id":"x", "prompt_token_ids":[1]}', None),
+    (b'{"prompt_token_ids":[1] ,"id":"x"}', None),
+    # not vLLM's list of integers: nothing is cut rather than cutting at the first "]"
+    (b'{"prompt_token_ids":[[1,2],[3]],"id":"x"}', None),
+    (b'{"prompt_token_ids":[1,"]"],"id":"x"}', None),
+    (b'{"id":"x","prompt_token_ids":[-1,2]}', b'{"id":"x"}'),
 ])
 def test_prompt_token_ids_are_cut_out_of_compact_json_only(payload, expected):
     out = _without_prompt_token_ids(payload)
