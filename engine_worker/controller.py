@@ -34,6 +34,7 @@ from engine_worker.tap_config import ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_s
 
 log = logging.getLogger("probex.controller")
 
+
 class ProbeSetRejected(ValueError):
     """A probe set that cannot be served by this worker; the old set stays loaded."""
 
@@ -71,8 +72,8 @@ class TapController:
     ) -> None:
         """`consumer`: who consumes each step's scores once its copies land ("thread" or
         "engine", see score_transfer.py), unless PROBEX_SCORE_CONSUMER says otherwise. The
-        runner adapter picks it: "engine" only where it calls `consume_landed_scores` at the
-        point the engine reads a step's sampled tokens."""
+        runner adapter picks it: "engine" only where it calls `consume_scores_through` and
+        `consume_landed_scores` around the engine's read of a step's sampled tokens."""
         if not taps:
             raise ValueError("TapController needs at least one tapped layer")
         self.taps = dict(sorted(taps.items()))
@@ -144,7 +145,7 @@ class TapController:
             "tapped_layers": sorted(self.taps),
             "slots_per_layer": {str(l): t.capacity for l, t in self.taps.items()},
             "capture": self.capture_dir is not None,
-            "transfer": self.transfer.describe(),
+            "transfer": {**self.transfer.describe(), "scores_ahead_of_tokens": self.scores_ahead_of_tokens},
             "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s, "layout_s": self.layout_s},
             "probes": [
                 {
@@ -298,8 +299,9 @@ class TapController:
 
     @property
     def consumes_on_engine_thread(self) -> bool:
-        """The engine thread consumes the scores: the runner adapter calls `consume_landed_scores`
-        where the engine reads a step's sampled tokens."""
+        """The engine thread consumes the scores: the runner adapter calls
+        `consume_scores_through` (before) and `consume_landed_scores` (after) where the
+        engine reads a step's sampled tokens."""
         return self.transfer.consumer == "engine" and self.reads_scores
 
     def consume_landed_scores(self) -> None:

@@ -38,12 +38,14 @@ instead of preceding it, for two more driver calls per step on the host.
 
 `consumer="engine"` (runner V2's default on one GPU; `TapController` takes it from the
 adapter, PROBEX_SCORE_CONSUMER overrides) takes the transfer thread out of the per-step
-path. The engine thread consumes, in order, the pending steps whose copies have landed (a
-non-blocking `cuEventQuery`): where the engine is about to wait for a step's sampled
-tokens (runner V2: the adapter calls `consume_through`, which waits for that step's
-copies, queued ahead of its sampling, so its scores leave ahead of its tokens while the
-device samples; then `consume_landed` after the tokens), and at the end of each hook
-after staging its own step. A step without rows (requests ending, the engine about to
+path. The engine thread consumes the pending steps, in order: where the engine is about to
+wait for a step's sampled tokens, runner V2's adapter calls `consume_through`, which
+waits (`cuEventSynchronize`, GIL released) for the copies of the steps up to that one —
+queued ahead of its sampling, they land first, so its scores leave ahead of its tokens
+while the device samples — then, after the tokens, `consume_landed`; and at the end of
+each hook, after staging its own step, it takes what has landed without waiting (a
+non-blocking `cuEventQuery`). With side-stream copies (which may land after the tokens)
+`consume_through` does nothing, so scores are consumed after their tokens. A step without rows (requests ending, the engine about to
 idle) consumes everything still pending, waiting if it must; so does a hook that finds
 every staging buffer pending (the oldest only). A watchdog thread, waking
 every `stale_after_s`, consumes what has landed once the engine has not come by for that
@@ -325,8 +327,11 @@ class ScoreTransfer:
         self.stage_s = 0.0
         self.handoff_s = 0.0
         self.consume_errors = 0
-        # Time the consuming threads spent waiting for copies to land (GIL released): for the
-        # engine thread, time vLLM would otherwise spend waiting for the same step's tokens.
+        # Time spent waiting for copies to land (GIL released), on whichever thread consumed:
+        # the V2 engine consumer's waits ahead of each step's tokens (time vLLM would spend
+        # waiting for those tokens anyway), plus, on the engine thread, waits at a step without
+        # rows, for a full staging pool and in `flush`; with consumer="thread", the transfer
+        # thread's waits.
         self.device_wait_s = 0.0
         self.stats = TransferStats()
         # consumer="engine": steps staged and not yet consumed, oldest first; the lock keeps
@@ -478,6 +483,11 @@ class ScoreTransfer:
         does nothing (the adapter's `consume_landed` after the tokens takes them)."""
         if self.consumer != "engine" or self._side is not None:
             return
+        # The engine is here: the watchdog stands down (a prefill forward can outlast its
+        # interval). Called from another thread (vLLM's output-copy thread at TP > 1 with
+        # PROBEX_SCORE_CONSUMER=engine, not a default), this waits holding the lock, so the
+        # engine thread's next submit waits for these copies too.
+        self._last_submit = time.perf_counter()
         with self._pending_lock:
             self._consume_pending(wait=True, limit=step_number - self._processed)
 

@@ -19,7 +19,9 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
   reads the step's sampled tokens: `sample_tokens` returns an `AsyncOutput` whose
   `get_output` the engine calls to wait for the tokens' copy; we wrap that object's
   `get_output` to wait first for the step's score copies (on the engine's stream they
-  land before the logits and sampling are done), consume them, then read the tokens. At
+  land before the logits and sampling are done), consume them, then read the tokens
+  (side-stream copies, PROBEX_COPY_STREAM=side, are not waited for: they are consumed
+  after the tokens). At
   TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread; at TP>1 with async
   scheduling, on its worker's output-copy thread.
 """

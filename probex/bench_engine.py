@@ -133,6 +133,10 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    "tap-scores-after-tokens": {ENV_SCORES_AHEAD: "0"},
                    # The score copies on a side stream, off the path from forward to sampling
                    "tap-side-copies": {ENV_COPY_STREAM: "side"}}
+# What the worker's /probex/probes listing must then say (its `transfer` section), so a set-up
+# that silently ran the default is reported instead of compared.
+KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
+                          "tap-side-copies": ("copy_stream", "side")}
 # The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
 # the runner is vLLM's choice, so the bench cannot tell which adapter runs). With tensor
 # parallelism both runners use the transfer thread.
@@ -1094,9 +1098,10 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
 
     engine_thread: time in ProbeX hooks on the engine thread per step (the runner adapters'
     layout, buffer staging and hand-off). transfer: per engine step, submit -> scores on the
-    host (`landed`) and bookkeeping + publish (`consume`), on the worker's transfer thread. score_waits: how often and how long
-    the API server held a response chunk back because its scores had not arrived yet — the
-    only way delivery can add to client-visible latency.
+    host (`landed`), bookkeeping + publish (`consume`) and the consumer's waits for copies
+    (`device_wait`), on whichever thread consumes. score_waits: how often and how long the
+    API server held a response chunk back because its scores had not arrived yet — the only
+    way delivery can add to client-visible latency.
     """
     if not before or not after:
         return {}
@@ -1116,6 +1121,10 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             # consumer="engine": steps the watchdog had to take (the engine did not come by)
             "stale_steps": t1.get("stale_steps", 0) - t0.get("stale_steps", 0),
         }
+        if "device_wait_s" in t1 and "device_wait_s" in t0:
+            # the consumers' waits for copies to land (GIL released), per step: for the V2 engine
+            # consumer mostly its wait for each step's copies ahead of the tokens
+            out["transfer"]["device_wait_mean_ms"] = (t1["device_wait_s"] - t0["device_wait_s"]) / steps * 1e3
         large = t1.get("large_steps", 0) - t0.get("large_steps", 0)
         if large > 0:  # prefill-sized steps: their consume is on the way to a first token
             out["transfer"]["large_steps"] = large
@@ -1224,7 +1233,10 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         record["checks"]["probex_probes_listed"] = len(listing.get("probes", []))
         record["checks"]["probex_probes_expected"] = len(probe_names)
         record["checks"]["probex_tapped_layers"] = listing.get("tapped_layers")
-        record["checks"]["probex_score_consumer"] = (listing.get("transfer") or {}).get("consumer")
+        transfer = listing.get("transfer") or {}
+        record["checks"]["probex_score_consumer"] = transfer.get("consumer")
+        record["checks"]["probex_transfer_settings"] = {key: transfer.get(key) for key, _ in
+                                                        KIND_TRANSFER_SETTINGS.values()}
     if plan.kind in STEER_KINDS and steer is not None:
         steering = httpx.get(server.url + "/probex/steering", timeout=60).json()
         record["checks"]["probex_steer_layers"] = steering.get("steer_layers")
@@ -1710,6 +1722,12 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
             problems.append(f"{label}: the worker consumed scores on the {consumer} side, not {wanted}: it "
                             f"ignored {ENV_SCORE_CONSUMER}, another runner ran, or the bench's own environment "
                             f"set it")
+        if s["kind"] in KIND_TRANSFER_SETTINGS and "probex_transfer_settings" in checks:
+            key, wanted_value = KIND_TRANSFER_SETTINGS[s["kind"]]
+            seen = checks["probex_transfer_settings"].get(key)
+            if seen != wanted_value:
+                problems.append(f"{label}: the worker reports {key}={seen!r}, not {wanted_value!r}: it ran the "
+                                f"default instead of the set-up's {KIND_WORKER_ENV[s['kind']]}")
         for c, entry in s.get("results", {}).items():
             problems += phase_problems(f"{label} c={c}", s["kind"], entry)
         if s.get("idle_ttft"):

@@ -455,6 +455,17 @@ def test_idle_ttft_compares_set_ups_prompt_by_prompt_and_flags_failures():
     assert "| tap | 40.80 | +2.0% | +2.0% | n/a |" in table  # no vLLM metrics in these records
 
 
+def test_a_diagnostic_set_up_that_ran_the_default_is_reported():
+    ran_default = _setup("tap-scores-after-tokens", "tap-scores-after-tokens#1", {"1": 5.0})
+    ran_default["checks"]["probex_transfer_settings"] = {"scores_ahead_of_tokens": True, "copy_stream": "same"}
+    side = _setup("tap-side-copies", "tap-side-copies#1", {"1": 5.0})
+    side["checks"]["probex_transfer_settings"] = {"scores_ahead_of_tokens": True, "copy_stream": "side"}
+    problems = be.find_problems([ran_default, side])
+    assert [p for p in problems if "reports" in p] == [
+        "tap-scores-after-tokens#1: the worker reports scores_ahead_of_tokens=True, not False: it ran the default"
+        " instead of the set-up's {'PROBEX_SCORES_AHEAD_OF_TOKENS': '0'}"]
+
+
 def test_vllms_ttft_is_split_by_its_stage_histograms_per_phase():
     def server(ttft, queue, prefill):
         return {"server": {"ttft_mean_ms": ttft, "queue_mean_ms": queue, "prefill_mean_ms": prefill}}

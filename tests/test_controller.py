@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from engine_worker.bookkeeping import StepLayout, StepReader, step_message
+from engine_worker import controller as controller_module
 from engine_worker.controller import TapController
 from engine_worker.score_transfer import ScoreTransfer
 from engine_worker.tap import LayerTap
@@ -382,22 +384,59 @@ def test_consume_through_waits_for_the_steps_up_to_the_mark_and_no_later_one():
     assert ("wait", "event-1") not in driver.calls and ("wait", "event-3") not in driver.calls
     transfer.consume_through(mark)  # nothing left up to the mark: no wait, nothing consumed
     assert seen == ["a", "b"] and [c for c in driver.calls if c[0] == "wait"] == [("wait", "event-2")]
-    assert transfer.describe()["device_wait_s"] >= 0 and transfer.flush() and seen == ["a", "b", "c"]
+    assert transfer.flush() and seen == ["a", "b", "c"]
 
 
-@pytest.mark.parametrize("kind", ["thread consumer", "side-stream copies"])
-def test_consume_through_leaves_steps_it_must_not_wait_for(kind):
+def test_consume_through_leaves_side_stream_copies_to_land_after_the_tokens():
+    """Side-stream copies may land after the tokens: waiting for them could hold the tokens up."""
     driver = LandingDriver()
-    if kind == "thread consumer":
-        transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, depth=2, threaded=False, driver=driver)
-        transfer.submit(1, "a")  # consumed inline (threaded=False) by the "thread" consumer
-        driver.calls.clear()
-    else:  # side-stream copies may land after the tokens: waiting for them could hold the tokens up
-        transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, depth=2, threaded=False,
-                                 driver=driver, consumer="engine", copy_stream="side")
-        transfer.submit(1, "a")
+    seen = []
+    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=2,
+                             threaded=False, driver=driver, consumer="engine", copy_stream="side")
+    transfer.submit(1, "a")
     transfer.consume_through(transfer.submitted_steps)
-    assert not [c for c in driver.calls if c[0] == "wait"]
+    assert seen == [] and not [c for c in driver.calls if c[0] == "wait"]
+    driver.land(*driver.recorded)
+    transfer.consume_landed()  # after the tokens
+    assert seen == ["a"]
+
+
+@pytest.mark.parametrize("value, ahead", [(None, True), ("1", True), ("0", False), (" off ", False), ("no", False)])
+def test_the_scores_ahead_diagnostic_is_read_from_the_environment_and_listed(setup, monkeypatch, value, ahead):
+    taps, probes, _ = setup
+    if value is None:
+        monkeypatch.delenv("PROBEX_SCORES_AHEAD_OF_TOKENS", raising=False)
+    else:
+        monkeypatch.setenv("PROBEX_SCORES_AHEAD_OF_TOKENS", value)
+    controller = TapController(taps, served(), lambda message: None, threaded=False)
+    assert controller.scores_ahead_of_tokens is ahead
+    assert controller.listing()["transfer"]["scores_ahead_of_tokens"] is ahead  # what the bench checks
+    controller.transfer.close()
+
+
+class SlowLandingDriver(LandingDriver):
+    """Each wait for an event takes 20 ms, as a copy still in flight behind a forward would."""
+
+    def synchronize(self, event) -> None:
+        time.sleep(0.02)
+        super().synchronize(event)
+
+
+def test_the_engine_threads_wait_for_copies_is_counted_apart_from_its_hook_time(setup, monkeypatch):
+    """consume_scores_through's wait (GIL released, instead of vLLM's own wait for the tokens)
+    shows in the transfer's device_wait_s, not in the controller's engine-thread time."""
+    taps, probes, published = setup
+    monkeypatch.setattr(controller_module, "ScoreTransfer", functools.partial(ScoreTransfer, driver=SlowLandingDriver()))
+    controller = TapController(taps, served(), published.append, threaded=False, consumer="engine")
+    controller.load([str(p) for p in probes])
+    run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
+    controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])))
+    assert published == []  # in flight
+    before = controller.engine_thread_s
+    controller.consume_scores_through(controller.scores_step_mark())
+    assert len(published) == 1
+    wait = controller.transfer.describe()["device_wait_s"]
+    assert wait >= 0.02 and controller.engine_thread_s - before < wait
 
 
 def test_the_engine_consumer_frees_a_buffer_itself_when_all_are_pending():
