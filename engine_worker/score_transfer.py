@@ -45,12 +45,12 @@ queued ahead of its sampling, they land first, so its scores leave ahead of its 
 while the device samples — then, after the tokens, `consume_landed`; and at the end of
 each hook, after staging its own step, it takes what has landed without waiting (a
 non-blocking `cuEventQuery`). With side-stream copies (which may land after the tokens)
-`consume_through` does nothing, so scores are consumed after their tokens. A step without rows (requests ending, the engine about to
-idle) consumes everything still pending, waiting if it must; so does a hook that finds
-every staging buffer pending (the oldest only). A watchdog thread, waking
-every `stale_after_s`, consumes what has landed once the engine has not come by for that
-long (an engine that stopped calling the hook); it waits for the device outside the lock,
-so an engine that comes back never waits for it. On the H200 the two consumers measured
+`consume_through` does nothing, so scores are consumed after their tokens. A step without
+rows (requests ending, the engine about to idle) consumes everything still pending,
+waiting if it must; so does a hook that finds every staging buffer pending (the oldest
+only). A watchdog thread, waking every `stale_after_s`, consumes what has landed once the
+engine has not come by for that long (an engine that stopped calling the hook); it waits
+for the device outside the lock, so an engine that comes back never waits for it. On the H200 the two consumers measured
 the same speed (docs/benchmarks.md, session 8); the engine consumer wakes no second
 thread per step.
 """

@@ -21,9 +21,8 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
   `get_output` to wait first for the step's score copies (on the engine's stream they
   land before the logits and sampling are done), consume them, then read the tokens
   (side-stream copies, PROBEX_COPY_STREAM=side, are not waited for: they are consumed
-  after the tokens). At
-  TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread; at TP>1 with async
-  scheduling, on its worker's output-copy thread.
+  after the tokens). At TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread;
+  at TP>1 with async scheduling, on its worker's output-copy thread.
 """
 
 from __future__ import annotations
