@@ -1634,20 +1634,24 @@ def idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
     per_prompt: dict[str, np.ndarray] = {}
     for kind in KINDS:
         entries = [s["idle_ttft"] for s in setups if s["kind"] == kind and s.get("idle_ttft")]
-        if not entries or len({len(e["per_request_ttft_ms"]) for e in entries}) != 1:
+        if not entries:
             continue
         p50[kind] = float(np.mean([_metric(e, ("ttft_ms", "p50")) for e in entries]))
         server[kind] = float(np.mean([_metric(e, ("server", "ttft_mean_ms")) for e in entries]))
-        with np.errstate(all="ignore"):
-            per_prompt[kind] = np.nanmean(np.array([e["per_request_ttft_ms"] for e in entries], dtype=np.float64),
-                                          axis=0)
+        # Prompt by prompt only where every repeat sent the same prompts (runs merged from
+        # different --idle-ttft-requests do not line up).
+        if len({len(e["per_request_ttft_ms"]) for e in entries}) == 1:
+            with np.errstate(all="ignore"):
+                per_prompt[kind] = np.nanmean(np.array([e["per_request_ttft_ms"] for e in entries],
+                                                       dtype=np.float64), axis=0)
     out: dict[str, Any] = {"ttft_p50_ms": p50, "vllm_ttft_mean_ms": server, "overhead_pct_vs_plain": {}}
-    base = per_prompt.get("plain")
-    for kind, values in per_prompt.items():
-        if kind == "plain" or base is None or len(values) != len(base):
+    base, values_of = per_prompt.get("plain"), per_prompt.get
+    for kind in p50:
+        if kind == "plain" or "plain" not in p50:
             continue
-        ratios = values / base
-        ratios = ratios[np.isfinite(ratios)]
+        values = values_of(kind)
+        ratios = values / base if values is not None and base is not None and len(values) == len(base) else None
+        ratios = ratios[np.isfinite(ratios)] if ratios is not None else np.empty(0)
         out["overhead_pct_vs_plain"][kind] = {
             "ttft_p50": overhead_pct(p50[kind], p50["plain"]),
             "per_prompt_median": float((np.median(ratios) - 1.0) * 100.0) if len(ratios) else math.nan}

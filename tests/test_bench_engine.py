@@ -453,6 +453,12 @@ def test_idle_ttft_compares_set_ups_prompt_by_prompt_and_flags_failures():
     table = be.markdown_tables({"setups": plain + tap, "workload": {"idle_ttft_requests": 3, "idle_ttft_pause_s": 0.1},
                                 **be.analyze(plain + tap)})
     assert "| tap | 40.80 | +2.0% | +2.0% | n/a |" in table  # no vLLM metrics in these records
+    # a repeat with a different request count (runs merged from different --idle-ttft-requests):
+    # the p50s still compare, prompt by prompt no longer does
+    longer = with_idle(_setup("tap", "tap#4", {"1": 5.0}), [30.6, 40.8, 51.0, 61.2])
+    merged = be.idle_ttft_summary(plain + tap + [longer])
+    assert merged["ttft_p50_ms"]["tap"] == pytest.approx((40.8 + 40.8 + 45.9) / 3)
+    assert math.isnan(merged["overhead_pct_vs_plain"]["tap"]["per_prompt_median"])
 
 
 def test_a_diagnostic_set_up_that_ran_the_default_is_reported():
