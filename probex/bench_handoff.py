@@ -14,6 +14,17 @@ decode step of N requests. Reported per step:
   ProbeX) it is the slowdown;
 - `consume_us`: the transfer thread's wall time per step (waiting for the GIL included).
 
+Then the host steps on a first token's way, for one request with a `--prompt-tokens`-token
+prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSON):
+
+- `prefill_step_us`: the worker's hook + consume of that step, inline (layout, gather, the
+  step message built and msgpack-encoded);
+- `intake_us`: the API server's `ScoreHub.ingest` of that message (the books, the prompt
+  summary, the first token's calibrated scores);
+- `first_chunk_us`: the middleware's decoration of vLLM's first stream chunk, which carries
+  the prompt's token ids (compact JSON, as vLLM writes it) and gets the prompt's scores;
+- `token_chunk_us`: the decoration of a later one-token chunk.
+
     python3 -m probex.bench_handoff --out out/bench-handoff.json
 """
 
@@ -105,6 +116,67 @@ def run(requests: int, steps: int, threaded: bool, python_us: float, wait_us: fl
     return {"hook_us": hook_s * 1e6, "consume_us": consumed / steps * 1e6, "step_us": step_s * 1e6}
 
 
+def first_token_path(prompt_tokens: int, repeats: int) -> dict:
+    """Medians, in µs, of the host steps on a first token's way (see the module docstring)."""
+    import asyncio
+    import uuid
+
+    from engine_worker.bookkeeping import StepLayout
+    from engine_worker.delivery import ScoreHub
+    from engine_worker.middleware import MonitoredCall, StreamRelay
+
+    messages: list[bytes] = []
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+    prefill, intake, first_chunk, token_chunk = [], [], [], []
+    prompt_ids = list(range(1000, 1000 + prompt_tokens))
+    with tempfile.TemporaryDirectory() as tmp:
+        controller = _controller(False, Path(tmp))
+        controller.publish = lambda message: messages.append(encoder.encode(message))
+        hub = ScoreHub("inproc://unused")  # never started: fed directly, as its receive loop would
+
+        async def sink(message: dict) -> None:
+            pass
+
+        async def one_request() -> None:
+            request = f"chatcmpl-probex-{uuid.uuid4().hex}"
+            started = time.perf_counter()
+            controller.after_forward(StepLayout([f"{request}-0123abcd"], np.array([prompt_tokens]),
+                                                np.zeros(1, np.int64), np.array([prompt_tokens])))
+            prefill.append(time.perf_counter() - started)
+            message = decoder.decode(messages.pop())
+            started = time.perf_counter()
+            hub.ingest(message)
+            intake.append(time.perf_counter() - started)
+            relay = StreamRelay(hub, MonitoredCall(key_prefix=request, stream=True, wants_token_ids=False), sink, 1.0)
+            head = {"id": request, "object": "chat.completion.chunk", "created": 1, "model": "m"}
+            role = dict(head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                        "finish_reason": None}], prompt_token_ids=prompt_ids)
+            token = dict(head, choices=[{"index": 0, "delta": {"content": " a"}, "logprobs": None,
+                                         "finish_reason": None, "token_ids": [42]}])
+            for chunk, times in ((role, first_chunk), (token, token_chunk)):
+                event = b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+                started = time.perf_counter()
+                decorated = await relay._decorate_event(event)
+                times.append(time.perf_counter() - started)
+                if b'"probex"' not in decorated or b"token_ids" in decorated:
+                    raise RuntimeError(f"the chunk was not decorated as served: {decorated[:200]!r}")
+            hub.release(request)
+
+        async def all_requests() -> None:
+            for _ in range(repeats):
+                await one_request()
+
+        asyncio.run(all_requests())
+        controller.transfer.close()
+
+    def median_us(values: list[float]) -> float:
+        return round(float(np.median(values)) * 1e6, 1)
+
+    return {"prompt_tokens": prompt_tokens, "repeats": repeats, "prefill_step_us": median_us(prefill),
+            "intake_us": median_us(intake), "first_chunk_us": median_us(first_chunk),
+            "token_chunk_us": median_us(token_chunk)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="8,64", help="decoding requests per step (comma-separated)")
@@ -113,6 +185,8 @@ def main() -> None:
                         help="engine-thread Python work per step (µs) in the threaded measurement")
     parser.add_argument("--wait-us", type=float, default=4000.0,
                         help="engine-thread wait with the GIL released per step (µs), standing in for the GPU")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length for the first-token path")
+    parser.add_argument("--repeats", type=int, default=200, help="requests timed on the first-token path")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     results = []
@@ -133,10 +207,15 @@ def main() -> None:
             "layout_us_after_sleep": round(wake_cost_us(args.wait_us * 1e-6), 1)}
     print(f"one StepLayout: {wake['layout_us_tight_loop']} µs in a tight loop, {wake['layout_us_after_sleep']} µs"
           f" right after a {args.wait_us:.0f} µs sleep (how much of the hook is waking up)", flush=True)
+    first = first_token_path(args.prompt_tokens, args.repeats)
+    print(f"first token, {first['prompt_tokens']}-token prompt (medians of {first['repeats']}): prefill step "
+          f"{first['prefill_step_us']} µs in the worker, intake {first['intake_us']} µs, first chunk "
+          f"{first['first_chunk_us']} µs and a later one-token chunk {first['token_chunk_us']} µs in the API server",
+          flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results,
-                                        "wake": wake}, indent=1) + "\n")
+                                        "wake": wake, "first_token": first}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,14 @@ from probex import bench_handoff
 def test_handoff_benchmark_runs_both_ways_and_writes_json(tmp_path, monkeypatch):
     out = tmp_path / "handoff.json"
     monkeypatch.setattr(sys, "argv", ["bench_handoff", "--requests", "4", "--steps", "20", "--python-us", "50",
-                                      "--wait-us", "200", "--out", str(out)])
+                                      "--wait-us", "200", "--prompt-tokens", "64", "--repeats", "5", "--out", str(out)])
     bench_handoff.main()
-    (row,) = json.loads(out.read_text())["results"]
+    result = json.loads(out.read_text())
+    (row,) = result["results"]
+    # the first token's host steps, each timed (the benchmark itself raises if a chunk came out undecorated)
+    first = result["first_token"]
+    assert first["prompt_tokens"] == 64 and first["repeats"] == 5
+    assert all(first[key] > 0 for key in ("prefill_step_us", "intake_us", "first_chunk_us", "token_chunk_us"))
     assert row["requests"] == 4 and row["inline_us"] > 0 and row["hook_us"] > 0
     # the transfer thread consumed every step, and the stand-in loop really waited between steps
     assert row["consume_us"] > 0
