@@ -41,7 +41,12 @@ ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
 
 
 def scores_ahead_of_tokens() -> bool:
-    return os.environ.get(ENV_SCORES_AHEAD, "1").strip().lower() not in ("0", "off", "false", "no")
+    return _env_switch(ENV_SCORES_AHEAD)
+
+
+def _env_switch(name: str) -> bool:
+    """An on-by-default switch: off for "0", "off", "false" or "no" (any case, spaces ignored)."""
+    return os.environ.get(name, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
 def hook_spin_s() -> float:
@@ -55,7 +60,7 @@ def hook_spin_s() -> float:
 
 
 def scores_delivered() -> bool:
-    return os.environ.get(ENV_DELIVERY, "on").strip().lower() not in ("off", "0", "false", "no")
+    return _env_switch(ENV_DELIVERY)
 
 
 @dataclass(frozen=True)

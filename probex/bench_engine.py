@@ -1645,13 +1645,14 @@ def idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 per_prompt[kind] = np.nanmean(np.array([e["per_request_ttft_ms"] for e in entries],
                                                        dtype=np.float64), axis=0)
     out: dict[str, Any] = {"ttft_p50_ms": p50, "vllm_ttft_mean_ms": server, "overhead_pct_vs_plain": {}}
-    base, values_of = per_prompt.get("plain"), per_prompt.get
+    base = per_prompt.get("plain")
     for kind in p50:
         if kind == "plain" or "plain" not in p50:
             continue
-        values = values_of(kind)
-        ratios = values / base if values is not None and base is not None and len(values) == len(base) else None
-        ratios = ratios[np.isfinite(ratios)] if ratios is not None else np.empty(0)
+        values, ratios = per_prompt.get(kind), np.empty(0)
+        if values is not None and base is not None and len(values) == len(base):
+            ratios = values / base
+            ratios = ratios[np.isfinite(ratios)]
         out["overhead_pct_vs_plain"][kind] = {
             "ttft_p50": overhead_pct(p50[kind], p50["plain"]),
             "per_prompt_median": float((np.median(ratios) - 1.0) * 100.0) if len(ratios) else math.nan}
