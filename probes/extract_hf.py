@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -153,7 +155,9 @@ def _save(path: Path, last: np.ndarray, user_mean: np.ndarray, all_mean: np.ndar
     path.parent.mkdir(parents=True, exist_ok=True)
     if np.abs(user_tokens).max() < _FLOAT16_LIMIT:
         user_tokens = user_tokens.astype(np.float16)
-    partial = path.with_name(path.stem + ".partial.npz")
+    # A name of this process's own: two processes (a worker's retention check, an offline
+    # evaluation) may extract the same prompt at once.
+    partial = path.with_name(f"{path.stem}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial.npz")
     np.savez(partial, last=last, user_mean=user_mean, all_mean=all_mean, user_tokens=user_tokens)
     partial.replace(path)  # atomic: a crash never leaves a half-written cache entry
 

