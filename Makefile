@@ -16,8 +16,13 @@ run: setup
 worker: setup
 	$(PROBEX) worker --model smollm2-135m-instruct --probe config/probes/harmful-request --port 8100
 
+# Test modules run in TEST_WORKERS processes (pytest-xdist, whole modules per process, the
+# engine modules first: tests/conftest.py). Most of the suite's time is vLLM engines starting,
+# one core each, so on 2 cores two processes take a third off the serial time.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q --durations=12 tests
+	$(PY) -m pytest -q --durations=12 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test-unit: setup
 	$(PY) -m pytest -q tests -m "not engine"

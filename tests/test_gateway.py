@@ -15,6 +15,10 @@ from gateway.policy import PolicyError, parse_policy, policy_json_schema
 from probes.artifact import ReadPoint
 from tests.gateway_fixtures import base_policy, start_stack
 
+# A Redis database of this module's own: `make test` runs modules in parallel, and tests/test_stack.py
+# reads the audit stream of database 0.
+REDIS_URL = "redis://127.0.0.1:6379/1"
+
 
 @pytest.fixture
 def stack(tmp_path):
@@ -200,9 +204,9 @@ def test_policy_validation_messages(tmp_path):
 def test_flags_and_blocks_land_in_the_redis_stream(tmp_path):
     import redis
 
-    r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    r = redis.Redis.from_url(REDIS_URL)
     r.delete("probex:audit")
-    s = start_stack(tmp_path, redis_url="redis://127.0.0.1:6379/0")
+    s = start_stack(tmp_path, redis_url=REDIS_URL)
     try:
         with pytest.raises(openai.BadRequestError):
             chat(client(s), "bomb")

@@ -357,7 +357,7 @@ class Prometheus:
 
 
 BAD_REFERENCE_PROBE = "harmful-request-badref"
-REDIS_DB = 11  # not the 0 that tests/test_stack.py and tests/test_gateway.py use
+REDIS_DB = 11  # each module its own database: `make test` runs modules in parallel
 KEYS = {"k-default": "default", "k-audit": "audit-only", "k-polite": "polite"}
 ADMIN = "k-admin"
 

