@@ -12,7 +12,7 @@ from pathlib import Path
 
 from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import check_vector_set, load_vector
-from engine_worker.tap_config import TapConfig
+from engine_worker.tap_config import ENV_TAP_CONFIG, TapConfig
 
 MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm_worker.ProbexWorkerExtension"
@@ -87,7 +87,7 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
         *passthrough,
     ]
     env = dict(os.environ)
-    env["PROBEX_TAP_CONFIG"] = json.dumps(tap.to_additional_config())
+    env[ENV_TAP_CONFIG] = tap.to_json()  # the run fields, and the API server's copy (tap_config.py)
     env["PROBEX_MODEL_DIR"] = str(model_dir)
     if args.admin_token:
         env["PROBEX_ADMIN_TOKEN"] = args.admin_token

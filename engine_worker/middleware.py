@@ -33,7 +33,7 @@ import msgspec
 from engine_worker import responses
 from engine_worker.delivery import ScoreHub
 from engine_worker.steering import STEERING_XARGS, SteeringError, SteerRequest, cache_salt, steering_from_xargs
-from engine_worker.tap_config import TapConfig, scores_delivered
+from engine_worker.tap_config import ENV_TAP_CONFIG, TapConfig, scores_delivered
 
 log = logging.getLogger("probex.middleware")
 
@@ -41,7 +41,6 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
-ENV_TAP_CONFIG = "PROBEX_TAP_CONFIG"
 ENV_ADMIN_TOKEN = "PROBEX_ADMIN_TOKEN"
 ENV_SCORE_WAIT = "PROBEX_SCORE_WAIT_S"
 ENV_MODEL_DIR = "PROBEX_MODEL_DIR"

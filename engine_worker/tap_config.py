@@ -1,7 +1,12 @@
-"""The tap configuration, carried to every vLLM process in `additional_config["probex"]`.
+"""The tap configuration, carried to every vLLM process.
 
-vLLM hashes additional_config into its compile-cache key, so a graph compiled with a
-different tap (or none) is never reused for this one.
+vLLM hashes `additional_config` into its compile-cache key, so the fields that shape the
+compiled graphs (which layers carry an op, how many probe and vector slots, capture on or
+off) travel there, in `additional_config["probex"]`: a graph compiled for another tap (or
+none) is never reused for this one. The fields that do not (`RUN_FIELDS`: where the startup
+probes and vectors are read from, where captures go, the score socket, which is new every
+start) travel in the environment, `PROBEX_TAP_CONFIG`, which `probex worker` sets for every
+vLLM process it starts: in the key they made every start compile the model again.
 """
 
 from __future__ import annotations
@@ -12,6 +17,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ADDITIONAL_CONFIG_KEY = "probex"
+# The whole configuration as JSON ({"probex": {...}}), run fields included.
+ENV_TAP_CONFIG = "PROBEX_TAP_CONFIG"
+# Read at run time, never baked into a graph: probe weights and vectors are copied into
+# static buffers, captures written by the host, scores pushed to the socket.
+RUN_FIELDS = ("probe_dirs", "capture_dir", "score_address", "steer_vector_dirs")
 # Diagnostic: "off" keeps the op in the graphs but never copies out or delivers its scores, so a
 # benchmark can tell the op's device time from the host path's cost (set-up "tap-op-only").
 ENV_DELIVERY = "PROBEX_DELIVERY"
@@ -101,22 +111,44 @@ class TapConfig:
     def capture_enabled(self) -> bool:
         return self.capture_rows > 0
 
-    def to_additional_config(self) -> dict[str, Any]:
+    def to_additional_config(self, run_fields: bool = False) -> dict[str, Any]:
+        """What goes in vLLM's additional_config: the graph-shaping fields (all with `run_fields`)."""
         data = asdict(self)
         data["layers"] = list(self.layers)
         data["probe_dirs"] = list(self.probe_dirs)
         data["steer_layers"] = list(self.steer_layers)
         data["steer_vector_dirs"] = list(self.steer_vector_dirs)
+        if not run_fields:
+            for name in RUN_FIELDS:
+                del data[name]
         return {ADDITIONAL_CONFIG_KEY: data}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_additional_config())
+        """The whole configuration, for `PROBEX_TAP_CONFIG`."""
+        return json.dumps(self.to_additional_config(run_fields=True))
 
     @classmethod
-    def from_additional_config(cls, additional_config: Any) -> "TapConfig | None":
+    def from_additional_config(cls, additional_config: Any, environ: Any = None) -> "TapConfig | None":
+        """The configuration an engine runs with: `additional_config["probex"]`, its run fields
+        completed from `PROBEX_TAP_CONFIG` in `environ` (default os.environ). None without a tap.
+
+        The environment must describe the same graphs: a stale PROBEX_TAP_CONFIG beside another
+        additional_config is refused rather than loading one tap's probes into another's slots.
+        """
         if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
             return None
         data = dict(additional_config[ADDITIONAL_CONFIG_KEY])
+        raw = (os.environ if environ is None else environ).get(ENV_TAP_CONFIG)
+        if raw:
+            whole = json.loads(raw).get(ADDITIONAL_CONFIG_KEY, {})
+            differing = sorted(k for k, v in data.items() if k not in RUN_FIELDS and k in whole and whole[k] != v)
+            if differing:
+                raise ValueError(f"probex tap: {ENV_TAP_CONFIG} disagrees with vLLM's additional_config on "
+                                 f"{', '.join(differing)}; start the engine through `probex worker`, or unset "
+                                 f"{ENV_TAP_CONFIG}")
+            for name in RUN_FIELDS:
+                if name in whole and name not in data:
+                    data[name] = whole[name]
         data["layers"] = tuple(sorted(set(data.get("layers", ()))))
         data["probe_dirs"] = tuple(data.get("probe_dirs", ()))
         data["steer_layers"] = tuple(sorted(set(data.get("steer_layers", ()))))

@@ -121,6 +121,8 @@ WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consume
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
 UNDELIVERED_KINDS = ("tap-op-only",)
+# Set-ups that deliver scores like `tap` with one thing changed: each is also compared with `tap`.
+TAP_VARIANT_KINDS = tuple(kind for kind in WORKER_KINDS if kind != "tap" and kind not in UNDELIVERED_KINDS)
 SLOW_HOOK_SPIN_US = 100  # tap-slow-hook's extra engine-thread time per step: 2% of a 5 ms step
 # Worker settings a set-up kind stands for (on top of --worker-env), measured against `tap` in
 # the same run. Who consumes each step's scores once its copies land: the engine thread
@@ -1607,9 +1609,7 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 tpots = [_metric(e, ("tpot_ms", "p50")) for e in entries]
                 spread.setdefault(kind, {})[c] = (max(tpots) - min(tpots)) / float(np.mean(tpots)) * 100
     overhead: dict[str, dict[str, dict[str, float]]] = {}
-    pairs = [(kind, "plain") for kind in KINDS if kind != "plain"] + [
-        (kind, "tap") for kind in (*STEER_KINDS, "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-                                   "tap-scores-after-tokens", "tap-side-copies")]
+    pairs = [(kind, "plain") for kind in KINDS if kind != "plain"] + [(kind, "tap") for kind in TAP_VARIANT_KINDS]
     for kind, base_kind in pairs:
         if kind not in per_kind or base_kind not in per_kind:
             continue

@@ -73,3 +73,42 @@ def test_a_model_given_by_name_is_served_under_that_name_and_its_path():
     assert by_name[at + 1 : at + 3] == ["smollm2-135m-instruct", str(model_dir())]
     by_path, _ = build_worker_command(parser.parse_args(["--model", str(model_dir()), "--layer", "3"]), [])
     assert "--served-model-name" not in by_path
+
+
+def test_restarts_and_other_probe_files_keep_the_compile_cache_key(tmp_path):
+    """vLLM hashes additional_config into its compile-cache key: only graph-shaping fields go there.
+
+    Two starts with other probe files, capture folders and (always new) score sockets must hand
+    vLLM the same additional_config, or every start compiles the model again; the engine still
+    gets the whole configuration, from PROBEX_TAP_CONFIG.
+    """
+    import argparse
+    import json
+
+    from engine_worker.launch import add_worker_arguments, build_worker_command
+    from engine_worker.tap_config import ENV_TAP_CONFIG, TapConfig
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+
+    def start(name):
+        args = parser.parse_args(["--model", str(model_dir()), "--probe", str(probe(tmp_path, name)),
+                                  "--capture-dir", str(tmp_path / f"capture-{name}")])
+        argv, env = build_worker_command(args, [])
+        return json.loads(argv[argv.index("--additional-config") + 1]), env
+
+    (first, first_env), (second, second_env) = start("a"), start("b")
+    assert first == second
+    engine_config = TapConfig.from_additional_config(first, environ=first_env)
+    assert engine_config.probe_dirs == (str((tmp_path / "a").resolve()),)
+    assert engine_config.capture_dir == str((tmp_path / "capture-a").resolve())
+    assert engine_config.score_address == json.loads(first_env[ENV_TAP_CONFIG])["probex"]["score_address"]
+    assert engine_config.score_address != TapConfig.from_additional_config(second, environ=second_env).score_address
+    assert engine_config.layers == (3,) and engine_config.capture_enabled
+    # Graphs and environment must agree: another tap's environment is refused, not half used.
+    other = TapConfig(layers=(5,)).to_json()
+    with pytest.raises(ValueError, match="disagrees with vLLM's additional_config on capture_rows, layers"):
+        TapConfig.from_additional_config(first, environ={ENV_TAP_CONFIG: other})
+    # Without the environment (vLLM started by hand with everything in additional_config) it all still works.
+    whole = TapConfig.from_additional_config(first, environ=first_env).to_additional_config(run_fields=True)
+    assert TapConfig.from_additional_config(whole, environ={}).probe_dirs == engine_config.probe_dirs
