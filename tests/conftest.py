@@ -27,12 +27,16 @@ def pytest_configure(config) -> None:
         os.environ[_BIND] = str(cores[index % len(cores)])
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """Modules that start engines first, the rest after them.
+def _test_file(item) -> str:
+    return item.nodeid.split("::", 1)[0]  # what `--dist loadfile` groups by
 
-    `make test` hands out whole modules in collection order (`--dist loadfile
-    --no-loadscope-reorder`); the engine modules take minutes each, so starting them first and
-    leaving the many quick modules for the end lets both processes finish at about the same time.
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Test files that start engines first, the rest after them (in serial runs too, harmlessly).
+
+    `make test` hands out whole files in collection order (`--dist loadfile
+    --no-loadscope-reorder`); the engine files take minutes each, so starting them first and
+    leaving the many quick files for the end lets both processes finish at about the same time.
     """
-    engine_modules = {item.module.__name__ for item in items if item.get_closest_marker("engine")}
-    items.sort(key=lambda item: item.module.__name__ not in engine_modules)  # stable: order kept within
+    engine_files = {_test_file(item) for item in items if item.get_closest_marker("engine")}
+    items.sort(key=lambda item: _test_file(item) not in engine_files)  # stable: order kept within

@@ -70,7 +70,7 @@ def test_installed_vllm_config_is_accepted_and_nothing_is_logged_when_off(record
 
 def fake_vllm_config(passes: FakePassConfig, tap: TapConfig):
     return SimpleNamespace(
-        additional_config=tap.to_additional_config(),
+        additional_config=tap.to_additional_config(run_fields=True),  # whole: no PROBEX_TAP_CONFIG needed
         compilation_config=SimpleNamespace(pass_config=passes),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4),
         model_config=SimpleNamespace(get_hidden_size=lambda: 4096),
@@ -142,7 +142,7 @@ def test_engine_config_validation_sees_sequence_parallelism_off_when_tapping(rec
     assert vllm_models._patch_config_class(Config)
     assert not vllm_models._patch_config_class(Config)  # a second plugin load patches nothing
     tapping = Config(FakePassConfig(enable_sp=True, fuse_gemm_comms=True),
-                     TapConfig(layers=(1,), probe_dirs=()).to_additional_config())
+                     TapConfig(layers=(1,), probe_dirs=()).to_additional_config(run_fields=True))
     seen = tapping.flags_seen_by_validation
     assert seen["enable_sp"] is False and seen["fuse_gemm_comms"] is False
     # Unset flags are pinned off too: an optimisation level's defaults only fill unset ones.

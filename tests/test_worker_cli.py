@@ -99,16 +99,21 @@ def test_restarts_and_other_probe_files_keep_the_compile_cache_key(tmp_path):
 
     (first, first_env), (second, second_env) = start("a"), start("b")
     assert first == second
-    engine_config = TapConfig.from_additional_config(first, environ=first_env)
+    engine_config = TapConfig.for_engine(first, environ=first_env)
     assert engine_config.probe_dirs == (str((tmp_path / "a").resolve()),)
     assert engine_config.capture_dir == str((tmp_path / "capture-a").resolve())
     assert engine_config.score_address == json.loads(first_env[ENV_TAP_CONFIG])["probex"]["score_address"]
-    assert engine_config.score_address != TapConfig.from_additional_config(second, environ=second_env).score_address
+    assert engine_config.score_address != TapConfig.for_engine(second, environ=second_env).score_address
     assert engine_config.layers == (3,) and engine_config.capture_enabled
+    # An engine process without the environment refuses to start instead of serving without probes.
+    with pytest.raises(ValueError, match="has no PROBEX_TAP_CONFIG"):
+        TapConfig.for_engine(first, environ={})
+    assert first_env["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"].split(",")[-1] == "PROBEX_"  # Ray workers get it
     # Graphs and environment must agree: another tap's environment is refused, not half used.
     other = TapConfig(layers=(5,)).to_json()
     with pytest.raises(ValueError, match="disagrees with vLLM's additional_config on capture_rows, layers"):
-        TapConfig.from_additional_config(first, environ={ENV_TAP_CONFIG: other})
-    # Without the environment (vLLM started by hand with everything in additional_config) it all still works.
-    whole = TapConfig.from_additional_config(first, environ=first_env).to_additional_config(run_fields=True)
-    assert TapConfig.from_additional_config(whole, environ={}).probe_dirs == engine_config.probe_dirs
+        TapConfig.for_engine(first, environ={ENV_TAP_CONFIG: other})
+    # vLLM started by hand with everything in additional_config needs no environment.
+    whole = engine_config.to_additional_config(run_fields=True)
+    assert TapConfig.for_engine(whole, environ={}) == engine_config
+    assert TapConfig.from_json(first_env[ENV_TAP_CONFIG]) == engine_config  # the API server's reading
