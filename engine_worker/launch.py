@@ -16,6 +16,8 @@ from engine_worker.tap_config import ENV_PREFIX, ENV_TAP_CONFIG, TapConfig
 
 MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm_worker.ProbexWorkerExtension"
+# vLLM's Ray executor copies environment variables with these prefixes to its workers.
+RAY_ENV_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,9 +101,6 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     else:
         env.pop("PROBEX_ADMIN_TOKEN", None)
     return argv, env
-
-
-RAY_ENV_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 
 
 def _load_or_refuse(load, check_set):
