@@ -166,6 +166,25 @@ def test_each_chunk_waits_for_and_carries_its_own_token_scores():
     assert loop["first_chunks"]["count"] == 1 and 0.04 < loop["first_chunks"]["total_s"] < 1.0
 
 
+def test_one_token_chunks_get_what_the_general_path_gives():
+    """chunk_scores' one-token shortcut against its general path (a chunk of one token with a
+    gap next to it takes the general path, which pads missing tokens with None)."""
+    from engine_worker.delivery import ProbeInfo, RequestScores
+    from engine_worker.responses import chunk_scores, generated_scores
+
+    probes = [ProbeInfo("a", "last_prompt_token", 1.0, 0.0, 3), ProbeInfo("b", "prompt_mean", 1.0, 0.0, 3)]
+    state = RequestScores()
+    for index in (0, 1, 3):
+        state.add_token(index, [0.1 * index, 0.2 * index], probes)
+    for start in (0, 1, 3):
+        general = {name: {"generated": {"offset": start, "scores": values}}
+                   for name, values in generated_scores(state, start, start + 1).items()}
+        assert chunk_scores(state, start, start + 1, False) == {"scores": general}
+        assert general["b"]["generated"]["scores"] == [pytest.approx(0.2 * start)]
+    assert chunk_scores(state, 2, 3, False) == {"scores": {}}  # token 2 never arrived: nothing to say
+    assert chunk_scores(state, 1, 3, False)["scores"]["a"]["generated"]["scores"] == [pytest.approx(0.1), None]
+
+
 def test_missing_scores_do_not_hang_the_stream(monkeypatch):
     monkeypatch.setenv("PROBEX_SCORE_WAIT_S", "0.2")
     chunks = [{"delta": {"content": "a"}, "token_ids": [7]}]
