@@ -72,9 +72,9 @@ def full_scores(state: RequestScores, num_generated: int) -> dict:
 def chunk_scores(state: RequestScores, start: int, stop: int, include_prompt: bool) -> dict:
     """The `probex` field of one stream chunk carrying generated tokens [start, stop)."""
     if stop == start + 1 and not include_prompt and (entry := state.tokens.get(start)) is not None:
-        # Most chunks of a stream: one token, its scores in. Built in one pass, half the
-        # time of the general path below, on the API server's busiest thread (once per
-        # chunk of every stream).
+        # A stream's chunks while the API server keeps up: one token, its scores in. Built
+        # in one pass, half the time of the general path below, on the API server's
+        # busiest thread (once per chunk of every stream).
         values, probes = entry
         return {"scores": {probe.name: {"generated": {"offset": start, "scores": [value]}}
                            for probe, value in zip(probes, values)}}
