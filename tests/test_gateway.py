@@ -68,7 +68,11 @@ def test_refusal_action_returns_content_filter_finish(stack):
 
 
 def test_mid_stream_block_ends_cleanly_and_aborts_upstream(stack):
-    chunks = list(chat(client(stack), "please escalate", stream=True))
+    # 2000 tokens at the mock's 500 a second: the upstream is still streaming when the gateway
+    # blocks at token 5, however slowly a loaded machine runs the gateway (with 8 tokens the
+    # mock could finish the whole stream first, and then there was nothing left to abort).
+    chunks = list(client(stack).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "please escalate"}], max_tokens=2000, stream=True))
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
     assert finishes[-1] == "content_filter"
     # generated scores 0.1, 0.2, ... block at 0.6: token 5 is never relayed
@@ -317,7 +321,8 @@ def _stack_in_front_of(tmp_path, upstream_app, **config):
 def test_client_disconnect_mid_stream_aborts_upstream_and_accounts(tmp_path):
     s = start_stack(tmp_path, tokens_per_s=10)
     try:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True}
+        # 10 s of stream: still running when the client hangs up, however loaded the machine
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 100, "stream": True}
         with httpx.Client(timeout=10) as http:
             with http.stream("POST", s.url + "/v1/chat/completions", json=body) as r:
                 for line in r.iter_lines():
