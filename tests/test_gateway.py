@@ -31,8 +31,9 @@ def client(stack, key="anything"):
     return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0)
 
 
-def chat(c, text, **kw):
-    return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=8, **kw)
+def chat(c, text, max_tokens=8, **kw):
+    return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                     max_tokens=max_tokens, **kw)
 
 
 def test_allowed_requests_pass_unchanged_without_scores(stack):
@@ -71,8 +72,7 @@ def test_mid_stream_block_ends_cleanly_and_aborts_upstream(stack):
     # 2000 tokens at the mock's 500 a second: the upstream is still streaming when the gateway
     # blocks at token 5, however slowly a loaded machine runs the gateway (with 8 tokens the
     # mock could finish the whole stream first, and then there was nothing left to abort).
-    chunks = list(client(stack).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "please escalate"}], max_tokens=2000, stream=True))
+    chunks = list(chat(client(stack), "please escalate", max_tokens=2000, stream=True))
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
     assert finishes[-1] == "content_filter"
     # generated scores 0.1, 0.2, ... block at 0.6: token 5 is never relayed
