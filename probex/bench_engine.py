@@ -54,6 +54,10 @@ consuming its scores (``PROBEX_SCORES_AHEAD_OF_TOKENS=0``, the order before sess
 ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
 where its kind has run least (so repeats meet every GPU), and adds each set-up's TPOT over
 plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
+``--profile-requests N`` ends every set-up with N requests one at a time under vLLM's torch
+profiler (its ``--profiler-config``, engine worker only); the trace's device timeline says
+how busy the device was per CUDA-graph step, how long it sat idle inside requests (host work
+not hidden behind it) and what ProbeX's kernels and copies took (``probex.profile_trace``).
 
 The model is a real architecture with ``--load-format dummy`` (timings do not depend on
 weight values): ``--model-config llama-3.1-8b`` writes Llama-3.1-8B's config.json next to
@@ -695,10 +699,13 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
 # as in every other request (a one-token request's first chunk is also its last).
 IDLE_TTFT_TOKENS = 2
 IDLE_TTFT_SEED = 999_983  # the idle-TTFT prompts' seed offset: no concurrency phase uses it
+PROFILE_SEED = 999_979  # the profiled requests' prompts
+PROFILE_TOKENS = 64  # per profiled request: decode steps dominate its trace
 
 
 async def run_idle_ttft(url: str, model: str, prompts: Sequence[list[int]], pause_s: float,
-                        probe_names: Sequence[str] | None, xargs: dict[str, Any] | None = None) -> list[RequestResult]:
+                        probe_names: Sequence[str] | None, xargs: dict[str, Any] | None = None,
+                        max_tokens: int = IDLE_TTFT_TOKENS) -> list[RequestResult]:
     """One request at a time, each sent after `pause_s` with nothing in flight.
 
     At concurrency 1 each request arrives while the engine still finishes its predecessor
@@ -711,8 +718,8 @@ async def run_idle_ttft(url: str, model: str, prompts: Sequence[list[int]], paus
         for prompt in prompts:
             await asyncio.sleep(pause_s)
             result = await one_request(transport, url + "/v1/completions",
-                                       completion_body(model, prompt, IDLE_TTFT_TOKENS, xargs), probe_names)
-            result.expected_tokens = IDLE_TTFT_TOKENS
+                                       completion_body(model, prompt, max_tokens, xargs), probe_names)
+            result.expected_tokens = max_tokens
             results.append(result)
     return results
 
@@ -779,9 +786,12 @@ class SetupPlan:
 
 def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path], engine_args: Sequence[str],
                 runner: str, steer_dir: Path | None = None,
-                worker_env: dict[str, str] | None = None, gpus: Sequence[str] = ()) -> list[SetupPlan]:
+                worker_env: dict[str, str] | None = None, gpus: Sequence[str] = (),
+                profile_dir: Path | None = None) -> list[SetupPlan]:
     """`worker_env`: extra environment for the `probex worker` set-ups only (ProbeX's own
-    PROBEX_* settings, to compare them in separate runs). `gpus`: see `assign_gpus`."""
+    PROBEX_* settings, to compare them in separate runs). `gpus`: see `assign_gpus`.
+    `profile_dir`: every server gets vLLM's torch profiler, writing under
+    `profile_dir/<label>` (`--profile-requests`)."""
     counts = {k: kinds.count(k) for k in set(kinds)}
     seen: dict[str, int] = {}
     plans = []
@@ -819,10 +829,21 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
                 argv.append("--enforce-eager")
             env["VLLM_PLUGINS"] = NO_PLUGINS
             consumer = None
+        if profile_dir is not None:
+            argv += ["--profiler-config", json.dumps(profiler_config(profile_dir / _safe(label)))]
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = placement[len(plans)]
         plans.append(SetupPlan(label, kind, argv, env, port, consumer))
     return plans
+
+
+def profiler_config(trace_dir: Path) -> dict[str, Any]:
+    """vLLM's torch profiler for the engine's worker only (the API server's CPU trace would
+    cover the whole window and slow it), without Python stacks (their cost would land in
+    the host gaps the trace is read for) and without the summary table vLLM would print
+    from every event of the trace (the trace itself is what is read)."""
+    return {"profiler": "torch", "torch_profiler_dir": str(trace_dir.resolve()), "torch_profiler_with_stack": False,
+            "torch_profiler_use_gzip": True, "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}
 
 
 def assign_gpus(kinds: Sequence[str], gpus: Sequence[str]) -> list[str]:
@@ -1222,10 +1243,13 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   save_itl: bool, probe_layers: dict[str, int] | None = None,
                   steer: SteerBench | None = None, staggered: bool = True, length_spread: float = 0.0,
                   cancelled: Callable[[], bool] = lambda: False, idle_ttft_requests: int = 0,
-                  idle_ttft_pause_s: float = 0.1) -> None:
+                  idle_ttft_pause_s: float = 0.1, profile_requests: int = 0,
+                  profile_dir: Path | None = None) -> None:
     """`cancelled`: polled around every phase; once true, the phase in progress is dropped
     (its server was stopped under it) and SetupCancelled is raised. `idle_ttft_requests`:
-    after the concurrency phases, that many requests one at a time (`run_idle_ttft`)."""
+    after the concurrency phases, that many requests one at a time (`run_idle_ttft`).
+    `profile_requests`: last, that many requests one at a time under vLLM's torch profiler,
+    whose trace (under `profile_dir`) is summarised into `record["profile"]`."""
     import httpx
 
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -1316,6 +1340,13 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         say(f"  {plan.label:9} idle TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  mean {entry['ttft_ms']['mean']:8.2f} ms"
             f"  ({len(results)} requests one at a time, {idle_ttft_pause_s} s apart)  failed {entry['failed']}",
             *(["            " + delivery_line(entry["delivery"])] if entry.get("delivery") else []))
+    if profile_requests:
+        record["profile"] = profile_phase(server.url, model, profile_requests, input_len, seed, expect, xargs,
+                                          profile_dir)
+        save()
+        if cancelled():
+            raise SetupCancelled("during the profiled requests")
+        say(f"  {plan.label:9} profile: " + profile_line(record["profile"]))
     if plan.kind in STEERED_KINDS and steer is not None:
         effect = record["checks"]["steering_effect"] = steering_effect(
             server.url, model, input_len, seed, probe_layers or {}, steer, plan.kind)
@@ -1323,6 +1354,51 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         say(f"  {plan.label}: steered vs unsteered prompt scores, max |raw diff| after the write (layer "
             f"{steer.layer}) {effect['max_abs_raw_diff_after_write']:.3g}, at or before it "
             f"{effect['max_abs_raw_diff_at_or_before_write']:.3g}")
+
+
+def profile_phase(url: str, model: str, requests: int, input_len: int, seed: int,
+                  probe_names: Sequence[str] | None, xargs: dict[str, Any] | None,
+                  trace_dir: Path | None) -> dict[str, Any]:
+    """`requests` requests of PROFILE_TOKENS tokens, one at a time, between vLLM's
+    /start_profile and /stop_profile (the worker writes its trace when stopped); the newest
+    trace under `trace_dir`, summarised (`probex.profile_trace`)."""
+    import httpx
+
+    from probex.profile_trace import find_traces, summarize_trace
+
+    prompts = random_prompts(requests, input_len, seed * 1_000_003 + PROFILE_SEED)
+    before = set(find_traces(trace_dir)) if trace_dir is not None and trace_dir.exists() else set()
+    httpx.post(url + "/start_profile", timeout=120).raise_for_status()
+    try:
+        results = asyncio.run(run_idle_ttft(url, model, prompts, 0.1, probe_names, xargs, max_tokens=PROFILE_TOKENS))
+    finally:
+        httpx.post(url + "/stop_profile", timeout=900).raise_for_status()
+    entry: dict[str, Any] = {"requests": requests, "max_tokens": PROFILE_TOKENS,
+                             "failed": sum(not r.ok for r in results)}
+    traces = [p for p in find_traces(trace_dir) if p not in before] if trace_dir is not None else []
+    if not traces:
+        entry["error"] = f"no trace written under {trace_dir}"
+        return entry
+    newest = max(traces, key=lambda p: p.stat().st_mtime)
+    entry.update(summarize_trace(newest), trace_path=str(newest.relative_to(trace_dir.parent)))
+    return entry
+
+
+def profile_line(profile: dict[str, Any]) -> str:
+    if profile.get("error"):
+        return profile["error"]
+    if not profile.get("device_events"):
+        return (f"no device events (CPU build?); {profile['host_events']} host events, "
+                f"{profile['graph_launches']} graph launches")
+    per = profile.get("per_graph_launch_us")
+    gaps = profile["idle_gaps_us"]
+    line = (f"device busy {profile['device_busy_us'] / 1e3:.2f} ms, idle inside requests "
+            f"{gaps['short_total'] / 1e3:.2f} ms over {gaps['short_count']} gaps; ProbeX kernels "
+            f"{profile['probex_kernels']['total_us']:.0f} µs x{profile['probex_kernels']['count']}")
+    if per:
+        line += (f"; per graph launch ({profile['graph_launches']}): busy {per['device_busy']:.1f} µs, idle "
+                 f"{per['short_idle']:.1f} µs, ProbeX kernels {per['probex_kernels']:.2f} µs, copies {per['copies']:.2f} µs")
+    return line
 
 
 class SetupCancelled(Exception):
@@ -1433,7 +1509,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          "warmup_requests": {str(c): n for c, n in warmup.items()},
                          "arrivals": args.arrivals, "output_len_spread": args.output_len_spread,
                          "idle_ttft_requests": args.idle_ttft_requests, "idle_ttft_pause_s": args.idle_ttft_pause_s,
-                         "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
+                         "profile_requests": args.profile_requests, "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
             "engine_args": engine_args,
             "client": {"http": "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx",
                        "json": "orjson" if _loads is not json.loads else "json"},
@@ -1454,8 +1530,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                      + "\n")
 
         print(f"versions: {result['versions']}", flush=True)
+        profile_dir = out / "profile" if args.profile_requests else None
         plans = plan_setups(kinds, model_dir, [p.path for p in probes], engine_args, args.runner,
-                            steer.path if steer is not None else None, worker_env, gpus)
+                            steer.path if steer is not None else None, worker_env, gpus, profile_dir)
         if gpus:
             unbalanced = unbalanced_kinds(kinds, [p.env_changes["CUDA_VISIBLE_DEVICES"] for p in plans], gpus)
             result["side_by_side_unbalanced_kinds"] = unbalanced
@@ -1494,7 +1571,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                               args.seed, probe_names, record, save, args.save_itl,
                               {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered",
                               length_spread=args.output_len_spread, cancelled=stopping.is_set,
-                              idle_ttft_requests=args.idle_ttft_requests, idle_ttft_pause_s=args.idle_ttft_pause_s)
+                              idle_ttft_requests=args.idle_ttft_requests, idle_ttft_pause_s=args.idle_ttft_pause_s,
+                              profile_requests=args.profile_requests,
+                              profile_dir=profile_dir / _safe(plan.label) if profile_dir else None)
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
                 if stopping.is_set():
                     record["error"] = "interrupted"
@@ -1886,6 +1965,20 @@ def markdown_tables(result: dict[str, Any]) -> str:
             for phase, v in phases.items():
                 lines.append(f"| {kind} | {phase if phase == 'idle' else 'c=' + phase} | {v['ttft']:.2f} | "
                              f"{v['queue']:.2f} | {v['prefill']:.2f} | {v['api']:.2f} |")
+    profiled = [s for s in result["setups"] if s.get("profile")]
+    if profiled:
+        lines += ["", "Device time from each set-up's profiled requests (vLLM's torch profiler, "
+                  f"{profiled[0]['profile'].get('requests')} requests of {profiled[0]['profile'].get('max_tokens')} "
+                  "tokens one at a time), µs per CUDA-graph launch:", "",
+                  "| set-up | graph launches | device busy | device idle inside requests | ProbeX kernels | copies |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for s in profiled:
+            per = s["profile"].get("per_graph_launch_us")
+            if per:
+                lines.append(f"| {s['label']} | {s['profile']['graph_launches']} | {per['device_busy']:.1f} | "
+                             f"{per['short_idle']:.1f} | {per['probex_kernels']:.2f} | {per['copies']:.2f} |")
+            else:
+                lines.append(f"| {s['label']} | {profile_line(s['profile'])} | | | | |")
     by_gpu = result.get("tpot_p50_overhead_pct_by_gpu") or {}
     if by_gpu:
         lines += ["", "TPOT p50 over plain on the same GPU (set-ups side by side): "
@@ -2062,6 +2155,9 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 48; 0 skips them)")
     parser.add_argument("--idle-ttft-pause-s", type=float, default=0.1, metavar="S",
                         help="idle time before each of those requests (default 0.1)")
+    parser.add_argument("--profile-requests", type=int, default=0, metavar="N",
+                        help="last in every set-up, N requests one at a time under vLLM's torch profiler; the "
+                             "device's busy and idle time per step from its trace (OUT/profile/<set-up>)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runner", choices=sorted(RUNNERS), default="default",
                         help=f"{RUNNER_ENV}: unset (default) / 0 (v1) / 1 (v2)")

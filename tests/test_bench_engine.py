@@ -170,6 +170,16 @@ def test_plans_same_launcher_and_plugin_switch(tmp_path):
         be.parse_setups("plain,hooks")
 
 
+def test_profiled_set_ups_each_get_the_torch_profiler_writing_to_their_own_folder(tmp_path):
+    plain, tap = be.plan_setups(["plain", "tap"], tmp_path, [tmp_path / "p1"], [], "v2",
+                                profile_dir=tmp_path / "profile")
+    for plan in (plain, tap):
+        config = json.loads(plan.argv[plan.argv.index("--profiler-config") + 1])
+        assert config["profiler"] == "torch" and config["ignore_frontend"] is True
+        assert config["torch_profiler_dir"] == str((tmp_path / "profile" / plan.label).resolve())
+    assert "--profiler-config" not in be.plan_setups(["plain"], tmp_path, [], [], "v2")[0].argv
+
+
 def test_planned_set_ups_never_share_a_port(tmp_path, monkeypatch):
     """Side by side, set-ups start together: a port the OS hands out twice must not reach two."""
     handed_out = iter([5000, 5000, 5001, 5000, 5001, 5002])
@@ -643,7 +653,7 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
     """One run, four servers: plain, tap, eager and every request steered (the steering op's rows)."""
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--setups",
-                           "plain,tap,eager,steer-active", "--out", str(out)],
+                           "plain,tap,eager,steer-active", "--profile-requests", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=1500)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
@@ -693,6 +703,11 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
         assert idle["requests"] == 2 and idle["failed"] == 0 and idle["max_tokens"] == 2, (setup["label"], idle)
         assert all(math.isfinite(v) and v > 0 for v in idle["per_request_ttft_ms"]), (setup["label"], idle)
         assert idle["server"]["ttft_mean_ms"] > 0, (setup["label"], idle)  # vLLM's own /metrics
+        # one request under vLLM's torch profiler, its trace found and read (a CPU build records no device events)
+        profile = setup["profile"]
+        assert profile["failed"] == 0 and "error" not in profile, (setup["label"], profile)
+        assert (out / "profile" / profile["trace_path"]).is_file(), profile
+        assert profile["device_events"] == 0 and profile["host_events"] > 0, profile
         if setup["kind"] in ("tap", "steer-active"):
             assert idle["scores"]["coverage"] == 1.0, (setup["label"], idle["scores"])
             # the worker's and the API server's accounts of the first tokens' path
@@ -700,6 +715,7 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
             assert loop["intake_prompt_steps"]["count"] == 2 and loop["first_chunks"]["count"] == 2, loop
     assert set(result["idle_ttft"]["overhead_pct_vs_plain"]) == {"tap", "eager", "steer-active"}
     assert "TTFT at an idle engine (2 requests one at a time" in proc.stdout
+    assert workload["profile_requests"] == 1 and "Device time from each set-up's profiled requests" in proc.stdout
     # dummy weights sample ids the SmolLM2 tokenizer (49152 tokens) lacks: served as empty text, counted all the same
     assert max(e["max_generated_token_id"] for s in result["setups"] for e in s["results"].values()) >= 49152
     tap = result["setups"][1]

@@ -1,0 +1,119 @@
+"""What a device did during a few profiled requests: a summary of one torch-profiler trace.
+
+`probex bench engine --profile-requests N` has each server record N requests with vLLM's
+torch profiler (`--profiler-config`, `/start_profile`, `/stop_profile`), one at a time. The
+TPOT difference left between plain vLLM and the tap at one stream (~72 µs a step on the
+H200, session 11) is either device time (the op's kernels, the score copies queued between
+the forward and the sampling) or device idle time (the host launching the next step late).
+Client timings cannot tell those apart; the trace can:
+
+- `device_busy_us`: the union of the device's kernel, copy and set intervals;
+- `idle_gaps_us`: the device idle between two of its activities, split at `LONG_GAP_US`:
+  short gaps are inside a request (a step's host work not hidden behind the device, copy
+  hand-offs), long ones are between requests (the client's pause, HTTP);
+- per graph launch (`graph_launches`, one per CUDA-graph step): busy and short-gap idle;
+- the kernels by total time, the copies by direction, and which of them are ProbeX's.
+
+Only the trace's own events are read (Chrome trace format, gzipped or not); nothing here
+imports torch or vLLM. On a CPU build there are no device events: the summary then says so
+(`device_events` 0) and counts the host events.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
+# Gaps longer than this are between requests (or a prefill's host work), not inside a decode step.
+LONG_GAP_US = 1000.0
+# ProbeX's device kernels by name: the fused Triton tap kernel (engine_worker/fused_tap.py).
+# The torch fallback's matmuls cannot be told from the model's own.
+PROBEX_KERNEL_MARKS = ("_tap_rows", "probex")
+TOP_KERNELS = 12
+
+
+def find_traces(directory: Path) -> list[Path]:
+    """The worker traces vLLM wrote under `directory` (the API server's, if any, left out)."""
+    traces = sorted(p for p in Path(directory).rglob("*.pt.trace.json*") if p.is_file())
+    workers = [p for p in traces if "api" not in p.name.lower() and "frontend" not in p.name.lower()]
+    return workers or traces
+
+
+def load_events(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data.get("traceEvents", []) if isinstance(data, dict) else list(data)
+
+
+def _interval(event: dict[str, Any]) -> tuple[float, float]:
+    start = float(event["ts"])
+    return start, start + float(event.get("dur", 0.0))
+
+
+def merged_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, overlapping or touching intervals joined (concurrent streams count once)."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def is_probex_kernel(name: str) -> bool:
+    lowered = name.lower()
+    return any(mark in lowered for mark in PROBEX_KERNEL_MARKS)
+
+
+def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
+    complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    device = [e for e in complete if e.get("cat") in DEVICE_CATEGORIES]
+    host = [e for e in complete if e.get("cat") in HOST_CATEGORIES]
+    launches = [e for e in host if e.get("cat") in ("cuda_runtime", "cuda_driver") and "GraphLaunch" in e.get("name", "")]
+    summary: dict[str, Any] = {"device_events": len(device), "host_events": len(host),
+                               "graph_launches": len(launches)}
+    if not device:
+        return summary
+    busy = merged_intervals(_interval(e) for e in device)
+    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
+    short = [g for g in gaps if g < LONG_GAP_US]
+    busy_us = sum(e - s for s, e in busy)
+    summary.update(
+        span_us=busy[-1][1] - busy[0][0],
+        device_busy_us=busy_us,
+        idle_gaps_us={"short_total": sum(short), "short_count": len(short),
+                      "long_total": sum(g for g in gaps if g >= LONG_GAP_US),
+                      "long_count": len(gaps) - len(short),
+                      "short_max": max(short, default=0.0)},
+    )
+    kernels: dict[str, list[float]] = {}
+    copies: dict[str, list[float]] = {}
+    for e in device:
+        table = kernels if e["cat"] == "kernel" else copies
+        entry = table.setdefault(e.get("name", "?"), [0, 0.0])
+        entry[0] += 1
+        entry[1] += float(e.get("dur", 0.0))
+    ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
+    summary["kernels"] = {"count": sum(n for n, _ in kernels.values()),
+                          "total_us": sum(t for _, t in kernels.values()),
+                          "top": [{"name": name[:160], "count": n, "total_us": t} for name, (n, t) in ranked[:TOP_KERNELS]]}
+    probex = [(n, t) for name, (n, t) in kernels.items() if is_probex_kernel(name)]
+    summary["probex_kernels"] = {"count": sum(n for n, _ in probex), "total_us": sum(t for _, t in probex)}
+    summary["copies"] = {name: {"count": n, "total_us": t} for name, (n, t) in sorted(copies.items())}
+    if launches:
+        steps = len(launches)
+        summary["per_graph_launch_us"] = {
+            "device_busy": busy_us / steps, "short_idle": sum(short) / steps,
+            "probex_kernels": summary["probex_kernels"]["total_us"] / steps,
+            "copies": sum(t for _, t in copies.values()) / steps}
+    return summary
+
+
+def summarize_trace(path: Path) -> dict[str, Any]:
+    return {"trace": Path(path).name, **summarize_events(load_events(path))}

@@ -1,0 +1,62 @@
+"""The trace summary behind `probex bench engine --profile-requests`, on made-up traces."""
+
+import gzip
+import json
+
+import pytest
+
+from probex.profile_trace import find_traces, merged_intervals, summarize_events, summarize_trace
+
+
+def kernel(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def made_up_trace():
+    return [
+        kernel("gemm_a", 0, 100), kernel("gemm_b", 50, 100),  # two streams at once: counted once
+        kernel("Memcpy DtoH (Device -> Pinned)", 160, 10, cat="gpu_memcpy"),  # 10 µs idle before it
+        kernel("_tap_rows_0d1d2d", 170, 10),  # right behind the copy: no gap
+        kernel("gemm_a", 5000, 100),  # the next request, a long gap away
+        kernel("cudaGraphLaunch", 0, 5, cat="cuda_runtime"), kernel("cudaGraphLaunch", 4990, 5, cat="cuda_runtime"),
+        kernel("aten::mm", 1, 3, cat="cpu_op"),
+        {"ph": "i", "cat": "kernel", "name": "an instant, not a span", "ts": 3},
+    ]
+
+
+def test_busy_time_idle_gaps_and_probex_kernels_per_graph_launch():
+    summary = summarize_events(made_up_trace())
+    assert summary["device_events"] == 5 and summary["host_events"] == 3 and summary["graph_launches"] == 2
+    assert summary["device_busy_us"] == pytest.approx(150 + 20 + 100)
+    assert summary["span_us"] == pytest.approx(5100)
+    gaps = summary["idle_gaps_us"]
+    assert (gaps["short_count"], gaps["short_total"], gaps["short_max"]) == (1, pytest.approx(10), pytest.approx(10))
+    assert (gaps["long_count"], gaps["long_total"]) == (1, pytest.approx(4820))
+    assert summary["probex_kernels"] == {"count": 1, "total_us": pytest.approx(10)}
+    assert summary["copies"] == {"Memcpy DtoH (Device -> Pinned)": {"count": 1, "total_us": pytest.approx(10)}}
+    assert summary["kernels"]["count"] == 4 and summary["kernels"]["top"][0] == {
+        "name": "gemm_a", "count": 2, "total_us": pytest.approx(200)}
+    per = summary["per_graph_launch_us"]
+    assert per == {"device_busy": pytest.approx(135), "short_idle": pytest.approx(5),
+                   "probex_kernels": pytest.approx(5), "copies": pytest.approx(5)}
+
+
+def test_a_trace_without_device_events_says_so():
+    summary = summarize_events([kernel("aten::mm", 1, 3, cat="cpu_op")])
+    assert summary == {"device_events": 0, "host_events": 1, "graph_launches": 0}
+
+
+def test_merged_intervals_join_overlapping_and_touching_ones_only():
+    assert merged_intervals([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+
+
+def test_the_worker_trace_is_found_and_read_gzipped(tmp_path):
+    worker = tmp_path / "tap" / "rank0.1700000000.pt.trace.json.gz"
+    worker.parent.mkdir()
+    with gzip.open(worker, "wt") as f:
+        json.dump({"traceEvents": made_up_trace()}, f)
+    (tmp_path / "tap" / "notes.txt").write_text("not a trace")
+    (tmp_path / "tap" / "api_server.1700000000.pt.trace.json").write_text(json.dumps({"traceEvents": []}))
+    assert find_traces(tmp_path) == [worker]
+    summary = summarize_trace(worker)
+    assert summary["trace"] == worker.name and summary["device_busy_us"] == pytest.approx(270)
