@@ -178,8 +178,16 @@ class ScoreBook:
         events = StepEvents(table=table)
         if not layout.req_ids:
             return events
-        starts, c = layout.row_starts, layout.num_computed
-        n, p = layout.num_scheduled, layout.num_prompt
+        c, n, p = layout.num_computed, layout.num_scheduled, layout.num_prompt
+        if (n == 1).all() and (c >= p).all():
+            # Every request decoding one token, none in its prompt: most steps once prompts
+            # are in. Their rows are their sampled tokens, in order; the general path below
+            # gives the same with a dozen more numpy calls, on the API server's event loop.
+            events.token_req_ids = list(layout.req_ids)
+            events.token_indexes = (c + 1 - p).tolist()
+            events.token_raw = raw.copy()  # `raw` may be a staging buffer the next step reuses
+            return events
+        starts = layout.row_starts
         end = c + n  # positions computed once this step has run
         prompt_count = np.minimum(end, p) - c
         for i in np.flatnonzero(prompt_count > 0).tolist():  # requests prefilling this step

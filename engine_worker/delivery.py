@@ -163,10 +163,16 @@ class ScoreHub:
             state.changed.set()
         if events.token_req_ids:
             # One vectorised calibration per step instead of one math.exp per token and
-            # probe later, on the event loop that also relays every chunk.
+            # probe later, on the event loop that also relays every chunk. `_state` is
+            # written out here (one clock read per step): this runs for every request of every step.
             scores = table.calibrate(events.token_raw).tolist()
+            requests, external_ids, now = self._requests, self._external_ids, time.monotonic()
             for req, index, values in zip(events.token_req_ids, events.token_indexes, scores):
-                state = self._state(self._external_id(req))
+                key = external_ids.get(req) or self._external_id(req)
+                state = requests.get(key)
+                if state is None:
+                    state = requests[key] = RequestScores()
+                state.touched = now
                 state.add_token(index, values, probes)
                 state.changed.set()
         for req in events.finished:
@@ -216,13 +222,23 @@ class ScoreHub:
     def __len__(self) -> int:
         return len(self._requests)
 
+    def scores_in(self, state: RequestScores, *, prompt: bool, tokens: int) -> bool:
+        """Are the prompt summary (if asked) and tokens [0, tokens) in already? Each check is
+        one of `waits`' calls; `wait_more` waits for what is not in yet."""
+        self.waits["prompt" if prompt else "tokens"].calls += 1
+        return (state.prompt is not None or not prompt) and state.contiguous >= tokens
+
     async def wait_for(self, key: str, *, prompt: bool, tokens: int, timeout: float) -> bool:
         """Wait until the prompt summary (if asked) and tokens [0, tokens) are in; False on timeout."""
+        if self.scores_in(self._state(key), prompt=prompt, tokens=tokens):
+            return True
+        return await self.wait_more(key, prompt=prompt, tokens=tokens, timeout=timeout)
+
+    async def wait_more(self, key: str, *, prompt: bool, tokens: int, timeout: float) -> bool:
+        """`wait_for` after a `scores_in` check that said no (the stream relay's hot path
+        makes that check without a coroutine)."""
         state = self._state(key)
         stats = self.waits["prompt" if prompt else "tokens"]
-        stats.calls += 1
-        if (state.prompt is not None or not prompt) and state.has_tokens_below(tokens):
-            return True
         start = time.monotonic()
         deadline = start + timeout
         try:

@@ -450,9 +450,9 @@ class StreamRelay:
             new_tokens = len(choice.get("token_ids") or ())
             stop = self._generated[index] = start + new_tokens
             need_prompt = index not in self._prompt_sent and (new_tokens > 0 or choice.get("finish_reason"))
-            if need_prompt or stop > start:
-                await self.hub.wait_for(key, prompt=bool(need_prompt), tokens=stop, timeout=self.wait_s)
             state = self.hub.get(key)
+            if (need_prompt or stop > start) and not self.hub.scores_in(state, prompt=bool(need_prompt), tokens=stop):
+                await self.hub.wait_more(key, prompt=bool(need_prompt), tokens=stop, timeout=self.wait_s)
             include_prompt = index not in self._prompt_sent and state.prompt is not None
             if include_prompt:
                 self._prompt_sent.add(index)

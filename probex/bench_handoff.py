@@ -25,6 +25,12 @@ prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSO
   the prompt's token ids (compact JSON, as vLLM writes it) and gets the prompt's scores;
 - `token_chunk_us`: the decoration of a later one-token chunk.
 
+And the API server's share of one decode step of N streaming requests (`api_decode_step`
+in the JSON; medians over `--steps`), what grows with the number of streams:
+
+- `intake_us`: `ScoreHub.ingest` of the step's message (N sampled tokens);
+- `chunks_us`: the N one-token chunks that step produces, decorated one after another.
+
     python3 -m probex.bench_handoff --out out/bench-handoff.json
 """
 
@@ -177,6 +183,71 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             "token_chunk_us": median_us(token_chunk)}
 
 
+def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dict:
+    """Medians, in µs, of the API server's work per decode step of `requests` streams (see the
+    module docstring): the worker's real step messages (prompts prefilled four to a step
+    first), fed to a `ScoreHub` and `StreamRelay`s as their receive loop and vLLM would."""
+    import asyncio
+    import uuid
+
+    from engine_worker.bookkeeping import StepLayout
+    from engine_worker.delivery import ScoreHub
+    from engine_worker.middleware import MonitoredCall, StreamRelay
+
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+    messages: list[bytes] = []
+    keys = [f"chatcmpl-probex-{uuid.uuid4().hex}" for _ in range(requests)]
+    engine_ids = [f"{key}-0123abcd" for key in keys]
+    with tempfile.TemporaryDirectory() as tmp:
+        controller = _controller(False, Path(tmp))
+        controller.publish = lambda message: messages.append(encoder.encode(message))
+        prefills = range(0, requests, 4)
+        for first in prefills:
+            ids = engine_ids[first:first + 4]
+            controller.after_forward(StepLayout(ids, np.full(len(ids), prompt_tokens), np.zeros(len(ids), np.int64),
+                                                np.full(len(ids), prompt_tokens)))
+        for step in range(steps):
+            controller.after_forward(StepLayout(engine_ids, np.ones(requests, np.int64),
+                                                np.full(requests, prompt_tokens + step), np.full(requests, prompt_tokens)))
+        controller.transfer.close()
+    decoded = [decoder.decode(m) for m in messages]
+    hub = ScoreHub("inproc://unused")  # never started: fed directly, as its receive loop would
+    intake, chunks = [], []
+
+    async def sink(message: dict) -> None:
+        pass
+
+    def event(chunk: dict) -> bytes:
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+
+    async def all_steps() -> None:
+        for message in decoded[:len(prefills)]:
+            hub.ingest(message)
+        relays = [StreamRelay(hub, MonitoredCall(key_prefix=key, stream=True, wants_token_ids=False), sink, 1.0)
+                  for key in keys]
+        heads = [{"id": key, "object": "chat.completion.chunk", "created": 1, "model": "m"} for key in keys]
+        for relay, head in zip(relays, heads):  # each stream's first chunk (token 0, prompt scores)
+            await relay._decorate_event(event(dict(head, choices=[{
+                "index": 0, "delta": {"role": "assistant", "content": " a"}, "logprobs": None, "finish_reason": None,
+                "token_ids": [42]}], prompt_token_ids=None)))
+        token_events = [event(dict(head, choices=[{"index": 0, "delta": {"content": " a"}, "logprobs": None,
+                                                   "finish_reason": None, "token_ids": [42]}])) for head in heads]
+        for message in decoded[len(prefills):]:
+            started = time.perf_counter()
+            hub.ingest(message)
+            decorated = time.perf_counter()
+            for relay, token in zip(relays, token_events):
+                await relay._decorate_event(token)
+            intake.append(decorated - started)
+            chunks.append(time.perf_counter() - decorated)
+
+    asyncio.run(all_steps())
+    if hub.waits["tokens"].count:
+        raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
+    return {"requests": requests, "steps": steps, "intake_us": round(float(np.median(intake)) * 1e6, 1),
+            "chunks_us": round(float(np.median(chunks)) * 1e6, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="8,64", help="decoding requests per step (comma-separated)")
@@ -212,10 +283,15 @@ def main() -> None:
           f"{first['prefill_step_us']} µs in the worker, intake {first['intake_us']} µs, first chunk "
           f"{first['first_chunk_us']} µs and a later one-token chunk {first['token_chunk_us']} µs in the API server",
           flush=True)
+    api_steps = [api_decode_step(int(x), args.steps, args.prompt_tokens) for x in args.requests.split(",")]
+    for row in api_steps:
+        print(f"API server, one decode step of {row['requests']} streams (medians of {row['steps']}): intake "
+              f"{row['intake_us']} µs, the step's {row['requests']} one-token chunks {row['chunks_us']} µs", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results,
-                                        "wake": wake, "first_token": first}, indent=1) + "\n")
+                                        "wake": wake, "first_token": first, "api_decode_step": api_steps},
+                                       indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -150,3 +150,22 @@ def test_books_left_open_by_a_lost_end_are_forgotten_after_the_retention_window(
     book.record_step(layout([("a", 2, 0, 8)]), table, np.zeros((2, 1), np.float32))  # half a prompt
     assert book.forget_stale(idle_s=60.0) == 0 and len(book) == 1
     assert book.forget_stale(idle_s=60.0, now=book._prompts["a"].touched + 61) == 1 and len(book) == 0
+
+
+def test_a_decode_only_step_books_its_tokens_as_the_general_path_does():
+    """Steps where every request decodes one token take a shortcut; beside a prefilling
+    request (the general path) the same decoding requests get the same tokens."""
+    values = {"a": np.arange(100, 110, dtype=np.float32), "b": np.arange(200, 210, dtype=np.float32),
+              "new": np.arange(300, 304, dtype=np.float32)}
+    decoding = [("a", 1, 5, 3), ("b", 1, 3, 3)]  # a: its third generated token; b: its first decode step
+    alone, beside = layout(decoding), layout(decoding + [("new", 4, 0, 4)])
+    raw_alone = rows_by_position(alone, values)
+    shortcut = ScoreBook().record_step(alone, TABLE, raw_alone)
+    general = ScoreBook().record_step(beside, TABLE, rows_by_position(beside, values))
+    assert shortcut.tokens == [t for t in general.tokens if t["req"] != "new"]
+    assert shortcut.tokens == [{"req": "a", "index": 3, "raw": [105.0]}, {"req": "b", "index": 1, "raw": [203.0]}]
+    assert shortcut.prompt == [] and not np.shares_memory(shortcut.token_raw, raw_alone)
+    # a request still in its prompt, one row at a time, is not a decode step
+    prompt_row = layout([("a", 1, 5, 3), ("slow", 1, 1, 3)])
+    events = ScoreBook().record_step(prompt_row, TABLE, rows_by_position(prompt_row, {**values, "slow": values["b"]}))
+    assert [t["req"] for t in events.tokens] == ["a"]
