@@ -42,6 +42,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tuple[list[str], dict[str, str]]:
     """Validate the probes against the model, then return (argv, env) for `vllm serve`."""
+    _refuse_api_server_scale_out(passthrough)
     model_dir = resolve_model(args.model)
     served = ServedModel.from_model_dir(model_dir)
     probes = _load_or_refuse(lambda: [load_probe(d, served) for d in args.probe], check_probe_set)
@@ -120,6 +121,24 @@ def _refuse_layers_out_of_range(layers: list[int], flag: str, served: ServedMode
                 f"probex worker: refusing to start: {flag} {layer} is out of range for {model_dir}"
                 f" ({served.num_hidden_layers} decoder layers)"
             )
+
+
+_API_SERVER_COUNT_FLAGS = ("--api-server-count", "-asc")
+
+
+def _refuse_api_server_scale_out(passthrough: list[str]) -> None:
+    """One API server process only: each request's scores reach the one process that binds the
+    score socket and relays its chunks. With vLLM's `--api-server-count N` the other N - 1
+    processes would serve requests whose scores they never receive."""
+    for i, arg in enumerate(passthrough):
+        flag, _, value = arg.partition("=")
+        if flag not in _API_SERVER_COUNT_FLAGS:
+            continue
+        if not value:
+            value = passthrough[i + 1] if i + 1 < len(passthrough) else ""
+        if value.strip() != "1":
+            raise SystemExit(f"probex worker: refusing to start: {flag} {value or '(missing)'}: ProbeX delivers "
+                             "scores through one API server process; run more workers behind the gateway instead")
 
 
 def _served_names(requested: str, model_dir: Path, passthrough: list[str]) -> list[str]:
