@@ -138,7 +138,8 @@ def _refuse_api_server_scale_out(passthrough: list[str]) -> None:
             value = passthrough[i + 1] if i + 1 < len(passthrough) else ""
         if value.strip() != "1":
             raise SystemExit(f"probex worker: refusing to start: {flag} {value or '(missing)'}: ProbeX delivers "
-                             "scores through one API server process; run more workers behind the gateway (probex gateway --upstream URL ...) instead")
+                             "scores through one API server process; run more workers behind the gateway "
+                             "(probex gateway --upstream URL --upstream URL ...) instead")
 
 
 def _served_names(requested: str, model_dir: Path, passthrough: list[str]) -> list[str]:

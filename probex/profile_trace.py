@@ -75,7 +75,8 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
     device = [e for e in complete if e.get("cat") in DEVICE_CATEGORIES]
     host = [e for e in complete if e.get("cat") in HOST_CATEGORIES]
-    launches = [e for e in host if e.get("cat") in ("cuda_runtime", "cuda_driver") and "GraphLaunch" in e.get("name", "")]
+    launches = [e for e in host
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "GraphLaunch" in e.get("name", "")]
     summary: dict[str, Any] = {"device_events": len(device), "host_events": len(host),
                                "graph_launches": len(launches)}
     if not device:
@@ -102,7 +103,8 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
     summary["kernels"] = {"count": sum(n for n, _ in kernels.values()),
                           "total_us": sum(t for _, t in kernels.values()),
-                          "top": [{"name": name[:160], "count": n, "total_us": t} for name, (n, t) in ranked[:TOP_KERNELS]]}
+                          "top": [{"name": name[:160], "count": n, "total_us": t}
+                                  for name, (n, t) in ranked[:TOP_KERNELS]]}
     probex = [(n, t) for name, (n, t) in kernels.items() if is_probex_kernel(name)]
     summary["probex_kernels"] = {"count": sum(n for n, _ in probex), "total_us": sum(t for _, t in probex)}
     summary["copies"] = {name: {"count": n, "total_us": t} for name, (n, t) in sorted(copies.items())}
