@@ -6,10 +6,16 @@ and cuBLAS picks a slow split kernel for the decode shapes (a few rows against 8
 4096): measured on the H200 (`python -m probex.bench_tap_op`, two layers, inside a CUDA
 graph) 18 µs per step at 1 row and 54 µs at 8 rows, against 11 µs for this kernel at both.
 
-One program per row: it reads the row's hidden and residual once, in blocks, adds them in
-fp32 (bf16 to fp32 is exact, as in the torch version) and accumulates the dot products with
-every probe slot at once; then adds the bias and writes the row's scores. The weights
-(slots x hidden, fp32) are read by every row and stay in L2.
+A program takes one row and a group of probe slots: it reads the row's hidden and residual
+in blocks, adds them in fp32 (bf16 to fp32 is exact, as in the torch version) and
+accumulates the dot products with its slots at once; then adds the bias and writes those
+scores. Steps of many rows (prefill) give each program all the slots, so the row is read
+once and the weights (slots x hidden, fp32) stay in L2 across rows. Decode steps of few rows
+give each program one slot: in the served model the weights come back from HBM every step
+(the model's own GEMMs evict them from L2), and one program per row fetched a layer's
+128 KB of them from one SM, 10 µs per layer and step in session 11's profile of the H200
+(`probex bench engine --profile-requests`); one program per slot fetches them from `slots`
+SMs at once. (That split is not yet measured on the GPU.)
 
 `PROBEX_TAP_KERNEL=torch` turns it off (the torch version runs everywhere, e.g. to compare).
 """
@@ -21,7 +27,9 @@ import os
 import torch
 
 ENV_TAP_KERNEL = "PROBEX_TAP_KERNEL"
-MAX_BLOCK = 512  # hidden elements per iteration at 8 slots: 4096 wide models take 8 iterations
+MAX_BLOCK = 1024  # hidden elements per iteration at one slot per program; 512 at 8 slots
+# Steps of fewer rows than this get one program per (row, slot) instead of one per row.
+ONE_SLOT_PER_PROGRAM_BELOW_ROWS = 128
 
 try:
     import triton
@@ -34,11 +42,11 @@ if triton is not None:
 
     @triton.jit
     def _tap_rows(hidden_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, width, hidden_stride, residual_stride,
-                  out_stride, n_slots, SLOTS_P2: tl.constexpr, BLOCK: tl.constexpr):
+                  out_stride, n_slots, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
-        slots = tl.arange(0, SLOTS_P2)
+        slots = tl.program_id(1) * SLOTS + tl.arange(0, SLOTS)
         slot_ok = slots < n_slots
-        acc = tl.zeros([SLOTS_P2, BLOCK], dtype=tl.float32)
+        acc = tl.zeros([SLOTS, BLOCK], dtype=tl.float32)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             col_ok = cols < width
@@ -91,8 +99,15 @@ def layout_fits(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 def block_for(slots: int) -> int:
     """Hidden elements per iteration: the accumulator holds slots x block fp32 values, so more
-    slots take narrower blocks (8 slots: 512; 64: 64) and the kernel stays in registers."""
+    slots per program take narrower blocks (1 slot: 1024; 8: 512; 64: 64) and the kernel
+    stays in registers."""
     return max(32, min(MAX_BLOCK, 4096 // triton.next_power_of_2(slots)))
+
+
+def slots_per_program(rows: int, slots: int) -> int:
+    """One slot per program for steps of few rows (decode), all of them for many (see the
+    module docstring); a power of two, as Triton's block shapes must be."""
+    return 1 if rows < ONE_SLOT_PER_PROGRAM_BELOW_ROWS else triton.next_power_of_2(slots)
 
 
 def scores(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -102,9 +117,10 @@ def scores(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, b
     if rows == 0:
         return
     n_slots = weight.shape[0]
-    _tap_rows[(rows,)](hidden, residual, weight, bias, scores_out, width, hidden.stride(0), residual.stride(0),
-                       scores_out.stride(0), n_slots, SLOTS_P2=triton.next_power_of_2(n_slots),
-                       BLOCK=block_for(n_slots))
+    group = slots_per_program(rows, n_slots)
+    _tap_rows[(rows, triton.cdiv(n_slots, group))](
+        hidden, residual, weight, bias, scores_out, width, hidden.stride(0), residual.stride(0),
+        scores_out.stride(0), n_slots, SLOTS=group, BLOCK=block_for(group))
 
 
 _ENABLED = enabled()

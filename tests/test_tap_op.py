@@ -112,7 +112,19 @@ fused_tap.scores(hidden32, residual32, weight64, bias64, fused64)
 ops.tap_torch(hidden32, residual32, weight64, bias64, reference64, torch.zeros(0, dtype=torch.long), torch.zeros(0, 300))
 diff64 = (fused64 - reference64).abs().max().item()
 assert diff64 < 1e-5 * max(reference64.abs().max().item(), 1.0), diff64
-print("ok", diff, diff64)
+# a step of many rows (prefill): one program per row and all 6 slots at once
+rows = fused_tap.ONE_SLOT_PER_PROGRAM_BELOW_ROWS + 2
+assert fused_tap.slots_per_program(rows, 6) == 8
+hidden_many, residual_many = torch.randn(rows, 300, generator=g).to(torch.bfloat16), torch.randn(rows, 300, generator=g)
+residual_many = residual_many.to(torch.bfloat16)
+fused_many, reference_many = torch.full((rows + 1, 6), -7.0), torch.zeros(rows, 6)
+fused_tap.scores(hidden_many, residual_many, weight[:, :300].contiguous(), bias, fused_many)
+ops.tap_torch(hidden_many, residual_many, weight[:, :300].contiguous(), bias, reference_many,
+              torch.zeros(0, dtype=torch.long), torch.zeros(0, 300))
+assert (fused_many[rows:] == -7.0).all()
+diff_many = (fused_many[:rows] - reference_many).abs().max().item()
+assert diff_many < 1e-5 * max(reference_many.abs().max().item(), 1.0), diff_many
+print("ok", diff, diff64, diff_many)
 """
 
 
@@ -149,7 +161,9 @@ def test_fused_kernel_takes_only_cuda_tensors_in_the_layout_it_indexes():
     for why, args in refused.items():
         assert not fused_tap.layout_fits(*args), why
     # more slots, narrower blocks: the kernel's accumulator (slots x block) stays the same size
-    assert [fused_tap.block_for(k) for k in (1, 8, 9, 64, 256)] == [512, 512, 256, 64, 32]
+    assert [fused_tap.block_for(k) for k in (1, 8, 9, 64, 256)] == [1024, 512, 256, 64, 32]
+    # decode steps spread a row's slots over programs, prefill steps keep them in one
+    assert [fused_tap.slots_per_program(rows, 6) for rows in (1, 64, 127, 128, 1024)] == [1, 1, 1, 8, 8]
 
 
 def test_the_fused_kernel_can_be_turned_off_by_environment():
