@@ -1979,6 +1979,17 @@ def markdown_tables(result: dict[str, Any]) -> str:
                              f"{per['short_idle']:.1f} | {per['probex_kernels']:.2f} | {per['copies']:.2f} |")
             else:
                 lines.append(f"| {s['label']} | {profile_line(s['profile'])} | | | | |")
+        from probex.profile_trace import kernel_differences
+
+        base = next((s for s in profiled if s["kind"] == "plain"), None)
+        for s in profiled:
+            rows = kernel_differences(base["profile"], s["profile"], limit=8) if base and s is not base else []
+            if rows:
+                lines += ["", f"Kernels and copies whose device time differs most, {s['label']} minus {base['label']}, "
+                          "µs per graph launch (calls in each trace):", "",
+                          "| kernel | difference | calls |", "|---|---:|---:|"]
+                lines += [f"| `{row['name'][:90]}` | {row['delta_us']:+.2f} | {row['base_count']} → {row['other_count']} |"
+                          for row in rows]
     by_gpu = result.get("tpot_p50_overhead_pct_by_gpu") or {}
     if by_gpu:
         lines += ["", "TPOT p50 over plain on the same GPU (set-ups side by side): "

@@ -34,6 +34,9 @@ LONG_GAP_US = 1000.0
 # The torch fallback's matmuls cannot be told from the model's own.
 PROBEX_KERNEL_MARKS = ("_tap_rows", "probex")
 TOP_KERNELS = 12
+# Every kernel name is kept with its count and time (a model's decode step runs a few dozen
+# distinct ones), so two set-ups' traces compare kernel by kernel (`kernel_differences`).
+MAX_KERNEL_NAMES = 300
 
 
 def find_traces(directory: Path) -> list[Path]:
@@ -104,7 +107,8 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     summary["kernels"] = {"count": sum(n for n, _ in kernels.values()),
                           "total_us": sum(t for _, t in kernels.values()),
                           "top": [{"name": name[:160], "count": n, "total_us": t}
-                                  for name, (n, t) in ranked[:TOP_KERNELS]]}
+                                  for name, (n, t) in ranked[:TOP_KERNELS]],
+                          "by_name": {name[:160]: [n, t] for name, (n, t) in ranked[:MAX_KERNEL_NAMES]}}
     probex = [(n, t) for name, (n, t) in kernels.items() if is_probex_kernel(name)]
     summary["probex_kernels"] = {"count": sum(n for n, _ in probex), "total_us": sum(t for _, t in probex)}
     summary["copies"] = {name: {"count": n, "total_us": t} for name, (n, t) in sorted(copies.items())}
@@ -119,3 +123,45 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def summarize_trace(path: Path) -> dict[str, Any]:
     return {"trace": Path(path).name, **summarize_events(load_events(path))}
+
+
+def kernel_differences(base: dict[str, Any], other: dict[str, Any], limit: int = 10) -> list[dict[str, Any]]:
+    """Kernels and copies whose device time per graph launch differs most between two
+    summaries (`other` minus `base`), largest difference first: which kernels a set-up adds
+    or slows down. Empty when either summary has no device events or no graph launches."""
+    if not base.get("graph_launches") or not other.get("graph_launches"):
+        return []
+
+    def per_launch(summary: dict[str, Any]) -> dict[str, tuple[int, float]]:
+        steps = summary["graph_launches"]
+        table = {name: (n, t / steps) for name, (n, t) in summary.get("kernels", {}).get("by_name", {}).items()}
+        table.update({name: (v["count"], v["total_us"] / steps) for name, v in summary.get("copies", {}).items()})
+        return table
+
+    a, b = per_launch(base), per_launch(other)
+    rows = [{"name": name, "base_count": a.get(name, (0, 0.0))[0], "other_count": b.get(name, (0, 0.0))[0],
+             "delta_us": b.get(name, (0, 0.0))[1] - a.get(name, (0, 0.0))[1]} for name in set(a) | set(b)]
+    rows.sort(key=lambda row: -abs(row["delta_us"]))
+    return rows[:limit]
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Summarise torch-profiler traces (device busy and idle time, "
+                                                 "kernels); with two, the kernels that differ most.")
+    parser.add_argument("traces", type=Path, nargs="+", metavar="TRACE")
+    args = parser.parse_args()
+    summaries = [summarize_trace(path) for path in args.traces]
+    for path, summary in zip(args.traces, summaries):
+        brief = {k: v for k, v in summary.items() if k not in ("kernels", "copies")}
+        print(path, json.dumps(brief, indent=1))
+    if len(summaries) == 2:
+        print(f"kernels and copies that differ most, {args.traces[1].name} minus {args.traces[0].name}, "
+              "µs per graph launch (counts over the whole trace):")
+        for row in kernel_differences(*summaries, limit=20):
+            print(f"{row['delta_us']:+9.2f}  {row['base_count']:6d} -> {row['other_count']:6d}  {row['name'][:100]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -60,3 +60,16 @@ def test_the_worker_trace_is_found_and_read_gzipped(tmp_path):
     assert find_traces(tmp_path) == [worker]
     summary = summarize_trace(worker)
     assert summary["trace"] == worker.name and summary["device_busy_us"] == pytest.approx(270)
+
+
+def test_kernel_differences_rank_what_a_set_up_adds_or_slows_per_graph_launch():
+    from probex.profile_trace import kernel_differences
+
+    base = summarize_events(made_up_trace())
+    slower = [dict(e, dur=e["dur"] + 40) if e.get("name") == "gemm_b" else e for e in made_up_trace()]
+    other = summarize_events(slower + [kernel("_tap_rows_0d1d2d", 6000, 6), kernel("gemm_c", 6010, 2)])
+    rows = kernel_differences(base, other, limit=3)
+    assert [(r["name"], r["delta_us"]) for r in rows] == [
+        ("gemm_b", pytest.approx(20.0)), ("_tap_rows_0d1d2d", pytest.approx(3.0)), ("gemm_c", pytest.approx(1.0))]
+    assert (rows[1]["base_count"], rows[1]["other_count"]) == (1, 2) and rows[2]["base_count"] == 0
+    assert kernel_differences(base, summarize_events([kernel("aten::mm", 1, 3, cat="cpu_op")])) == []
