@@ -60,16 +60,19 @@ class _Staging:
 
 class LayerSteer(nn.Module):
     def __init__(self, layer: int, hidden_size: int, capacity: int, max_rows: int,
-                 gate_taps: list[LayerTap] | tuple[LayerTap, ...] = (), staging_depth: int = 4) -> None:
+                 gate_taps: list[LayerTap] | tuple[LayerTap, ...] = (), staging_depth: int = 4,
+                 device: torch.device | str | None = None) -> None:
+        """`device`: as for `LayerTap` ("meta" defers the buffers' storage to `tap.materialize`)."""
         super().__init__()
         if capacity < 1:
             raise ValueError("LayerSteer needs room for at least one vector")
         self.layer = layer
         self.hidden_size = hidden_size
         self.capacity = capacity
-        self.register_buffer("vectors", torch.zeros(capacity, hidden_size, dtype=torch.float32), persistent=False)
-        self.register_buffer("row_params", torch.zeros(max_rows, 3, dtype=torch.float32), persistent=False)
-        self.register_buffer("row_index", torch.zeros(max_rows, 2, dtype=torch.long), persistent=False)
+        f32 = torch.float32
+        self.register_buffer("vectors", torch.zeros(capacity, hidden_size, dtype=f32, device=device), persistent=False)
+        self.register_buffer("row_params", torch.zeros(max_rows, 3, dtype=f32, device=device), persistent=False)
+        self.register_buffer("row_index", torch.zeros(max_rows, 2, dtype=torch.long, device=device), persistent=False)
         ordered = tuple(sorted(gate_taps, key=lambda t: t.layer))
         if any(t.layer > layer for t in ordered):
             raise ValueError(f"layer {layer}: a gate can only read taps at this layer or earlier ones")

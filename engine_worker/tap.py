@@ -1,9 +1,15 @@
 """Static buffers of one tapped layer and the probes loaded into them.
 
 A `LayerTap` is an nn.Module attached to a decoder layer when the model is built, so
-its buffers land on the model's device and torch.compile sees them as module state.
-Their addresses never change: a live probe swap copies new values into them between
-steps, which is what lets compiled graphs and CUDA graphs keep running unchanged.
+torch.compile sees its buffers as module state. Their addresses never change once the
+engine runs: a live probe swap copies new values into them between steps, which is what
+lets compiled graphs and CUDA graphs keep running unchanged.
+
+Inside vLLM the buffers are built on the meta device (shapes only) and given storage by
+`materialize` once the weights are loaded: allocated while the model was built, they sat
+between one layer's weights and the next one's, so the model's weights were not allocated
+as in plain vLLM (session 11's profile saw the model's own GEMMs run 1.5-2.4% slower with
+the tap, the same kernels; whether the placement is why is for the next GPU run).
 """
 
 from __future__ import annotations
@@ -37,17 +43,24 @@ class LayerTap(nn.Module):
         capacity: int,
         max_rows: int,
         capture_rows: int = 0,
+        device: torch.device | str | None = None,
     ) -> None:
+        """`device`: where the buffers are built (the default device if None); "meta" defers
+        their storage to `materialize`."""
         super().__init__()
         self.layer = layer
         self.hidden_size = hidden_size
         self.capacity = capacity
         f32 = torch.float32
-        self.register_buffer("weight", torch.zeros(capacity, hidden_size, dtype=f32), persistent=False)
-        self.register_buffer("bias", torch.zeros(capacity, dtype=f32), persistent=False)
-        self.register_buffer("scores", torch.zeros(max_rows, capacity, dtype=f32), persistent=False)
-        self.register_buffer("capture_index", torch.zeros(capture_rows, dtype=torch.long), persistent=False)
-        self.register_buffer("capture", torch.zeros(capture_rows, hidden_size, dtype=f32), persistent=False)
+
+        def zeros(*shape: int, dtype: torch.dtype = f32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.register_buffer("weight", zeros(capacity, hidden_size), persistent=False)
+        self.register_buffer("bias", zeros(capacity), persistent=False)
+        self.register_buffer("scores", zeros(max_rows, capacity), persistent=False)
+        self.register_buffer("capture_index", zeros(capture_rows, dtype=torch.long), persistent=False)
+        self.register_buffer("capture", zeros(capture_rows, hidden_size), persistent=False)
 
     @property
     def max_rows(self) -> int:
@@ -77,3 +90,15 @@ class LayerTap(nn.Module):
         staged = torch.zeros(self.capture_index.shape[0], dtype=torch.long)
         staged[:n] = torch.from_numpy(np.asarray(rows[:n], dtype=np.int64))
         self.capture_index.copy_(staged, non_blocking=True)
+
+
+def materialize(module: nn.Module, device: torch.device) -> int:
+    """Give `module`'s own buffers that were built on the meta device zeroed storage on
+    `device`, same shapes and dtypes; returns how many. Before any graph is traced: the
+    compiled graphs and CUDA graphs then keep the addresses given here."""
+    count = 0
+    for name, buffer in module.named_buffers(recurse=False):
+        if buffer is not None and buffer.is_meta:
+            module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
+            count += 1
+    return count

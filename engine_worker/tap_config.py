@@ -56,6 +56,21 @@ ENV_COPY_STREAM = "PROBEX_COPY_STREAM"
 ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
 
 
+# Diagnostic: "in-model" allocates the tap's and steering's buffers while the model is built,
+# between the tapped layer's weights and the next layer's (before session 11); by default they
+# are allocated once the weights are loaded, so the weights are allocated as in plain vLLM
+# (set-up "tap-buffers-in-model").
+ENV_TAP_BUFFERS = "PROBEX_TAP_BUFFERS"
+TAP_BUFFER_PLACES = ("after-weights", "in-model")
+
+
+def buffers_after_weights() -> bool:
+    value = os.environ.get(ENV_TAP_BUFFERS, "after-weights").strip().lower() or "after-weights"
+    if value not in TAP_BUFFER_PLACES:
+        raise ValueError(f"{ENV_TAP_BUFFERS} must be one of {', '.join(TAP_BUFFER_PLACES)}, not {value!r}")
+    return value == "after-weights"
+
+
 def scores_ahead_of_tokens() -> bool:
     return _env_switch(ENV_SCORES_AHEAD)
 

@@ -28,7 +28,7 @@ import weakref
 
 from engine_worker.steer import LayerSteer
 from engine_worker.tap import LayerTap
-from engine_worker.tap_config import TapConfig
+from engine_worker.tap_config import TapConfig, buffers_after_weights
 
 log = logging.getLogger("vllm.probex.models")  # under "vllm": printed by its log handler
 
@@ -115,15 +115,20 @@ def _attach_tap(layer, prefix: str) -> None:
     # layer can gate on the taps at its own layer and at earlier ones.
     model_taps = _TAPS_BY_MODEL.setdefault((id(vllm_config), prefix.rsplit(str(index), 1)[0]),
                                            weakref.WeakValueDictionary())
+    # Shapes only for now: install_controller gives the buffers storage once the weights are in
+    # (engine_worker/tap.py says why).
+    device = "meta" if buffers_after_weights() else None
     if index in tap_config.layers:
         capture_rows = min(tap_config.capture_rows, max_rows) if tap_config.capture_enabled else 0
-        layer.probex_tap = LayerTap(index, hidden_size, tap_config.probes_per_layer, max_rows, capture_rows)
+        layer.probex_tap = LayerTap(index, hidden_size, tap_config.probes_per_layer, max_rows, capture_rows,
+                                    device=device)
         model_taps[index] = layer.probex_tap
-        log.info("probex: tapping decoder layer %d (%s), %d probe slots", index, type(layer).__name__,
-                 tap_config.probes_per_layer)
+        log.info("probex: tapping decoder layer %d (%s), %d probe slots, buffers %s", index, type(layer).__name__,
+                 tap_config.probes_per_layer, "after the weights" if device == "meta" else "among the weights")
     if index in tap_config.steer_layers:
         gate_taps = [tap for layer_index, tap in model_taps.items() if layer_index <= index]
-        layer.probex_steer = LayerSteer(index, hidden_size, tap_config.steer_vectors_per_layer, max_rows, gate_taps)
+        layer.probex_steer = LayerSteer(index, hidden_size, tap_config.steer_vectors_per_layer, max_rows, gate_taps,
+                                        device=device)
         log.info("probex: steering at decoder layer %d, %d vector slots, gates from tapped layers %s", index,
                  tap_config.steer_vectors_per_layer, sorted(t.layer for t in gate_taps))
 

@@ -51,6 +51,9 @@ whether engine-thread time is on the step's critical path. ``tap-scores-after-to
 consuming its scores (``PROBEX_SCORES_AHEAD_OF_TOKENS=0``, the order before session 9).
 ``tap-side-copies`` (diagnostic) puts the score copies on a side stream
 (``PROBEX_COPY_STREAM=side``), off the device's path from forward to sampling.
+``tap-buffers-in-model`` (diagnostic) allocates the tap's buffers while the model is built,
+between its layers' weights (``PROBEX_TAP_BUFFERS=in-model``, the placement before session
+11), instead of after the weights are loaded.
 ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
 where its kind has run least (so repeats meet every GPU), and adds each set-up's TPOT over
 plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
@@ -105,7 +108,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import numpy as np
 
 from engine_worker.tap_config import (ENV_COPY_STREAM, ENV_DELIVERY, ENV_HOOK_SPIN_US,  # torch-free
-                                      ENV_SCORE_CONSUMER, ENV_SCORES_AHEAD)
+                                      ENV_SCORE_CONSUMER, ENV_SCORES_AHEAD, ENV_TAP_BUFFERS)
 
 from probex.processes import free_port
 
@@ -117,10 +120,10 @@ except ImportError:  # pragma: no cover - depends on the machine
     _loads = json.loads
 
 KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-         "tap-scores-after-tokens", "tap-side-copies", "eager",
+         "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "eager",
          "steer-idle", "steer-active", "steer-gated")
 WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-                "tap-scores-after-tokens", "tap-side-copies", "steer-idle",
+                "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "steer-idle",
                 "steer-active", "steer-gated")  # `probex worker` with the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
@@ -138,7 +141,10 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    # Diagnostic: the V2 engine consumer's order before session 9 (tap_config.py)
                    "tap-scores-after-tokens": {ENV_SCORES_AHEAD: "0"},
                    # The score copies on a side stream, off the path from forward to sampling
-                   "tap-side-copies": {ENV_COPY_STREAM: "side"}}
+                   "tap-side-copies": {ENV_COPY_STREAM: "side"},
+                   # Diagnostic: the tap's buffers allocated between the model's weights, as
+                   # before session 11 (engine_worker/tap.py)
+                   "tap-buffers-in-model": {ENV_TAP_BUFFERS: "in-model"}}
 # What the worker's /probex/probes listing must then say (its `transfer` section), so a set-up
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
@@ -2028,7 +2034,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     probes = len(result.get("probes", [])) or 8
     colors = {"plain": "#4c72b0", "tap": "#55a868", "tap-op-only": "#937860", "tap-engine-consumer": "#da8bc3",
               "tap-thread-consumer": "#8c8c8c", "tap-slow-hook": "#e5ae38", "tap-scores-after-tokens": "#4f9da6",
-              "tap-side-copies": "#b07aa1",
+              "tap-side-copies": "#b07aa1", "tap-buffers-in-model": "#ff9da6",
               "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
@@ -2039,6 +2045,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
              "tap-slow-hook": f"ProbeX tap + {SLOW_HOOK_SPIN_US} µs engine-thread spin per step",
              "tap-scores-after-tokens": "ProbeX tap, scores consumed after their tokens",
              "tap-side-copies": "ProbeX tap, score copies on a side stream",
+             "tap-buffers-in-model": "ProbeX tap, buffers between the model's weights",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}

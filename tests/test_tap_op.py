@@ -1,6 +1,7 @@
 """The op and its buffers under torch.compile, without an engine."""
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -184,3 +185,34 @@ def test_the_op_microbenchmark_says_it_needs_a_gpu_here(capsys):
     assert not torch.cuda.is_available()  # the CPU machines that run this suite
     assert bench_tap_op.main(["--rows", "1"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_buffers_built_as_shapes_get_zeroed_storage_once_the_weights_are_in(monkeypatch):
+    """Inside vLLM the tap's and steering's buffers are allocated after the model's weights
+    (`materialize`), not between two layers' weights while the model is built."""
+    from engine_worker.steer import LayerSteer
+    from engine_worker.tap import LayerTap, materialize
+    from engine_worker.tap_config import ENV_TAP_BUFFERS, buffers_after_weights
+
+    tap = LayerTap(1, 16, capacity=4, max_rows=32, capture_rows=8, device="meta")
+    steer = LayerSteer(1, 16, capacity=2, max_rows=32, gate_taps=[tap], device="meta")
+    shapes = {name: (b.shape, b.dtype) for m in (tap, steer) for name, b in m.named_buffers()}
+    assert all(b.is_meta for m in (tap, steer) for b in m.buffers())
+    assert materialize(tap, torch.device("cpu")) == 5 and materialize(steer, torch.device("cpu")) == 3
+    assert materialize(tap, torch.device("cpu")) == 0  # storage given once; its addresses stay
+    for module in (tap, steer):
+        for name, buffer in module.named_buffers():
+            assert not buffer.is_meta and (buffer.shape, buffer.dtype) == shapes[name] and not buffer.any(), name
+    tap.load(np.ones((2, 16), np.float32), np.zeros(2, np.float32))  # a probe set loads into the new storage
+    hidden = torch.randn(3, 16)
+    tap(hidden, torch.zeros(3, 16))
+    torch.testing.assert_close(tap.scores[:3, 0], hidden.sum(dim=1))
+    assert steer(hidden).shape == hidden.shape  # the gate reads the tap's new scores buffer
+
+    monkeypatch.delenv(ENV_TAP_BUFFERS, raising=False)
+    assert buffers_after_weights()
+    monkeypatch.setenv(ENV_TAP_BUFFERS, "in-model")
+    assert not buffers_after_weights()
+    monkeypatch.setenv(ENV_TAP_BUFFERS, "elsewhere")
+    with pytest.raises(ValueError, match="after-weights, in-model"):
+        buffers_after_weights()
