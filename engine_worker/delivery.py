@@ -163,16 +163,12 @@ class ScoreHub:
             state.changed.set()
         if events.token_req_ids:
             # One vectorised calibration per step instead of one math.exp per token and
-            # probe later, on the event loop that also relays every chunk. `_state` is
-            # written out here (one clock read per step): this runs for every request of every step.
+            # probe later, on the event loop that also relays every chunk; one clock read per
+            # step, not per token.
             scores = table.calibrate(events.token_raw).tolist()
-            requests, external_ids, now = self._requests, self._external_ids, time.monotonic()
+            now = time.monotonic()
             for req, index, values in zip(events.token_req_ids, events.token_indexes, scores):
-                key = external_ids.get(req) or self._external_id(req)
-                state = requests.get(key)
-                if state is None:
-                    state = requests[key] = RequestScores()
-                state.touched = now
+                state = self._state(self._external_id(req), now)
                 state.add_token(index, values, probes)
                 state.changed.set()
         for req in events.finished:
@@ -191,11 +187,11 @@ class ScoreHub:
             key = self._external_ids[engine_request_id] = external_request_id(engine_request_id)
         return key
 
-    def _state(self, key: str) -> RequestScores:
+    def _state(self, key: str, now: float | None = None) -> RequestScores:
         state = self._requests.get(key)
         if state is None:
             state = self._requests[key] = RequestScores()
-        state.touched = time.monotonic()
+        state.touched = time.monotonic() if now is None else now
         return state
 
     def get(self, key: str) -> RequestScores:
@@ -226,7 +222,7 @@ class ScoreHub:
         """Are the prompt summary (if asked) and tokens [0, tokens) in already? Each check is
         one of `waits`' calls; `wait_more` waits for what is not in yet."""
         self.waits["prompt" if prompt else "tokens"].calls += 1
-        return (state.prompt is not None or not prompt) and state.contiguous >= tokens
+        return (state.prompt is not None or not prompt) and state.has_tokens_below(tokens)
 
     async def wait_for(self, key: str, *, prompt: bool, tokens: int, timeout: float) -> bool:
         """Wait until the prompt summary (if asked) and tokens [0, tokens) are in; False on timeout."""
@@ -284,7 +280,7 @@ class TimeStats:
 @dataclass
 class WaitStats(TimeStats):
     """The waits for scores (`count` of them had to wait, `total_s` in all), out of `calls`:
-    every wait_for, including those whose scores were already in."""
+    every check (`ScoreHub.scores_in`), including those whose scores were already in."""
 
     calls: int = 0
 

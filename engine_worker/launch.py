@@ -123,20 +123,25 @@ def _refuse_layers_out_of_range(layers: list[int], flag: str, served: ServedMode
             )
 
 
-_API_SERVER_COUNT_FLAGS = ("--api-server-count", "-asc")
+_API_SERVER_COUNT_FLAGS = ("--api-server-count", "--api_server_count", "-asc")  # vLLM reads "_" as "-"
 
 
 def _refuse_api_server_scale_out(passthrough: list[str]) -> None:
     """One API server process only: each request's scores reach the one process that binds the
     score socket and relays its chunks. With vLLM's `--api-server-count N` the other N - 1
-    processes would serve requests whose scores they never receive."""
+    processes would serve requests whose scores they never receive. (The worker passes
+    `--api-server-count 1` itself, so data parallelism does not raise the count either.)"""
     for i, arg in enumerate(passthrough):
         flag, _, value = arg.partition("=")
         if flag not in _API_SERVER_COUNT_FLAGS:
             continue
         if not value:
             value = passthrough[i + 1] if i + 1 < len(passthrough) else ""
-        if value.strip() != "1":
+        try:
+            count = int(value)
+        except ValueError:
+            count = None
+        if count != 1:
             raise SystemExit(f"probex worker: refusing to start: {flag} {value or '(missing)'}: ProbeX delivers "
                              "scores through one API server process; run more workers behind the gateway "
                              "(probex gateway --upstream URL --upstream URL ...) instead")

@@ -8,8 +8,9 @@ lets compiled graphs and CUDA graphs keep running unchanged.
 Inside vLLM the buffers are built on the meta device (shapes only) and given storage by
 `materialize` once the weights are loaded: allocated while the model was built, they sat
 between one layer's weights and the next one's, so the model's weights were not allocated
-as in plain vLLM (session 11's profile saw the model's own GEMMs run 1.5-2.4% slower with
-the tap, the same kernels; whether the placement is why is for the next GPU run).
+as in plain vLLM (session 11's profile saw three of the model's GEMMs run 1.3-2.5% slower
+with the tap and one 2.9% faster, the same kernels; whether the placement is why is for the
+next GPU run).
 """
 
 from __future__ import annotations

@@ -57,10 +57,7 @@ def install_controller(runner, score_consumer: str = "thread") -> TapController 
     missing = sorted(set(tap_config.steer_layers) - set(steers))
     if missing:
         raise RuntimeError(f"probex: layers {missing} were asked to be steered but the model has no steering op there")
-    # The weights are in: now the buffers built as shapes only get their storage, after them.
-    device = next(runner.model.parameters()).device
-    for module in [*taps.values(), *steers.values()]:
-        materialize(module, device)
+    _give_buffers_storage(runner, [*taps.values(), *steers.values()])
     hf_config = runner.vllm_config.model_config.hf_config.to_dict()
     served = ServedModel.from_hf_config(hf_config, name=runner.vllm_config.model_config.model)
     # Every rank computes the same rows; one writes them (two would race on the same files).
@@ -79,6 +76,24 @@ def install_controller(runner, score_consumer: str = "thread") -> TapController 
         sys.setswitchinterval(float(interval))
         log.info("probex: GIL switch interval set to %s s (%s)", interval, ENV_SWITCH_INTERVAL)
     return controller
+
+
+def _give_buffers_storage(runner, modules: list) -> None:
+    """The weights are in: the tap's and steering's buffers, built as shapes only
+    (engine_worker/tap.py says why), get their storage now, after the weights, on the
+    runner's device (a model's first parameter may be offloaded to the CPU)."""
+    device = getattr(runner, "device", None) or next(runner.model.parameters()).device
+    materialized = sum(materialize(module, device) for module in modules)
+    for module in modules:
+        for buffer in module.buffers(recurse=False):
+            # Zero whatever storage they have: a loader may have given meta buffers storage of
+            # its own, uninitialised (vLLM 0.32's weight-cache loader does), and the steering
+            # op relies on rows it has not written being zero.
+            buffer.zero_()
+    if materialized and isinstance(getattr(runner, "model_memory_usage", None), (int, float)):
+        # vLLM 0.25 sizes the KV cache from the model's memory measured inside load_model; the
+        # buffers are the model's too (capture mode's are max_rows x hidden x 4 bytes per layer).
+        runner.model_memory_usage += sum(b.numel() * b.element_size() for m in modules for b in m.buffers(recurse=False))
 
 
 def _publisher(tap_config: TapConfig):

@@ -59,7 +59,7 @@ where its kind has run least (so repeats meet every GPU), and adds each set-up's
 plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
 ``--profile-requests N`` ends every set-up with N requests one at a time under vLLM's torch
 profiler (its ``--profiler-config``, engine worker only); the trace's device timeline says
-how busy the device was per CUDA-graph step, how long it sat idle inside requests (host work
+how busy the device was per CUDA-graph step, how long it sat waiting for work (host work
 not hidden behind it) and what ProbeX's kernels and copies took (``probex.profile_trace``).
 
 The model is a real architecture with ``--load-format dummy`` (timings do not depend on
@@ -1044,6 +1044,8 @@ def log_checks(text: str) -> dict[str, Any]:
         "probex_tap_on_runner_v2": "tap attached to vLLM model runner V2" in text,
         # the worker logs each request it had to run unsteered (vector or gate not loaded)
         "probex_runs_unsteered_lines": sum(1 for line in text.splitlines() if "runs unsteered" in line),
+        # where each tapped layer's buffers were allocated (engine_worker/vllm_models.py logs it)
+        "probex_buffers_among_weights_lines": text.count("buffers among the weights"),
     }
 
 
@@ -1254,8 +1256,8 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     """`cancelled`: polled around every phase; once true, the phase in progress is dropped
     (its server was stopped under it) and SetupCancelled is raised. `idle_ttft_requests`:
     after the concurrency phases, that many requests one at a time (`run_idle_ttft`).
-    `profile_requests`: last, that many requests one at a time under vLLM's torch profiler,
-    whose trace (under `profile_dir`) is summarised into `record["profile"]`."""
+    `profile_requests`: after those, that many requests one at a time under vLLM's torch
+    profiler, whose trace (under `profile_dir`) is summarised into `record["profile"]`."""
     import httpx
 
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -1398,12 +1400,13 @@ def profile_line(profile: dict[str, Any]) -> str:
                 f"{profile['graph_launches']} graph launches")
     per = profile.get("per_graph_launch_us")
     gaps = profile["idle_gaps_us"]
-    line = (f"device busy {profile['device_busy_us'] / 1e3:.2f} ms, idle inside requests "
-            f"{gaps['short_total'] / 1e3:.2f} ms over {gaps['short_count']} gaps; ProbeX kernels "
+    line = (f"device busy {profile['device_busy_us'] / 1e3:.2f} ms, waiting for work "
+            f"{gaps['waiting_total'] / 1e3:.2f} ms over {gaps['waiting_count']} gaps; ProbeX kernels "
             f"{profile['probex_kernels']['total_us']:.0f} µs x{profile['probex_kernels']['count']}")
     if per:
-        line += (f"; per graph launch ({profile['graph_launches']}): busy {per['device_busy']:.1f} µs, idle "
-                 f"{per['short_idle']:.1f} µs, ProbeX kernels {per['probex_kernels']:.2f} µs, copies {per['copies']:.2f} µs")
+        line += (f"; per graph launch ({profile['graph_launches']}): busy {per['device_busy']:.1f} µs, waiting "
+                 f"{per['waiting_idle']:.1f} µs, ProbeX kernels {per['probex_kernels']:.2f} µs, copies "
+                 f"{per['copies']:.2f} µs")
     return line
 
 
@@ -1812,6 +1815,11 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
             problems.append(f"{label}: the worker consumed scores on the {consumer} side, not {wanted}: it "
                             f"ignored {ENV_SCORE_CONSUMER}, another runner ran, or the bench's own environment "
                             f"set it")
+        among = checks.get("probex_buffers_among_weights_lines")
+        if s["kind"] in WORKER_KINDS and among is not None and (among > 0) != (s["kind"] == "tap-buffers-in-model"):
+            problems.append(f"{label}: the worker's tap buffers were allocated "
+                            f"{'among' if among else 'after'} the model's weights, not as the set-up asks "
+                            f"({ENV_TAP_BUFFERS})")
         if s["kind"] in KIND_TRANSFER_SETTINGS and "probex_transfer_settings" in checks:
             key, wanted_value = KIND_TRANSFER_SETTINGS[s["kind"]]
             seen = checks["probex_transfer_settings"].get(key)
@@ -1975,14 +1983,15 @@ def markdown_tables(result: dict[str, Any]) -> str:
     if profiled:
         lines += ["", "Device time from each set-up's profiled requests (vLLM's torch profiler, "
                   f"{profiled[0]['profile'].get('requests')} requests of {profiled[0]['profile'].get('max_tokens')} "
-                  "tokens one at a time), µs per CUDA-graph launch:", "",
-                  "| set-up | graph launches | device busy | device idle inside requests | ProbeX kernels | copies |",
+                  "tokens one at a time), µs per CUDA-graph launch, the whole trace (prefills included) over the "
+                  "launches; waiting: device idle in gaps of 10 µs to 1 ms (work not launched yet):", "",
+                  "| set-up | graph launches | device busy | waiting | ProbeX kernels | copies |",
                   "|---|---:|---:|---:|---:|---:|"]
         for s in profiled:
             per = s["profile"].get("per_graph_launch_us")
             if per:
                 lines.append(f"| {s['label']} | {s['profile']['graph_launches']} | {per['device_busy']:.1f} | "
-                             f"{per['short_idle']:.1f} | {per['probex_kernels']:.2f} | {per['copies']:.2f} |")
+                             f"{per['waiting_idle']:.1f} | {per['probex_kernels']:.2f} | {per['copies']:.2f} |")
             else:
                 lines.append(f"| {s['label']} | {profile_line(s['profile'])} | | | | |")
         from probex.profile_trace import kernel_differences

@@ -8,10 +8,14 @@ the forward and the sampling) or device idle time (the host launching the next s
 Client timings cannot tell those apart; the trace can:
 
 - `device_busy_us`: the union of the device's kernel, copy and set intervals;
-- `idle_gaps_us`: the device idle between two of its activities, split at `LONG_GAP_US`:
-  short gaps are inside a request (a step's host work not hidden behind the device, copy
-  hand-offs), long ones are between requests (the client's pause, HTTP);
-- per graph launch (`graph_launches`, one per CUDA-graph step): busy and short-gap idle;
+- `idle_gaps_us`, the device idle between two of its activities, in three sizes: under
+  `WAITING_GAP_US`, the gap from one kernel to the next (inside a CUDA graph too, ~1-2 µs
+  each); up to `LONG_GAP_US`, the device waiting for work not launched yet (a step's host
+  work not hidden behind the device, a copy's hand-off); longer, between requests (the
+  client's pause, HTTP);
+- per graph launch (`graph_launches`; one per decode step with full CUDA graphs, several
+  per prefill with piecewise ones): busy time and waiting gaps, the whole trace's (its
+  prefills included) divided by the launches;
 - the kernels by total time, the copies by direction, and which of them are ProbeX's.
 
 Only the trace's own events are read (Chrome trace format, gzipped or not); nothing here
@@ -28,14 +32,17 @@ from typing import Any, Iterable
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
-# Gaps longer than this are between requests (or a prefill's host work), not inside a decode step.
+# Shorter gaps are the device going from one kernel to the next; longer ones, up to
+# LONG_GAP_US, the device waiting for work; longer still, between requests.
+WAITING_GAP_US = 10.0
 LONG_GAP_US = 1000.0
 # ProbeX's device kernels by name: the fused Triton tap kernel (engine_worker/fused_tap.py).
 # The torch fallback's matmuls cannot be told from the model's own.
 PROBEX_KERNEL_MARKS = ("_tap_rows", "probex")
 TOP_KERNELS = 12
-# Every kernel name is kept with its count and time (a model's decode step runs a few dozen
-# distinct ones), so two set-ups' traces compare kernel by kernel (`kernel_differences`).
+# Every kernel name is kept whole with its count and time (a model's decode step runs a few
+# dozen distinct ones; templated names share long prefixes), so two set-ups' traces compare
+# kernel by kernel (`kernel_differences`).
 MAX_KERNEL_NAMES = 300
 
 
@@ -86,15 +93,17 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
         return summary
     busy = merged_intervals(_interval(e) for e in device)
     gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
-    short = [g for g in gaps if g < LONG_GAP_US]
+    kernel_gaps = [g for g in gaps if g < WAITING_GAP_US]
+    waiting = [g for g in gaps if WAITING_GAP_US <= g < LONG_GAP_US]
+    between = [g for g in gaps if g >= LONG_GAP_US]
     busy_us = sum(e - s for s, e in busy)
     summary.update(
         span_us=busy[-1][1] - busy[0][0],
         device_busy_us=busy_us,
-        idle_gaps_us={"short_total": sum(short), "short_count": len(short),
-                      "long_total": sum(g for g in gaps if g >= LONG_GAP_US),
-                      "long_count": len(gaps) - len(short),
-                      "short_max": max(short, default=0.0)},
+        idle_gaps_us={"kernel_to_kernel_total": sum(kernel_gaps), "kernel_to_kernel_count": len(kernel_gaps),
+                      "waiting_total": sum(waiting), "waiting_count": len(waiting),
+                      "waiting_max": max(waiting, default=0.0),
+                      "between_requests_total": sum(between), "between_requests_count": len(between)},
     )
     kernels: dict[str, list[float]] = {}
     copies: dict[str, list[float]] = {}
@@ -106,16 +115,16 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
     summary["kernels"] = {"count": sum(n for n, _ in kernels.values()),
                           "total_us": sum(t for _, t in kernels.values()),
-                          "top": [{"name": name[:160], "count": n, "total_us": t}
-                                  for name, (n, t) in ranked[:TOP_KERNELS]],
-                          "by_name": {name[:160]: [n, t] for name, (n, t) in ranked[:MAX_KERNEL_NAMES]}}
+                          "top": [{"name": name, "count": n, "total_us": t} for name, (n, t) in ranked[:TOP_KERNELS]],
+                          "by_name": {name: [n, t] for name, (n, t) in ranked[:MAX_KERNEL_NAMES]}}
     probex = [(n, t) for name, (n, t) in kernels.items() if is_probex_kernel(name)]
     summary["probex_kernels"] = {"count": sum(n for n, _ in probex), "total_us": sum(t for _, t in probex)}
     summary["copies"] = {name: {"count": n, "total_us": t} for name, (n, t) in sorted(copies.items())}
     if launches:
         steps = len(launches)
         summary["per_graph_launch_us"] = {
-            "device_busy": busy_us / steps, "short_idle": sum(short) / steps,
+            "device_busy": busy_us / steps, "waiting_idle": sum(waiting) / steps,
+            "kernel_to_kernel_idle": sum(kernel_gaps) / steps,
             "probex_kernels": summary["probex_kernels"]["total_us"] / steps,
             "copies": sum(t for _, t in copies.values()) / steps}
     return summary

@@ -193,7 +193,10 @@ def test_log_checks():
             "Capturing CUDA graphs (decode, FULL): 100%\nGraph capturing finished in 5 secs\n")
     checks = be.log_checks(text)
     assert checks == {"enforce_eager": True, "cuda_graph_capture_lines": 2, "model_runner_v2": True,
-                      "probex_tap_on_runner_v2": False, "probex_runs_unsteered_lines": 0}
+                      "probex_tap_on_runner_v2": False, "probex_runs_unsteered_lines": 0,
+                      "probex_buffers_among_weights_lines": 0}
+    among = "probex: tapping decoder layer 10 (LlamaDecoderLayer), 8 probe slots, buffers among the weights\n"
+    assert be.log_checks(among * 2)["probex_buffers_among_weights_lines"] == 2
     assert be.log_checks("nothing")["enforce_eager"] is None
     warned = "WARNING probex: request cmpl-1 runs unsteered: steering vector 'x' is not loaded\n"
     assert be.log_checks(warned)["probex_runs_unsteered_lines"] == 1

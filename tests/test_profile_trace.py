@@ -15,8 +15,8 @@ def kernel(name, ts, dur, cat="kernel"):
 def made_up_trace():
     return [
         kernel("gemm_a", 0, 100), kernel("gemm_b", 50, 100),  # two streams at once: counted once
-        kernel("Memcpy DtoH (Device -> Pinned)", 160, 10, cat="gpu_memcpy"),  # 10 µs idle before it
-        kernel("_tap_rows_0d1d2d", 170, 10),  # right behind the copy: no gap
+        kernel("Memcpy DtoH (Device -> Pinned)", 160, 10, cat="gpu_memcpy"),  # the device waited 10 µs for it
+        kernel("_tap_rows_0d1d2d", 172, 10),  # 2 µs behind the copy: going from one to the next
         kernel("gemm_a", 5000, 100),  # the next request, a long gap away
         kernel("cudaGraphLaunch", 0, 5, cat="cuda_runtime"), kernel("cudaGraphLaunch", 4990, 5, cat="cuda_runtime"),
         kernel("aten::mm", 1, 3, cat="cpu_op"),
@@ -27,18 +27,20 @@ def made_up_trace():
 def test_busy_time_idle_gaps_and_probex_kernels_per_graph_launch():
     summary = summarize_events(made_up_trace())
     assert summary["device_events"] == 5 and summary["host_events"] == 3 and summary["graph_launches"] == 2
-    assert summary["device_busy_us"] == pytest.approx(150 + 20 + 100)
+    assert summary["device_busy_us"] == pytest.approx(150 + 10 + 10 + 100)
     assert summary["span_us"] == pytest.approx(5100)
     gaps = summary["idle_gaps_us"]
-    assert (gaps["short_count"], gaps["short_total"], gaps["short_max"]) == (1, pytest.approx(10), pytest.approx(10))
-    assert (gaps["long_count"], gaps["long_total"]) == (1, pytest.approx(4820))
+    assert (gaps["kernel_to_kernel_count"], gaps["kernel_to_kernel_total"]) == (1, pytest.approx(2))
+    assert (gaps["waiting_count"], gaps["waiting_total"], gaps["waiting_max"]) == (1, pytest.approx(10), pytest.approx(10))
+    assert (gaps["between_requests_count"], gaps["between_requests_total"]) == (1, pytest.approx(4818))
     assert summary["probex_kernels"] == {"count": 1, "total_us": pytest.approx(10)}
     assert summary["copies"] == {"Memcpy DtoH (Device -> Pinned)": {"count": 1, "total_us": pytest.approx(10)}}
     assert summary["kernels"]["count"] == 4 and summary["kernels"]["top"][0] == {
         "name": "gemm_a", "count": 2, "total_us": pytest.approx(200)}
     per = summary["per_graph_launch_us"]
-    assert per == {"device_busy": pytest.approx(135), "short_idle": pytest.approx(5),
-                   "probex_kernels": pytest.approx(5), "copies": pytest.approx(5)}
+    assert per == {"device_busy": pytest.approx(135), "waiting_idle": pytest.approx(5),
+                   "kernel_to_kernel_idle": pytest.approx(1), "probex_kernels": pytest.approx(5),
+                   "copies": pytest.approx(5)}
 
 
 def test_a_trace_without_device_events_says_so():
@@ -60,6 +62,12 @@ def test_the_worker_trace_is_found_and_read_gzipped(tmp_path):
     assert find_traces(tmp_path) == [worker]
     summary = summarize_trace(worker)
     assert summary["trace"] == worker.name and summary["device_busy_us"] == pytest.approx(270)
+
+
+def test_kernels_whose_long_names_share_a_prefix_are_kept_apart():
+    prefix = "void cutlass::device_kernel<flash::FlashAttnFwdSm90<" + "x" * 200
+    summary = summarize_events([kernel(prefix + "decode>", 0, 5), kernel(prefix + "prefill>", 10, 50)])
+    assert summary["kernels"]["by_name"] == {prefix + "prefill>": [1, 50], prefix + "decode>": [1, 5]}
 
 
 def test_kernel_differences_rank_what_a_set_up_adds_or_slows_per_graph_launch():

@@ -216,3 +216,21 @@ def test_buffers_built_as_shapes_get_zeroed_storage_once_the_weights_are_in(monk
     monkeypatch.setenv(ENV_TAP_BUFFERS, "elsewhere")
     with pytest.raises(ValueError, match="after-weights, in-model"):
         buffers_after_weights()
+
+
+def test_the_engine_gives_the_buffers_zeroed_storage_and_counts_it_as_model_memory():
+    from types import SimpleNamespace
+
+    from engine_worker.steer import LayerSteer
+    from engine_worker.vllm_worker import _give_buffers_storage
+
+    tap = LayerTap(1, 16, capacity=4, max_rows=32, device="meta")
+    steer = LayerSteer(1, 16, capacity=2, max_rows=32, gate_taps=[tap], device="meta")
+    runner = SimpleNamespace(device=torch.device("cpu"), model_memory_usage=1000, model=nn.Linear(2, 2))
+    _give_buffers_storage(runner, [tap, steer])
+    sizes = sum(b.numel() * b.element_size() for m in (tap, steer) for b in m.buffers())
+    assert not any(b.is_meta for m in (tap, steer) for b in m.buffers())
+    assert runner.model_memory_usage == 1000 + sizes  # what vLLM 0.25 sizes the KV cache around
+    tap.scores.fill_(3.0)  # storage a loader left uninitialised is zeroed, and counted only once
+    _give_buffers_storage(runner, [tap, steer])
+    assert not tap.scores.any() and runner.model_memory_usage == 1000 + sizes

@@ -61,7 +61,8 @@ def test_bad_steering_options_are_startup_refusals(tmp_path):
     assert result.returncode != 0 and "exceed --steer-vectors 1" in result.stderr
 
 
-@pytest.mark.parametrize("passthrough", [["--api-server-count", "2"], ["--api-server-count=4"], ["-asc", "2"]])
+@pytest.mark.parametrize("passthrough", [["--api-server-count", "2"], ["--api-server-count=4"], ["-asc", "2"],
+                                         ["--api_server_count", "2"], ["--api-server-count", "0"]])
 def test_more_than_one_api_server_process_is_refused(passthrough):
     """Scores reach one API server process; vLLM's scale-out would leave the others' streams unscored."""
     result = run_worker("--layer", "3", *passthrough)
