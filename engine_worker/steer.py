@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import engine_worker.ops  # noqa: F401  (registers torch.ops.probex.steer)
-from engine_worker.tap import LayerTap
+from engine_worker.tap import LayerTap, await_storage
 
 ALPHA, THRESHOLD, GATE_ENABLED = 0, 1, 2
 VECTOR_SLOT, GATE_COLUMN = 0, 1
@@ -73,6 +73,8 @@ class LayerSteer(nn.Module):
         self.register_buffer("vectors", torch.zeros(capacity, hidden_size, dtype=f32, device=device), persistent=False)
         self.register_buffer("row_params", torch.zeros(max_rows, 3, dtype=f32, device=device), persistent=False)
         self.register_buffer("row_index", torch.zeros(max_rows, 2, dtype=torch.long, device=device), persistent=False)
+        if self.vectors.is_meta:
+            await_storage(self)
         ordered = tuple(sorted(gate_taps, key=lambda t: t.layer))
         if any(t.layer > layer for t in ordered):
             raise ValueError(f"layer {layer}: a gate can only read taps at this layer or earlier ones")

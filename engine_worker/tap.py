@@ -15,6 +15,7 @@ next GPU run).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,8 @@ class LayerTap(nn.Module):
         self.register_buffer("scores", zeros(max_rows, capacity), persistent=False)
         self.register_buffer("capture_index", zeros(capture_rows, dtype=torch.long), persistent=False)
         self.register_buffer("capture", zeros(capture_rows, hidden_size), persistent=False)
+        if self.scores.is_meta:
+            await_storage(self)
 
     @property
     def max_rows(self) -> int:
@@ -93,6 +96,21 @@ class LayerTap(nn.Module):
         self.capture_index.copy_(staged, non_blocking=True)
 
 
+# Modules built with their buffers on the meta device, until `materialize` gives them storage.
+# The runner adapter materializes every one, those of a model it does not walk too (a draft
+# model for speculative decoding, built from tapped layer classes), so none is left to fail.
+_AWAITING_STORAGE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def await_storage(module: nn.Module) -> None:
+    _AWAITING_STORAGE.add(module)
+
+
+def awaiting_storage() -> list[nn.Module]:
+    """Modules built on the meta device and not materialized yet (this process's)."""
+    return [m for m in list(_AWAITING_STORAGE) if any(b.is_meta for b in m.buffers(recurse=False))]
+
+
 def materialize(module: nn.Module, device: torch.device) -> int:
     """Give `module`'s own buffers that were built on the meta device zeroed storage on
     `device`, same shapes and dtypes; returns how many. Before any graph is traced: the
@@ -102,4 +120,5 @@ def materialize(module: nn.Module, device: torch.device) -> int:
         if buffer is not None and buffer.is_meta:
             module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
             count += 1
+    _AWAITING_STORAGE.discard(module)
     return count

@@ -17,7 +17,7 @@ from probes.artifact import ServedModel
 from engine_worker.controller import ProbeSetRejected, TapController, VectorSetRejected
 from engine_worker.steer import LayerSteer
 from engine_worker.steering import SteeringError, SteerRequest, steering_from_xargs
-from engine_worker.tap import LayerTap, materialize
+from engine_worker.tap import LayerTap, awaiting_storage, materialize
 from engine_worker.tap_config import ENV_DELIVERY, TapConfig, scores_delivered
 
 log = logging.getLogger("vllm.probex.worker")  # under "vllm": printed by its log handler
@@ -57,7 +57,8 @@ def install_controller(runner, score_consumer: str = "thread") -> TapController 
     missing = sorted(set(tap_config.steer_layers) - set(steers))
     if missing:
         raise RuntimeError(f"probex: layers {missing} were asked to be steered but the model has no steering op there")
-    _give_buffers_storage(runner, [*taps.values(), *steers.values()])
+    served_modules = [*taps.values(), *steers.values()]
+    _give_buffers_storage(runner, served_modules + [m for m in awaiting_storage() if m not in served_modules])
     hf_config = runner.vllm_config.model_config.hf_config.to_dict()
     served = ServedModel.from_hf_config(hf_config, name=runner.vllm_config.model_config.model)
     # Every rank computes the same rows; one writes them (two would race on the same files).

@@ -234,3 +234,17 @@ def test_the_engine_gives_the_buffers_zeroed_storage_and_counts_it_as_model_memo
     tap.scores.fill_(3.0)  # storage a loader left uninitialised is zeroed, and counted only once
     _give_buffers_storage(runner, [tap, steer])
     assert not tap.scores.any() and runner.model_memory_usage == 1000 + sizes
+
+
+def test_every_tap_built_on_the_meta_device_waits_for_storage_until_materialized():
+    """Also a tap in a model the adapter does not walk (a draft model), so none runs on meta."""
+    from engine_worker.tap import awaiting_storage, materialize
+
+    served, draft = LayerTap(1, 8, 2, 4, device="meta"), LayerTap(1, 8, 2, 4, device="meta")
+    eager = LayerTap(1, 8, 2, 4)
+    waiting = awaiting_storage()
+    assert served in waiting and draft in waiting and eager not in waiting
+    materialize(served, torch.device("cpu"))
+    assert served not in awaiting_storage() and draft in awaiting_storage()
+    materialize(draft, torch.device("cpu"))
+    assert draft not in awaiting_storage()
