@@ -16,7 +16,9 @@ Client timings cannot tell those apart; the trace can:
 - per graph launch (`graph_launches`; one per decode step with full CUDA graphs, several
   per prefill with piecewise ones): busy time and waiting gaps, the whole trace's (its
   prefills included) divided by the launches;
-- the kernels by total time, the copies by direction, and which of them are ProbeX's.
+- the kernels by total time, the copies by direction (and size), and which of them are
+  ProbeX's, by the rows a call ran (one decode row, a whole prompt): its share of a
+  prefill's time, the first token's, next to a decode step's.
 
 Only the trace's own events are read (Chrome trace format, gzipped or not); nothing here
 imports torch or vLLM. On a CPU build there are no device events: the summary then says so
@@ -107,19 +109,38 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     )
     kernels: dict[str, list[float]] = {}
     copies: dict[str, list[float]] = {}
+    # ProbeX's kernel calls by the rows they ran (its grid's first dimension: one decode row, or
+    # a whole prompt), and each copy kind by its size: a prefill's share next to a decode step's.
+    probex_by_rows: dict[int, list[float]] = {}
+    copies_by_bytes: dict[str, dict[int, list[float]]] = {}
     for e in device:
+        name, duration = e.get("name", "?"), float(e.get("dur", 0.0))
         table = kernels if e["cat"] == "kernel" else copies
-        entry = table.setdefault(e.get("name", "?"), [0, 0.0])
+        entry = table.setdefault(name, [0, 0.0])
         entry[0] += 1
-        entry[1] += float(e.get("dur", 0.0))
+        entry[1] += duration
+        args = e.get("args") or {}
+        if e["cat"] == "kernel" and is_probex_kernel(name):
+            by_rows = probex_by_rows.setdefault(int((args.get("grid") or [0])[0]), [0, 0.0])
+            by_rows[0] += 1
+            by_rows[1] += duration
+        elif e["cat"] != "kernel":
+            by_bytes = copies_by_bytes.setdefault(name, {}).setdefault(int(args.get("bytes") or 0), [0, 0.0])
+            by_bytes[0] += 1
+            by_bytes[1] += duration
     ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
     summary["kernels"] = {"count": sum(n for n, _ in kernels.values()),
                           "total_us": sum(t for _, t in kernels.values()),
                           "top": [{"name": name, "count": n, "total_us": t} for name, (n, t) in ranked[:TOP_KERNELS]],
                           "by_name": {name: [n, t] for name, (n, t) in ranked[:MAX_KERNEL_NAMES]}}
     probex = [(n, t) for name, (n, t) in kernels.items() if is_probex_kernel(name)]
-    summary["probex_kernels"] = {"count": sum(n for n, _ in probex), "total_us": sum(t for _, t in probex)}
-    summary["copies"] = {name: {"count": n, "total_us": t} for name, (n, t) in sorted(copies.items())}
+    summary["probex_kernels"] = {"count": sum(n for n, _ in probex), "total_us": sum(t for _, t in probex),
+                                 "by_rows": {str(rows): {"count": n, "mean_us": t / n}
+                                             for rows, (n, t) in sorted(probex_by_rows.items())}}
+    summary["copies"] = {name: {"count": n, "total_us": t,
+                                "by_bytes": {str(size): {"count": k, "mean_us": u / k}
+                                             for size, (k, u) in sorted(copies_by_bytes[name].items())}}
+                         for name, (n, t) in sorted(copies.items())}
     if launches:
         steps = len(launches)
         summary["per_graph_launch_us"] = {

@@ -33,14 +33,31 @@ def test_busy_time_idle_gaps_and_probex_kernels_per_graph_launch():
     assert (gaps["kernel_to_kernel_count"], gaps["kernel_to_kernel_total"]) == (1, pytest.approx(2))
     assert (gaps["waiting_count"], gaps["waiting_total"], gaps["waiting_max"]) == (1, pytest.approx(10), pytest.approx(10))
     assert (gaps["between_requests_count"], gaps["between_requests_total"]) == (1, pytest.approx(4818))
-    assert summary["probex_kernels"] == {"count": 1, "total_us": pytest.approx(10)}
-    assert summary["copies"] == {"Memcpy DtoH (Device -> Pinned)": {"count": 1, "total_us": pytest.approx(10)}}
+    assert summary["probex_kernels"] == {"count": 1, "total_us": pytest.approx(10),
+                                         "by_rows": {"0": {"count": 1, "mean_us": pytest.approx(10)}}}
+    assert summary["copies"] == {"Memcpy DtoH (Device -> Pinned)": {
+        "count": 1, "total_us": pytest.approx(10), "by_bytes": {"0": {"count": 1, "mean_us": pytest.approx(10)}}}}
     assert summary["kernels"]["count"] == 4 and summary["kernels"]["top"][0] == {
         "name": "gemm_a", "count": 2, "total_us": pytest.approx(200)}
     per = summary["per_graph_launch_us"]
     assert per == {"device_busy": pytest.approx(135), "waiting_idle": pytest.approx(5),
                    "kernel_to_kernel_idle": pytest.approx(1), "probex_kernels": pytest.approx(5),
                    "copies": pytest.approx(5)}
+
+
+def test_probex_calls_split_by_the_rows_they_ran_and_copies_by_size():
+    def call(ts, dur, rows):
+        return dict(kernel("_tap_rows", ts, dur), args={"grid": [rows, 8, 1]})
+
+    def copy(ts, dur, size):
+        return dict(kernel("Memcpy DtoH (Device -> Pinned)", ts, dur, cat="gpu_memcpy"), args={"bytes": size})
+
+    summary = summarize_events([call(0, 16, 1024), call(20, 16, 1024), call(40, 4, 1), copy(50, 2, 32768),
+                                copy(60, 1, 32), copy(70, 1, 32)])
+    assert summary["probex_kernels"]["by_rows"] == {"1": {"count": 1, "mean_us": pytest.approx(4)},
+                                                    "1024": {"count": 2, "mean_us": pytest.approx(16)}}
+    assert summary["copies"]["Memcpy DtoH (Device -> Pinned)"]["by_bytes"] == {
+        "32": {"count": 2, "mean_us": pytest.approx(1)}, "32768": {"count": 1, "mean_us": pytest.approx(2)}}
 
 
 def test_a_trace_without_device_events_says_so():
