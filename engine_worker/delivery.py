@@ -80,8 +80,9 @@ class RequestScores:
         while self.contiguous in self.tokens:
             self.contiguous += 1
 
-    def has_tokens_below(self, count: int) -> bool:
-        return self.contiguous >= count
+    def has(self, *, prompt: bool, tokens: int) -> bool:
+        """The prompt summary (if asked) and tokens [0, tokens) are all in."""
+        return (self.prompt is not None or not prompt) and self.contiguous >= tokens
 
 
 class _ProbeSet:
@@ -222,7 +223,7 @@ class ScoreHub:
         """Are the prompt summary (if asked) and tokens [0, tokens) in already? Each check is
         one of `waits`' calls; `wait_more` waits for what is not in yet."""
         self.waits["prompt" if prompt else "tokens"].calls += 1
-        return (state.prompt is not None or not prompt) and state.has_tokens_below(tokens)
+        return state.has(prompt=prompt, tokens=tokens)
 
     async def wait_for(self, key: str, *, prompt: bool, tokens: int, timeout: float) -> bool:
         """Wait until the prompt summary (if asked) and tokens [0, tokens) are in; False on timeout."""
@@ -238,7 +239,7 @@ class ScoreHub:
         start = time.monotonic()
         deadline = start + timeout
         try:
-            while not ((state.prompt is not None or not prompt) and state.has_tokens_below(tokens)):
+            while not state.has(prompt=prompt, tokens=tokens):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False

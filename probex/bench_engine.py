@@ -788,6 +788,7 @@ class SetupPlan:
     env_changes: dict[str, str | None]  # None = removed from the environment
     port: int
     score_consumer: str | None = None  # what the worker should report; None: not a worker, or unknown
+    trace_dir: Path | None = None  # where vLLM's torch profiler writes (--profile-requests)
 
 
 def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path], engine_args: Sequence[str],
@@ -835,11 +836,12 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
                 argv.append("--enforce-eager")
             env["VLLM_PLUGINS"] = NO_PLUGINS
             consumer = None
-        if profile_dir is not None:
-            argv += ["--profiler-config", json.dumps(profiler_config(profile_dir / _safe(label)))]
+        trace_dir = profile_dir / _safe(label) if profile_dir is not None else None
+        if trace_dir is not None:
+            argv += ["--profiler-config", json.dumps(profiler_config(trace_dir))]
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = placement[len(plans)]
-        plans.append(SetupPlan(label, kind, argv, env, port, consumer))
+        plans.append(SetupPlan(label, kind, argv, env, port, consumer, trace_dir))
     return plans
 
 
@@ -1251,13 +1253,12 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   save_itl: bool, probe_layers: dict[str, int] | None = None,
                   steer: SteerBench | None = None, staggered: bool = True, length_spread: float = 0.0,
                   cancelled: Callable[[], bool] = lambda: False, idle_ttft_requests: int = 0,
-                  idle_ttft_pause_s: float = 0.1, profile_requests: int = 0,
-                  profile_dir: Path | None = None) -> None:
+                  idle_ttft_pause_s: float = 0.1, profile_requests: int = 0) -> None:
     """`cancelled`: polled around every phase; once true, the phase in progress is dropped
     (its server was stopped under it) and SetupCancelled is raised. `idle_ttft_requests`:
     after the concurrency phases, that many requests one at a time (`run_idle_ttft`).
     `profile_requests`: after those, that many requests one at a time under vLLM's torch
-    profiler, whose trace (under `profile_dir`) is summarised into `record["profile"]`."""
+    profiler, whose trace (under the plan's `trace_dir`) is summarised into `record["profile"]`."""
     import httpx
 
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -1350,7 +1351,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             *(["            " + delivery_line(entry["delivery"])] if entry.get("delivery") else []))
     if profile_requests:
         record["profile"] = profile_phase(server.url, model, profile_requests, input_len, seed, expect, xargs,
-                                          profile_dir)
+                                          plan.trace_dir)
         save()
         if cancelled():
             raise SetupCancelled("during the profiled requests")
@@ -1581,8 +1582,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                               {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered",
                               length_spread=args.output_len_spread, cancelled=stopping.is_set,
                               idle_ttft_requests=args.idle_ttft_requests, idle_ttft_pause_s=args.idle_ttft_pause_s,
-                              profile_requests=args.profile_requests,
-                              profile_dir=profile_dir / _safe(plan.label) if profile_dir else None)
+                              profile_requests=args.profile_requests)
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
                 if stopping.is_set():
                     record["error"] = "interrupted"
@@ -2183,7 +2183,7 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--idle-ttft-pause-s", type=float, default=0.1, metavar="S",
                         help="idle time before each of those requests (default 0.1)")
     parser.add_argument("--profile-requests", type=int, default=0, metavar="N",
-                        help="last in every set-up, N requests one at a time under vLLM's torch profiler; the "
+                        help="after each set-up's measured phases, N requests one at a time under vLLM's torch profiler; the "
                              "device's busy and idle time per step from its trace (OUT/profile/<set-up>)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runner", choices=sorted(RUNNERS), default="default",

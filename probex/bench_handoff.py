@@ -122,6 +122,15 @@ def run(requests: int, steps: int, threaded: bool, python_us: float, wait_us: fl
     return {"hook_us": hook_s * 1e6, "consume_us": consumed / steps * 1e6, "step_us": step_s * 1e6}
 
 
+async def _discard(message: dict) -> None:
+    """The relays' ASGI send: what reaches the client is not part of what is timed."""
+
+
+def _sse(chunk: dict) -> bytes:
+    """A stream chunk as vLLM writes it: compact JSON in one server-sent event."""
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+
+
 def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     """Medians, in µs, of the host steps on a first token's way (see the module docstring)."""
     import asyncio
@@ -140,9 +149,6 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
         controller.publish = lambda message: messages.append(encoder.encode(message))
         hub = ScoreHub("inproc://unused")  # never started: fed directly, as its receive loop would
 
-        async def sink(message: dict) -> None:
-            pass
-
         async def one_request() -> None:
             request = f"chatcmpl-probex-{uuid.uuid4().hex}"
             started = time.perf_counter()
@@ -153,14 +159,15 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             started = time.perf_counter()
             hub.ingest(message)
             intake.append(time.perf_counter() - started)
-            relay = StreamRelay(hub, MonitoredCall(key_prefix=request, stream=True, wants_token_ids=False), sink, 1.0)
+            relay = StreamRelay(hub, MonitoredCall(key_prefix=request, stream=True, wants_token_ids=False), _discard,
+                                1.0)
             head = {"id": request, "object": "chat.completion.chunk", "created": 1, "model": "m"}
             role = dict(head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                         "finish_reason": None}], prompt_token_ids=prompt_ids)
             token = dict(head, choices=[{"index": 0, "delta": {"content": " a"}, "logprobs": None,
                                          "finish_reason": None, "token_ids": [42]}])
             for chunk, times in ((role, first_chunk), (token, token_chunk)):
-                event = b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
+                event = _sse(chunk)
                 started = time.perf_counter()
                 decorated = await relay._decorate_event(event)
                 times.append(time.perf_counter() - started)
@@ -214,23 +221,17 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
     hub = ScoreHub("inproc://unused")  # never started: fed directly, as its receive loop would
     intake, chunks = [], []
 
-    async def sink(message: dict) -> None:
-        pass
-
-    def event(chunk: dict) -> bytes:
-        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
-
     async def all_steps() -> None:
         for message in decoded[:len(prefills)]:
             hub.ingest(message)
-        relays = [StreamRelay(hub, MonitoredCall(key_prefix=key, stream=True, wants_token_ids=False), sink, 1.0)
+        relays = [StreamRelay(hub, MonitoredCall(key_prefix=key, stream=True, wants_token_ids=False), _discard, 1.0)
                   for key in keys]
         heads = [{"id": key, "object": "chat.completion.chunk", "created": 1, "model": "m"} for key in keys]
         for relay, head in zip(relays, heads):  # each stream's first chunk (token 0, prompt scores)
-            await relay._decorate_event(event(dict(head, choices=[{
+            await relay._decorate_event(_sse(dict(head, choices=[{
                 "index": 0, "delta": {"role": "assistant", "content": " a"}, "logprobs": None, "finish_reason": None,
                 "token_ids": [42]}], prompt_token_ids=None)))
-        token_events = [event(dict(head, choices=[{"index": 0, "delta": {"content": " a"}, "logprobs": None,
+        token_events = [_sse(dict(head, choices=[{"index": 0, "delta": {"content": " a"}, "logprobs": None,
                                                    "finish_reason": None, "token_ids": [42]}])) for head in heads]
         for message in decoded[len(prefills):]:
             started = time.perf_counter()

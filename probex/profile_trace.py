@@ -83,6 +83,13 @@ def is_probex_kernel(name: str) -> bool:
     return any(mark in lowered for mark in PROBEX_KERNEL_MARKS)
 
 
+def _count(table: dict, key: Any, duration: float) -> None:
+    """One more call of `key` taking `duration`: table[key] is [calls, total µs]."""
+    entry = table.setdefault(key, [0, 0.0])
+    entry[0] += 1
+    entry[1] += duration
+
+
 def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
     device = [e for e in complete if e.get("cat") in DEVICE_CATEGORIES]
@@ -114,27 +121,21 @@ def summarize_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     probex_by_rows: dict[int, list[float]] = {}
     copies_by_bytes: dict[str, dict[int, list[float]]] = {}
     for e in device:
-        name, duration = e.get("name", "?"), float(e.get("dur", 0.0))
-        table = kernels if e["cat"] == "kernel" else copies
-        entry = table.setdefault(name, [0, 0.0])
-        entry[0] += 1
-        entry[1] += duration
-        args = e.get("args") or {}
-        if e["cat"] == "kernel" and is_probex_kernel(name):
-            by_rows = probex_by_rows.setdefault(int((args.get("grid") or [0])[0]), [0, 0.0])
-            by_rows[0] += 1
-            by_rows[1] += duration
-        elif e["cat"] != "kernel":
-            by_bytes = copies_by_bytes.setdefault(name, {}).setdefault(int(args.get("bytes") or 0), [0, 0.0])
-            by_bytes[0] += 1
-            by_bytes[1] += duration
+        name, duration, args = e.get("name", "?"), float(e.get("dur", 0.0)), e.get("args") or {}
+        if e["cat"] == "kernel":
+            _count(kernels, name, duration)
+            if is_probex_kernel(name):
+                _count(probex_by_rows, int((args.get("grid") or [0])[0]), duration)
+        else:
+            _count(copies, name, duration)
+            _count(copies_by_bytes.setdefault(name, {}), int(args.get("bytes") or 0), duration)
     ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
     summary["kernels"] = {"count": sum(n for n, _ in kernels.values()),
                           "total_us": sum(t for _, t in kernels.values()),
                           "top": [{"name": name, "count": n, "total_us": t} for name, (n, t) in ranked[:TOP_KERNELS]],
                           "by_name": {name: [n, t] for name, (n, t) in ranked[:MAX_KERNEL_NAMES]}}
-    probex = [(n, t) for name, (n, t) in kernels.items() if is_probex_kernel(name)]
-    summary["probex_kernels"] = {"count": sum(n for n, _ in probex), "total_us": sum(t for _, t in probex),
+    summary["probex_kernels"] = {"count": sum(n for n, _ in probex_by_rows.values()),
+                                 "total_us": sum(t for _, t in probex_by_rows.values()),
                                  "by_rows": {str(rows): {"count": n, "mean_us": t / n}
                                              for rows, (n, t) in sorted(probex_by_rows.items())}}
     summary["copies"] = {name: {"count": n, "total_us": t,

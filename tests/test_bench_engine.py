@@ -177,6 +177,7 @@ def test_profiled_set_ups_each_get_the_torch_profiler_writing_to_their_own_folde
         config = json.loads(plan.argv[plan.argv.index("--profiler-config") + 1])
         assert config["profiler"] == "torch" and config["ignore_frontend"] is True
         assert config["torch_profiler_dir"] == str((tmp_path / "profile" / plan.label).resolve())
+        assert plan.trace_dir == tmp_path / "profile" / plan.label  # where the profile phase looks
     assert "--profiler-config" not in be.plan_setups(["plain"], tmp_path, [], [], "v2")[0].argv
 
 
