@@ -62,19 +62,34 @@ class ProbeInfo:
     layer: int
 
 
+class ProbeInfos(list):
+    """One probe-table version's probes in column order, and the JSON a stream chunk's scores
+    are written into: `generated_json_parts` holds the bytes around each probe's offset and
+    scores, `{"<name>":{"generated":{"offset":` OFFSET `,"scores":[` SCORES `]}},"<name>"...`,
+    with the offsets at [1::4] and the scores at [3::4] (responses.generated_scores_json)."""
+
+    def __init__(self, probes: list[ProbeInfo]) -> None:
+        super().__init__(probes)
+        parts: list[bytes | None] = []
+        for column, probe in enumerate(probes):
+            parts += [(b"{" if column == 0 else b"]}},") + msgspec.json.encode(probe.name) + b':{"generated":{"offset":',
+                      None, b',"scores":[', None]
+        self.generated_json_parts = parts + [b"]}}}"] if parts else [b"{}"]
+
+
 @dataclass
 class RequestScores:
     """Everything that arrived for one request (one prompt of one API call)."""
 
     prompt: dict | None = None
-    prompt_probes: list[ProbeInfo] | None = None
-    tokens: dict[int, tuple[list[float], list[ProbeInfo]]] = field(default_factory=dict)  # calibrated
+    prompt_probes: ProbeInfos | None = None
+    tokens: dict[int, tuple[list[float], ProbeInfos]] = field(default_factory=dict)  # calibrated
     contiguous: int = 0  # tokens 0..contiguous-1 are all in: O(1) answers for every stream chunk
     finished: bool = False
     touched: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def add_token(self, index: int, scores: list[float], probes: list[ProbeInfo]) -> None:
+    def add_token(self, index: int, scores: list[float], probes: ProbeInfos) -> None:
         """`scores`: calibrated, one per probe of `probes` (the set that scored this token)."""
         self.tokens[index] = (scores, probes)
         while self.contiguous in self.tokens:
@@ -89,7 +104,7 @@ class _ProbeSet:
     """One probe-table version as the hub sees it: names and calibration, vectorised."""
 
     def __init__(self, probes: list[ProbeInfo]) -> None:
-        self.probes = probes
+        self.probes = ProbeInfos(probes)
         self._slope = np.array([p.slope for p in probes], dtype=np.float64)
         self._intercept = np.array([p.intercept for p in probes], dtype=np.float64)
 
@@ -119,6 +134,10 @@ class ScoreHub:
         # decorating first chunks (their wait for scores included).
         self.intake = {"steps": TimeStats(), "prompt_steps": TimeStats()}
         self.first_chunks = TimeStats()
+        # Every stream chunk the middleware decorated (its wait for scores included), by whether
+        # it spliced the scores into the chunk's bytes or decoded the chunk: the API server's
+        # time per chunk, which at high concurrency decides whether it keeps up with the engine.
+        self.chunks = {"spliced": TimeStats(), "decoded": TimeStats()}
 
     def start(self) -> None:
         if self._task is not None:
@@ -165,11 +184,14 @@ class ScoreHub:
         if events.token_req_ids:
             # One vectorised calibration per step instead of one math.exp per token and
             # probe later, on the event loop that also relays every chunk; one clock read per
-            # step, not per token.
+            # step, not per token; the usual lookups inline (every token of every stream).
             scores = table.calibrate(events.token_raw).tolist()
             now = time.monotonic()
+            requests, external_ids = self._requests, self._external_ids
             for req, index, values in zip(events.token_req_ids, events.token_indexes, scores):
-                state = self._state(self._external_id(req), now)
+                key = external_ids.get(req) or self._external_id(req)
+                state = requests.get(key) or self._state(key, now)
+                state.touched = now
                 state.add_token(index, values, probes)
                 state.changed.set()
         for req in events.finished:
@@ -256,9 +278,10 @@ class ScoreHub:
         return {kind: stats.as_dict() for kind, stats in self.waits.items()}
 
     def loop_time_stats(self) -> dict[str, dict[str, float | int]]:
-        """The event-loop time of `intake` and `first_chunks` (see __init__), for /probex/health."""
+        """The event-loop time of `intake`, `first_chunks` and `chunks` (see __init__), for /probex/health."""
         return {**{f"intake_{kind}": stats.as_dict() for kind, stats in self.intake.items()},
-                "first_chunks": self.first_chunks.as_dict()}
+                "first_chunks": self.first_chunks.as_dict(),
+                **{f"chunks_{kind}": stats.as_dict() for kind, stats in self.chunks.items()}}
 
 
 @dataclass
@@ -272,7 +295,8 @@ class TimeStats:
     def add(self, seconds: float) -> None:
         self.count += 1
         self.total_s += seconds
-        self.max_s = max(self.max_s, seconds)
+        if seconds > self.max_s:
+            self.max_s = seconds
 
     def as_dict(self) -> dict[str, float | int]:
         return {"count": self.count, "total_s": self.total_s, "max_s": self.max_s}

@@ -420,11 +420,9 @@ class StreamRelay:
             return await self._send(message)
         if message["type"] != "http.response.body" or not self._is_sse:
             return await self._send(message)
-        self._pending += message.get("body", b"")
-        out = []
-        while b"\n\n" in self._pending:
-            event, self._pending = self._pending.split(b"\n\n", 1)
-            out.append(await self._decorate_event(event) + b"\n\n")
+        events = (self._pending + message.get("body", b"")).split(b"\n\n")
+        self._pending = events.pop()  # what follows the last complete event: b"" as vLLM sends them
+        out = [await self._decorate_event(event) + b"\n\n" for event in events]
         more = message.get("more_body", False)
         if not more and self._pending:
             out.append(self._pending)
@@ -435,6 +433,30 @@ class StreamRelay:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
             return event
         started = time.perf_counter()
+        found = _token_ids_member(event)
+        if found is None or found[0] not in self._prompt_sent:
+            decorated = await self._decode_and_decorate(event, started)
+            self.hub.chunks["decoded"].add(time.perf_counter() - started)
+            return decorated
+        # A stream's later chunks in vLLM's compact form, nearly all of them: the scores of
+        # their tokens are spliced into the bytes and the token ids cut out, the chunk never
+        # decoded (the first chunk with tokens, which carries the prompt's scores, chunks
+        # without tokens and any other form take the decoded path).
+        index, new_tokens, cut_from, cut_to = found
+        key = self.call.key(index)
+        start = self._generated.get(index, 0)
+        stop = self._generated[index] = start + new_tokens
+        state = self.hub.get(key)
+        if not self.hub.scores_in(state, prompt=False, tokens=stop):
+            await self.hub.wait_more(key, prompt=False, tokens=stop, timeout=self.wait_s)
+        scores = responses.generated_scores_json(state, start, stop)
+        if not self.call.wants_token_ids:
+            event = event[:cut_from] + event[cut_to:]
+        decorated = event[:-1] + b',"probex":{"scores":' + scores + b"}}"
+        self.hub.chunks["spliced"].add(time.perf_counter() - started)
+        return decorated
+
+    async def _decode_and_decorate(self, event: bytes, started: float) -> bytes:
         include_prompt = False
         payload = event[6:] if self.call.wants_token_ids else _without_prompt_token_ids(event[6:])
         try:
@@ -508,6 +530,46 @@ def _decode_json(raw: bytes) -> Any:
 
 def _encode_json(payload: Any) -> bytes:
     return _json_encoder.encode(payload)
+
+
+_TOKEN_IDS_MEMBER = b',"token_ids":['
+_NULL_PROMPT_IDS_MEMBER = b',"prompt_token_ids":null'
+_FIRST_CHOICE_INDEX = b'"choices":[{"index":'
+_DIGITS_AND_COMMAS = b"0123456789,"
+_COMMA, _CLOSING_BRACE = ord(","), ord("}")
+
+
+def _token_ids_member(event: bytes) -> tuple[int, int, int, int] | None:
+    """What a stream chunk's bytes say of its tokens, read without decoding it: (choice
+    index, tokens in the chunk, start and end of the bytes to cut for a client that did not
+    ask for token ids), or None unless the chunk is in vLLM's compact form with one choice,
+    at least one token and no prompt token ids. Bytes with quotes in them cannot occur
+    inside a JSON string (its quotes are escaped), so what is found here is structure.
+
+    vLLM writes a choice's `token_ids` last. A completion's choice has
+    `"prompt_token_ids":null` right before them in every chunk after the first (vLLM sets
+    the field explicitly): the bytes cut then start there, as the decoded path drops that
+    key too. Runs once per chunk of every stream: as few passes over the bytes as the
+    checks allow."""
+    member = event.rfind(_TOKEN_IDS_MEMBER)
+    first = member + len(_TOKEN_IDS_MEMBER)
+    end = event.find(b"]", first)
+    if member < 0 or end < 0 or event[-1] != _CLOSING_BRACE or event[end + 1] not in (_COMMA, _CLOSING_BRACE):
+        return None
+    ids = event[first:end]
+    if not ids or ids.translate(None, _DIGITS_AND_COMMAS) or ids[0] == _COMMA or ids[-1] == _COMMA:
+        return None  # no token, or not a plain list of ids
+    cut_from = member - len(_NULL_PROMPT_IDS_MEMBER) if event.endswith(_NULL_PROMPT_IDS_MEMBER, 0, member) else member
+    if event.find(b'token_ids"', 0, cut_from) >= 0 or event.find(b'token_ids"', end) >= 0:
+        return None  # another choice's ids, or the prompt's (a first chunk) or a null one elsewhere
+    where = event.find(_FIRST_CHOICE_INDEX, 0, member)
+    if where < 0:
+        return None
+    where += len(_FIRST_CHOICE_INDEX)
+    digits = event[where : event.find(b",", where, member)]
+    if not digits.isdigit():
+        return None
+    return int(digits), ids.count(b",") + 1, cut_from, end + 1
 
 
 _PROMPT_IDS_MEMBER = b'"prompt_token_ids":['

@@ -11,9 +11,12 @@ chunk that can carry it.
 
 from __future__ import annotations
 
+import msgspec
+
 from probes.scoring import calibrate
 from engine_worker.delivery import RequestScores
 
+_json = msgspec.json.Encoder()
 _HEADLINE = {"last_prompt_token": "last", "prompt_mean": "mean", "prompt_max": "max"}
 
 
@@ -71,17 +74,34 @@ def full_scores(state: RequestScores, num_generated: int) -> dict:
 
 def chunk_scores(state: RequestScores, start: int, stop: int, include_prompt: bool) -> dict:
     """The `probex` field of one stream chunk carrying generated tokens [start, stop)."""
-    if stop == start + 1 and not include_prompt and (entry := state.tokens.get(start)) is not None:
-        # A stream's chunks while the API server keeps up: one token, its scores in. Built
-        # in one pass, half the time of the general path below, on the API server's
-        # busiest thread (once per chunk of every stream).
-        values, probes = entry
-        return {"scores": {probe.name: {"generated": {"offset": start, "scores": [value]}}
-                           for probe, value in zip(probes, values)}}
     scores = prompt_scores(state) if include_prompt else {}
     for name, values in generated_scores(state, start, stop).items():
         scores.setdefault(name, {})["generated"] = {"offset": start, "scores": values}
     return {"scores": scores}
+
+
+def generated_scores_json(state: RequestScores, start: int, stop: int) -> bytes:
+    """`chunk_scores(state, start, stop, False)["scores"]` as compact JSON.
+
+    A stream's later chunks, once per chunk of every stream on the API server's busiest
+    thread: when every token [start, stop) is in and was scored by one probe set (the
+    usual case), the JSON is its probe set's `generated_json_parts` filled in with one
+    encoding of the floats, no dicts built; anything else goes through `chunk_scores`."""
+    if stop == start + 1 and (entry := state.tokens.get(start)) is not None:  # a one-token chunk
+        values, probes = entry
+        parts = probes.generated_json_parts.copy()
+        # JSON numbers hold no commas: one encoded row splits into its values.
+        parts[3::4] = _json.encode(values)[1:-1].split(b",") if values else []
+    else:
+        entries = [state.tokens.get(index) for index in range(start, stop)]
+        first = entries[0] if entries else None
+        if first is None or not all(entry is not None and entry[1] is first[1] for entry in entries):
+            return _json.encode(chunk_scores(state, start, stop, False)["scores"])
+        probes = first[1]
+        parts = probes.generated_json_parts.copy()
+        parts[3::4] = [_json.encode(column)[1:-1] for column in zip(*(entry[0] for entry in entries))]
+    parts[1::4] = [b"%d" % start] * len(probes)
+    return b"".join(parts)
 
 
 def _missing(state: RequestScores, num_generated: int) -> dict:

@@ -23,7 +23,10 @@ prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSO
   summary, the first token's calibrated scores);
 - `first_chunk_us`: the middleware's decoration of vLLM's first stream chunk, which carries
   the prompt's token ids (compact JSON, as vLLM writes it) and gets the prompt's scores;
-- `token_chunk_us`: the decoration of a later one-token chunk.
+- `token_chunk_us`: the decoration of a later one-token chunk (its scores spliced into its
+  bytes).
+
+The chunks are `/v1/completions` ones, what `probex bench engine` streams, in vLLM 0.25's form.
 
 And the API server's share of one decode step of N streaming requests (`api_decode_step`
 in the JSON; medians over `--steps`), what grows with the number of streams:
@@ -131,6 +134,15 @@ def _sse(chunk: dict) -> bytes:
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
 
 
+def _completion_chunk(request_id: str, prompt_ids: list[int] | None = None) -> dict:
+    """One token of a `/v1/completions` stream (what `probex bench engine` streams) as vLLM
+    0.25 builds it with `return_token_ids`: the choice carries the prompt's ids in the first
+    chunk and an explicit null after."""
+    return {"id": request_id, "object": "text_completion", "created": 1, "model": "/models/llama-3.1-8b",
+            "choices": [{"index": 0, "text": " a", "logprobs": None, "finish_reason": None, "stop_reason": None,
+                         "prompt_token_ids": prompt_ids, "token_ids": [42]}]}
+
+
 def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     """Medians, in µs, of the host steps on a first token's way (see the module docstring)."""
     import asyncio
@@ -150,30 +162,30 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
         hub = ScoreHub("inproc://unused")  # never started: fed directly, as its receive loop would
 
         async def one_request() -> None:
-            request = f"chatcmpl-probex-{uuid.uuid4().hex}"
+            call = MonitoredCall(key_prefix=f"cmpl-probex-{uuid.uuid4().hex}", stream=True, wants_token_ids=False)
             started = time.perf_counter()
-            controller.after_forward(StepLayout([f"{request}-0123abcd"], np.array([prompt_tokens]),
+            controller.after_forward(StepLayout([f"{call.key(0)}-0123abcd"], np.array([prompt_tokens]),
                                                 np.zeros(1, np.int64), np.array([prompt_tokens])))
             prefill.append(time.perf_counter() - started)
             message = decoder.decode(messages.pop())
             started = time.perf_counter()
             hub.ingest(message)
             intake.append(time.perf_counter() - started)
-            relay = StreamRelay(hub, MonitoredCall(key_prefix=request, stream=True, wants_token_ids=False), _discard,
-                                1.0)
-            head = {"id": request, "object": "chat.completion.chunk", "created": 1, "model": "m"}
-            role = dict(head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None}], prompt_token_ids=prompt_ids)
-            token = dict(head, choices=[{"index": 0, "delta": {"content": " a"}, "logprobs": None,
-                                         "finish_reason": None, "token_ids": [42]}])
-            for chunk, times in ((role, first_chunk), (token, token_chunk)):
+            relay = StreamRelay(hub, call, _discard, 1.0)
+            # The next step samples token 1, which the later chunk carries (a completion's
+            # first chunk carries token 0): its scores are in when that chunk is decorated.
+            controller.after_forward(StepLayout([f"{call.key(0)}-0123abcd"], np.ones(1, np.int64),
+                                                np.array([prompt_tokens]), np.array([prompt_tokens])))
+            hub.ingest(decoder.decode(messages.pop()))
+            for chunk, times in ((_completion_chunk(call.key_prefix, prompt_ids), first_chunk),
+                                 (_completion_chunk(call.key_prefix), token_chunk)):
                 event = _sse(chunk)
                 started = time.perf_counter()
                 decorated = await relay._decorate_event(event)
                 times.append(time.perf_counter() - started)
                 if b'"probex"' not in decorated or b"token_ids" in decorated:
                     raise RuntimeError(f"the chunk was not decorated as served: {decorated[:200]!r}")
-            hub.release(request)
+            hub.release(call.key(0))
 
         async def all_requests() -> None:
             for _ in range(repeats):
@@ -181,6 +193,10 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
 
         asyncio.run(all_requests())
         controller.transfer.close()
+    if hub.waits["tokens"].count or hub.waits["prompt"].count:
+        raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
+    if hub.chunks["spliced"].count != repeats:
+        raise RuntimeError("the later chunk was decoded instead of spliced: not the path vLLM's chunks take")
 
     def median_us(values: list[float]) -> float:
         return round(float(np.median(values)) * 1e6, 1)
@@ -203,8 +219,9 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
 
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
     messages: list[bytes] = []
-    keys = [f"chatcmpl-probex-{uuid.uuid4().hex}" for _ in range(requests)]
-    engine_ids = [f"{key}-0123abcd" for key in keys]
+    calls = [MonitoredCall(key_prefix=f"cmpl-probex-{uuid.uuid4().hex}", stream=True, wants_token_ids=False)
+             for _ in range(requests)]
+    engine_ids = [f"{call.key(0)}-0123abcd" for call in calls]
     with tempfile.TemporaryDirectory() as tmp:
         controller = _controller(False, Path(tmp))
         controller.publish = lambda message: messages.append(encoder.encode(message))
@@ -224,15 +241,10 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
     async def all_steps() -> None:
         for message in decoded[:len(prefills)]:
             hub.ingest(message)
-        relays = [StreamRelay(hub, MonitoredCall(key_prefix=key, stream=True, wants_token_ids=False), _discard, 1.0)
-                  for key in keys]
-        heads = [{"id": key, "object": "chat.completion.chunk", "created": 1, "model": "m"} for key in keys]
-        for relay, head in zip(relays, heads):  # each stream's first chunk (token 0, prompt scores)
-            await relay._decorate_event(_sse(dict(head, choices=[{
-                "index": 0, "delta": {"role": "assistant", "content": " a"}, "logprobs": None, "finish_reason": None,
-                "token_ids": [42]}], prompt_token_ids=None)))
-        token_events = [_sse(dict(head, choices=[{"index": 0, "delta": {"content": " a"}, "logprobs": None,
-                                                   "finish_reason": None, "token_ids": [42]}])) for head in heads]
+        relays = [StreamRelay(hub, call, _discard, 1.0) for call in calls]
+        for relay, call in zip(relays, calls):  # each stream's first chunk (token 0, prompt scores)
+            await relay._decorate_event(_sse(_completion_chunk(call.key_prefix, [1, 2, 3])))
+        token_events = [_sse(_completion_chunk(call.key_prefix)) for call in calls]
         for message in decoded[len(prefills):]:
             started = time.perf_counter()
             hub.ingest(message)
@@ -245,6 +257,8 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
     asyncio.run(all_steps())
     if hub.waits["tokens"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
+    if hub.chunks["spliced"].count != requests * (len(decoded) - len(prefills)):
+        raise RuntimeError("a later chunk was decoded instead of spliced: not the path vLLM's chunks take")
     return {"requests": requests, "steps": steps, "intake_us": round(float(np.median(intake)) * 1e6, 1),
             "chunks_us": round(float(np.median(chunks)) * 1e6, 1)}
 

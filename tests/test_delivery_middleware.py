@@ -7,6 +7,7 @@ middleware's own rules, which are easier to break subtly than to see break.
 import asyncio
 import json
 
+import msgspec
 import numpy as np
 
 import pytest
@@ -61,7 +62,7 @@ class FakeEngineApp:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for i, chunk in enumerate(self.chunks):
             asyncio.get_running_loop().call_later(0.05, self.feed, engine_id, i)  # scores arrive *after* the chunk
-            payload = {"choices": [{"index": 0, **chunk}], "prompt_token_ids": [1, 2] if i == 0 else None}
+            payload = {"choices": [{"index": 0, **chunk}], **({"prompt_token_ids": [1, 2]} if i == 0 else {})}
             # compact, as vLLM's pydantic models write it (the form the middleware cuts unparsed)
             data = b"data: " + json.dumps(payload, separators=self.separators).encode() + b"\n\n"
             await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -166,23 +167,105 @@ def test_each_chunk_waits_for_and_carries_its_own_token_scores():
     assert loop["first_chunks"]["count"] == 1 and 0.04 < loop["first_chunks"]["total_s"] < 1.0
 
 
-def test_one_token_chunks_get_what_the_general_path_gives():
-    """chunk_scores' one-token shortcut against its general path (a chunk of one token with a
-    gap next to it takes the general path, which pads missing tokens with None)."""
-    from engine_worker.delivery import ProbeInfo, RequestScores
-    from engine_worker.responses import chunk_scores, generated_scores
+def test_chunk_scores_written_as_json_directly_equal_the_general_path():
+    """generated_scores_json's direct writing (every token in, one probe set) against
+    chunk_scores encoded: one token, several, a gap (None), a second probe set, none."""
+    from engine_worker.delivery import ProbeInfo, ProbeInfos, RequestScores
+    from engine_worker.responses import chunk_scores, generated_scores_json
 
-    probes = [ProbeInfo("a", "last_prompt_token", 1.0, 0.0, 3), ProbeInfo("b", "prompt_mean", 1.0, 0.0, 3)]
+    probes = ProbeInfos([ProbeInfo('a "quoted" ü', "last_prompt_token", 1.0, 0.0, 3),
+                         ProbeInfo("b", "prompt_mean", 1.0, 0.0, 3)])
+    swapped = ProbeInfos([ProbeInfo("c", "last_prompt_token", 2.0, 0.0, 5)])
     state = RequestScores()
-    for index in (0, 1, 3):
-        state.add_token(index, [0.1 * index, 0.2 * index], probes)
-    for start in (0, 1, 3):
-        general = {name: {"generated": {"offset": start, "scores": values}}
-                   for name, values in generated_scores(state, start, start + 1).items()}
-        assert chunk_scores(state, start, start + 1, False) == {"scores": general}
-        assert general["b"]["generated"]["scores"] == [pytest.approx(0.2 * start)]
-    assert chunk_scores(state, 2, 3, False) == {"scores": {}}  # token 2 never arrived: nothing to say
-    assert chunk_scores(state, 1, 3, False)["scores"]["a"]["generated"]["scores"] == [pytest.approx(0.1), None]
+    for index in (0, 1, 2, 4):
+        state.add_token(index, [0.1 * index + 1e-7, -2.5e-12 * index], probes)
+    state.add_token(5, [0.75], swapped)
+    state.add_token(6, [float("nan")], swapped)
+    state.add_token(7, [], ProbeInfos([]))  # every probe unloaded
+    state.add_token(8, [], state.tokens[7][1])
+    for start, stop in ((0, 1), (1, 2), (0, 3), (2, 5), (3, 4), (4, 6), (5, 6), (5, 7), (6, 7), (9, 10), (3, 3),
+                        (7, 8), (7, 9)):
+        written = generated_scores_json(state, start, stop)
+        general = msgspec.json.encode(chunk_scores(state, start, stop, False)["scores"])  # NaN as null
+        assert json.loads(written) == json.loads(general), (start, stop)
+    assert json.loads(generated_scores_json(state, 0, 3))['a "quoted" ü']["generated"] == {
+        "offset": 0, "scores": [pytest.approx(1e-7), pytest.approx(0.1 + 1e-7), pytest.approx(0.2 + 1e-7)]}
+    assert json.loads(generated_scores_json(state, 3, 5))["b"]["generated"]["scores"] == [None, pytest.approx(-1e-11)]
+
+
+@pytest.mark.parametrize("payload, expected", [
+    (b'{"id":"x","choices":[{"index":0,"delta":{"content":"a"},"logprobs":null,"finish_reason":null,"token_ids":[42]}]}',
+     (0, 1)),
+    (b'{"id":"x","choices":[{"index":3,"text":"ab","token_ids":[1,2,3]}],"usage":null}', (3, 3)),
+    (b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop","token_ids":[]}]}', None),  # no token
+    (b'{"choices":[{"index":0,"text":"a","prompt_token_ids":null,"token_ids":[4,5]}]}', (0, 2)),  # a completion's
+    (b'{"choices":[{"index":0,"token_ids":[1]}],"prompt_token_ids":[5,6]}', None),  # the first chunk
+    (b'{"choices":[{"index":0,"prompt_token_ids":[5,6],"token_ids":[1]}]}', None),  # a completion's first
+    (b'{"choices":[{"index":0,"token_ids":[1]}],"prompt_token_ids":null}', None),
+    (b'{"choices":[{"index":0,"token_ids":[1]},{"index":1,"token_ids":[2]}]}', None),  # two choices
+    (b'{"choices":[{"index":0,"delta":{"content":"\\",\\"token_ids\\":[9]"}}]}', None),  # only text
+    (b'{"choices": [{"index": 0, "token_ids": [1]}]}', None),  # spaced
+    (b'{"choices":[{"index":0,"token_ids":[1,]}]}', None),
+    (b'{"choices":[{"index":0,"token_ids":null}]}', None),
+    (b'{"choices":[{"index":0,"token_ids":[1]}]} ', None),
+])
+def test_a_chunks_token_ids_are_read_from_compact_json_only(payload, expected):
+    from engine_worker.middleware import _token_ids_member
+
+    event = b"data: " + payload
+    found = _token_ids_member(event)
+    if expected is None:
+        assert found is None
+        return
+    index, tokens, cut_from, cut_to = found
+    assert (index, tokens) == expected
+    cut = json.loads(event[6:cut_from] + event[cut_to:])
+    assert cut["choices"][0] == {k: v for k, v in json.loads(payload)["choices"][0].items()
+                                 if k not in ("token_ids", "prompt_token_ids")}
+
+
+# vLLM's chunks of every kind the splice must match the decoded path on: text with quotes and
+# backslashes, logprobs, several tokens, a finish that carries a token, a completion's `text`.
+SPLICE_CASES = [
+    {"delta": {"role": "assistant", "content": ""}, "token_ids": []},
+    {"delta": {"content": 'say "token_ids":[1] \\ ü'}, "logprobs": None, "finish_reason": None, "token_ids": [7]},
+    {"delta": {"content": "bc"}, "logprobs": {"content": [{"token": "b", "logprob": -0.25, "bytes": [98],
+                                                           "top_logprobs": []}]}, "token_ids": [8, 9]},
+    {"text": "d", "logprobs": None, "finish_reason": None, "stop_reason": None, "prompt_token_ids": None,
+     "token_ids": [10]},
+    {"delta": {"content": "e"}, "finish_reason": "length", "token_ids": [11]},
+    {"delta": {}, "finish_reason": "stop", "token_ids": []},
+]
+
+
+@pytest.mark.parametrize("client_asked", [False, True])
+def test_spliced_chunks_equal_decoded_ones(monkeypatch, client_asked):
+    """The stream relay's splice (scores written into the chunk's bytes) against its decoded
+    path, chunk by chunk, and the splice really taken for every later chunk with tokens."""
+    from engine_worker import middleware
+
+    request = {"return_token_ids": True} if client_asked else {}
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    generated = 0
+
+    def feed(hub, engine_id, i):  # chunk i's tokens, one step each; token j scores j (raw)
+        nonlocal generated
+        for _ in SPLICE_CASES[i]["token_ids"]:
+            scheduled, computed, rows = (2, 0, [0.0, 0.0]) if generated == 0 else (1, 1 + generated, [generated])
+            layout = StepLayout([engine_id], np.array([scheduled]), np.array([computed]), np.array([2]))
+            hub.ingest(step_message(table, layout, np.array(rows, np.float32).reshape(-1, 1), []))
+            generated += 1
+
+    spliced, last, _, waits = run_stream(SPLICE_CASES, feed, **request)
+    monkeypatch.setattr(middleware, "_token_ids_member", lambda event: None)
+    generated = 0
+    decoded, *_ = run_stream(SPLICE_CASES, feed, **request)
+    assert last == "[DONE]" and spliced == decoded
+    assert spliced[2]["probex"]["scores"]["p"]["generated"] == {
+        "offset": 1, "scores": [pytest.approx(calibrate(1.0, 1.0, 0.0)), pytest.approx(calibrate(2.0, 1.0, 0.0))]}
+    assert [("token_ids" in c["choices"][0]) for c in spliced] == [client_asked] * len(SPLICE_CASES)
+    loop = waits["loop_time"]
+    assert loop["chunks_spliced"]["count"] == 3 and loop["chunks_decoded"]["count"] == len(SPLICE_CASES) - 3
 
 
 def test_missing_scores_do_not_hang_the_stream(monkeypatch):

@@ -152,6 +152,10 @@ def test_concurrent_requests_get_exactly_their_own_scores(worker):
 # -- streaming ----------------------------------------------------------------------------------
 
 
+def spliced_chunks(worker) -> int:
+    return httpx.get(worker.url + "/probex/health", timeout=30).json()["score_loop_time"]["chunks_spliced"]["count"]
+
+
 def stream_chunks(worker, body, path="/v1/chat/completions"):
     chunks = []
     with httpx.stream("POST", worker.url + path, json=body, timeout=300) as r:
@@ -172,8 +176,10 @@ def test_stream_chunks_carry_the_scores_of_their_tokens(worker, path):
         body = {"model": str(model_dir()), "prompt": "The three primary colours are", "max_tokens": 12,
                 "temperature": 0, "return_token_ids": True}
     whole = ok(worker, body, path)
+    spliced_before = spliced_chunks(worker)
     chunks = stream_chunks(worker, dict(body, stream=True), path)
     assert chunks[-1] == "[DONE]"
+    spliced = spliced_chunks(worker) - spliced_before
     seen_tokens, streamed, prompt_seen_at = [], {}, None
     for i, chunk in enumerate(chunks[:-1]):
         token_ids = chunk["choices"][0].get("token_ids") or []
@@ -191,6 +197,9 @@ def test_stream_chunks_carry_the_scores_of_their_tokens(worker, path):
                 assert "generated" not in s
         seen_tokens += token_ids
     assert seen_tokens == whole["choices"][0]["token_ids"]
+    # vLLM's own chunks take the splice (scores written into their bytes): every chunk with
+    # tokens after the one that carried the prompt's scores.
+    assert spliced == sum(1 for c in chunks[prompt_seen_at + 1 : -1] if c["choices"][0].get("token_ids")) > 0
     for name, s in whole["probex"]["scores"].items():
         assert len(streamed[name]) == len(seen_tokens) == whole["usage"]["completion_tokens"]
         np.testing.assert_allclose(streamed[name], s["generated"]["scores"], atol=1e-5)
@@ -204,6 +213,12 @@ def test_token_ids_are_not_leaked_unless_asked(worker):
     total = sum(len(c.get("probex", {}).get("scores", {}).get("dir18", {}).get("generated", {}).get("scores", []))
                 for c in chunks[:-1])
     assert total == whole["usage"]["completion_tokens"]
+    # a completion's choices carry the prompt's ids (a list in the first chunk, null after)
+    body = {"model": str(model_dir()), "prompt": "The capital of Italy is", "max_tokens": 4, "temperature": 0}
+    chunks = stream_chunks(worker, dict(body, stream=True), "/v1/completions")
+    assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0]
+               for c in chunks[:-1] if c["choices"])
+    assert sum(len(c["probex"]["scores"]["dir18"]["generated"]["scores"]) for c in chunks[:-1] if "probex" in c) == 4
 
 
 def test_batched_completion_prompts_each_get_scores(worker):
