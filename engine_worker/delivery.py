@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from engine_worker import responses
 from engine_worker.bookkeeping import StepReader
 from probes.scoring import calibrate_array
 
@@ -81,8 +82,8 @@ class ProbeInfos(list):
 class RequestScores:
     """Everything that arrived for one request (one prompt of one API call)."""
 
-    prompt: dict | None = None
-    prompt_probes: ProbeInfos | None = None
+    prompt: dict | None = None  # the summary of the prompt's raw scores (bookkeeping._prompt_summary)
+    prompt_fields: dict[str, dict] | None = None  # and each probe's calibrated part (responses.prompt_fields)
     tokens: dict[int, tuple[list[float], ProbeInfos]] = field(default_factory=dict)  # calibrated
     contiguous: int = 0  # tokens 0..contiguous-1 are all in: O(1) answers for every stream chunk
     finished: bool = False
@@ -179,7 +180,10 @@ class ScoreHub:
             self._external_ids.clear()
         for event in events.prompt:
             state = self._state(self._external_id(event["req"]))
-            state.prompt, state.prompt_probes = event, probes
+            # Calibrated and laid out now, not when the first chunk is decorated: that runs on
+            # the way to the client's first token, this usually while the engine is still
+            # sending that token out.
+            state.prompt, state.prompt_fields = event, responses.prompt_fields(event, probes)
             state.changed.set()
         if events.token_req_ids:
             # One vectorised calibration per step instead of one math.exp per token and

@@ -403,10 +403,13 @@ class BodyRelay:
 
 
 class StreamRelay:
-    """Streaming: pass SSE events through one by one, each with the scores of its tokens."""
+    """Streaming: pass SSE events through one by one, each with the scores of its tokens.
 
-    def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float) -> None:
-        self.hub, self.call, self._send, self.wait_s = hub, call, send, wait_s
+    `splice=False` decodes and re-encodes every chunk (the path chunks in any other form
+    take): the benchmarks' comparison for the splice."""
+
+    def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float, splice: bool = True) -> None:
+        self.hub, self.call, self._send, self.wait_s, self.splice = hub, call, send, wait_s, splice
         self._is_sse = False
         self._pending = b""
         self._generated: dict[int, int] = {}
@@ -433,15 +436,15 @@ class StreamRelay:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
             return event
         started = time.perf_counter()
-        found = _token_ids_member(event)
+        found = _token_ids_member(event) if self.splice else None
         if found is None or found[0] not in self._prompt_sent:
             decorated = await self._decode_and_decorate(event, started)
             self.hub.chunks["decoded"].add(time.perf_counter() - started)
             return decorated
         # A stream's later chunks in vLLM's compact form, nearly all of them: the scores of
         # their tokens are spliced into the bytes and the token ids cut out, the chunk never
-        # decoded (the first chunk with tokens, which carries the prompt's scores, chunks
-        # without tokens and any other form take the decoded path).
+        # decoded. The first chunk with tokens (which carries the prompt's scores too, and is
+        # no faster spliced), chunks without tokens and any other form take the decoded path.
         index, new_tokens, cut_from, cut_to = found
         key = self.call.key(index)
         start = self._generated.get(index, 0)

@@ -11,36 +11,43 @@ chunk that can carry it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from probes.scoring import calibrate
-from engine_worker.delivery import RequestScores
+
+if TYPE_CHECKING:  # the hub imports this module to lay out a prompt's part when it comes in
+    from engine_worker.delivery import ProbeInfos, RequestScores
 
 _json = msgspec.json.Encoder()
 _HEADLINE = {"last_prompt_token": "last", "prompt_mean": "mean", "prompt_max": "max"}
 
 
+def prompt_fields(summary: dict, probes: ProbeInfos) -> dict[str, dict]:
+    """Each probe's prompt part, calibrated, from the summary the hub's books wrote
+    (`bookkeeping._prompt_summary`) when the prompt's last step came in."""
+    fields: dict[str, dict] = {}
+    counts = {"tokens_scored": summary["tokens_scored"], "prompt_tokens": summary["prompt_tokens"]}
+    for probe, last, mean, peak in zip(probes, summary["last_raw"], summary["mean_raw"], summary["max_raw"]):
+        slope, intercept = probe.slope, probe.intercept
+        prompt = {"last": calibrate(last, slope, intercept), "last_raw": last, "mean": calibrate(mean, slope, intercept),
+                  "max": calibrate(peak, slope, intercept), **counts}
+        fields[probe.name] = {"score": prompt[_HEADLINE.get(probe.read, "last")], "read": probe.read, "prompt": prompt}
+    return fields
+
+
 def prompt_scores(state: RequestScores) -> dict[str, dict]:
-    if state.prompt is None:
+    """Each probe's prompt part, a dict of its own for the caller to add the generated part to."""
+    if state.prompt_fields is None:
         return {}
-    out: dict[str, dict] = {}
-    summary = state.prompt
-    for column, probe in enumerate(state.prompt_probes or ()):
-        cal = lambda raw: calibrate(raw, probe.slope, probe.intercept)  # noqa: E731
-        prompt = {
-            "last": cal(summary["last_raw"][column]),
-            "last_raw": summary["last_raw"][column],
-            "mean": cal(summary["mean_raw"][column]),
-            "max": cal(summary["max_raw"][column]),
-            "tokens_scored": summary["tokens_scored"],
-            "prompt_tokens": summary["prompt_tokens"],
-        }
-        out[probe.name] = {"score": prompt[_HEADLINE.get(probe.read, "last")], "read": probe.read, "prompt": prompt}
-    return out
+    return {name: dict(fields) for name, fields in state.prompt_fields.items()}
 
 
 def generated_scores(state: RequestScores, start: int, stop: int) -> dict[str, list[float | None]]:
     """Calibrated scores of generated tokens [start, stop) per probe; None where a token has none."""
+    if stop == start + 1 and (entry := state.tokens.get(start)) is not None:  # a one-token chunk
+        return {probe.name: [value] for probe, value in zip(entry[1], entry[0])}
     entries = [state.tokens.get(index) for index in range(start, stop)]
     if entries and all(e is not None and e[1] is entries[0][1] for e in entries):
         # The usual stream chunk: every token in, scored by one probe set — transpose.

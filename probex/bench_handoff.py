@@ -32,7 +32,9 @@ And the API server's share of one decode step of N streaming requests (`api_deco
 in the JSON; medians over `--steps`), what grows with the number of streams:
 
 - `intake_us`: `ScoreHub.ingest` of the step's message (N sampled tokens);
-- `chunks_us`: the N one-token chunks that step produces, decorated one after another.
+- `chunks_us`: the N one-token chunks that step produces, decorated one after another;
+  `chunks_decoded_us` the same with every chunk decoded and re-encoded instead of spliced
+  (`first_token_decoded` likewise for the first token's chunks).
 
     python3 -m probex.bench_handoff --out out/bench-handoff.json
 """
@@ -143,8 +145,9 @@ def _completion_chunk(request_id: str, prompt_ids: list[int] | None = None) -> d
                          "prompt_token_ids": prompt_ids, "token_ids": [42]}]}
 
 
-def first_token_path(prompt_tokens: int, repeats: int) -> dict:
-    """Medians, in µs, of the host steps on a first token's way (see the module docstring)."""
+def first_token_path(prompt_tokens: int, repeats: int, splice: bool = True) -> dict:
+    """Medians, in µs, of the host steps on a first token's way (see the module docstring);
+    `splice=False`: every chunk decoded and re-encoded instead."""
     import asyncio
     import uuid
 
@@ -171,7 +174,7 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             started = time.perf_counter()
             hub.ingest(message)
             intake.append(time.perf_counter() - started)
-            relay = StreamRelay(hub, call, _discard, 1.0)
+            relay = StreamRelay(hub, call, _discard, 1.0, splice)
             # The next step samples token 1, which the later chunk carries (a completion's
             # first chunk carries token 0): its scores are in when that chunk is decorated.
             controller.after_forward(StepLayout([f"{call.key(0)}-0123abcd"], np.ones(1, np.int64),
@@ -195,7 +198,7 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
         controller.transfer.close()
     if hub.waits["tokens"].count or hub.waits["prompt"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
-    if hub.chunks["spliced"].count != repeats:
+    if hub.chunks["spliced"].count != (repeats if splice else 0):
         raise RuntimeError("the later chunk was decoded instead of spliced: not the path vLLM's chunks take")
 
     def median_us(values: list[float]) -> float:
@@ -206,7 +209,7 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             "token_chunk_us": median_us(token_chunk)}
 
 
-def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dict:
+def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, splice: bool = True) -> dict:
     """Medians, in µs, of the API server's work per decode step of `requests` streams (see the
     module docstring): the worker's real step messages (prompts prefilled four to a step
     first), fed to a `ScoreHub` and `StreamRelay`s as their receive loop and vLLM would."""
@@ -241,7 +244,7 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
     async def all_steps() -> None:
         for message in decoded[:len(prefills)]:
             hub.ingest(message)
-        relays = [StreamRelay(hub, call, _discard, 1.0) for call in calls]
+        relays = [StreamRelay(hub, call, _discard, 1.0, splice) for call in calls]
         for relay, call in zip(relays, calls):  # each stream's first chunk (token 0, prompt scores)
             await relay._decorate_event(_sse(_completion_chunk(call.key_prefix, [1, 2, 3])))
         token_events = [_sse(_completion_chunk(call.key_prefix)) for call in calls]
@@ -257,7 +260,7 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
     asyncio.run(all_steps())
     if hub.waits["tokens"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
-    if hub.chunks["spliced"].count != requests * (len(decoded) - len(prefills)):
+    if hub.chunks["spliced"].count != (requests * (len(decoded) - len(prefills)) if splice else 0):
         raise RuntimeError("a later chunk was decoded instead of spliced: not the path vLLM's chunks take")
     return {"requests": requests, "steps": steps, "intake_us": round(float(np.median(intake)) * 1e6, 1),
             "chunks_us": round(float(np.median(chunks)) * 1e6, 1)}
@@ -294,18 +297,25 @@ def main() -> None:
     print(f"one StepLayout: {wake['layout_us_tight_loop']} µs in a tight loop, {wake['layout_us_after_sleep']} µs"
           f" right after a {args.wait_us:.0f} µs sleep (how much of the hook is waking up)", flush=True)
     first = first_token_path(args.prompt_tokens, args.repeats)
-    print(f"first token, {first['prompt_tokens']}-token prompt (medians of {first['repeats']}): prefill step "
-          f"{first['prefill_step_us']} µs in the worker, intake {first['intake_us']} µs, first chunk "
-          f"{first['first_chunk_us']} µs and a later one-token chunk {first['token_chunk_us']} µs in the API server",
-          flush=True)
-    api_steps = [api_decode_step(int(x), args.steps, args.prompt_tokens) for x in args.requests.split(",")]
-    for row in api_steps:
-        print(f"API server, one decode step of {row['requests']} streams (medians of {row['steps']}): intake "
-              f"{row['intake_us']} µs, the step's {row['requests']} one-token chunks {row['chunks_us']} µs", flush=True)
+    first_decoded = first_token_path(args.prompt_tokens, args.repeats, splice=False)
+    for label, row in (("spliced", first), ("decoded", first_decoded)):
+        print(f"first token, {row['prompt_tokens']}-token prompt (medians of {row['repeats']}), chunks {label}: "
+              f"prefill step {row['prefill_step_us']} µs in the worker, intake {row['intake_us']} µs, first chunk "
+              f"{row['first_chunk_us']} µs and a later one-token chunk {row['token_chunk_us']} µs in the API server",
+              flush=True)
+    api_steps = []
+    for n in (int(x) for x in args.requests.split(",")):
+        row = api_decode_step(n, args.steps, args.prompt_tokens)
+        row["chunks_decoded_us"] = api_decode_step(n, args.steps, args.prompt_tokens, splice=False)["chunks_us"]
+        api_steps.append(row)
+        print(f"API server, one decode step of {n} streams (medians of {row['steps']}): intake {row['intake_us']} µs,"
+              f" the step's {n} one-token chunks {row['chunks_us']} µs spliced ({row['chunks_decoded_us']} µs"
+              " decoded and re-encoded)", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results,
-                                        "wake": wake, "first_token": first, "api_decode_step": api_steps},
+                                        "wake": wake, "first_token": first, "first_token_decoded": first_decoded,
+                                        "api_decode_step": api_steps},
                                        indent=1) + "\n")
 
 

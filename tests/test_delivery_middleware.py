@@ -62,7 +62,8 @@ class FakeEngineApp:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for i, chunk in enumerate(self.chunks):
             asyncio.get_running_loop().call_later(0.05, self.feed, engine_id, i)  # scores arrive *after* the chunk
-            payload = {"choices": [{"index": 0, **chunk}], **({"prompt_token_ids": [1, 2]} if i == 0 else {})}
+            top_level_ids = i == 0 and "prompt_token_ids" not in chunk  # a chat stream's; a completion's are in its choice
+            payload = {"choices": [{"index": 0, **chunk}], **({"prompt_token_ids": [1, 2]} if top_level_ids else {})}
             # compact, as vLLM's pydantic models write it (the form the middleware cuts unparsed)
             data = b"data: " + json.dumps(payload, separators=self.separators).encode() + b"\n\n"
             await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -224,48 +225,69 @@ def test_a_chunks_token_ids_are_read_from_compact_json_only(payload, expected):
                                  if k not in ("token_ids", "prompt_token_ids")}
 
 
-# vLLM's chunks of every kind the splice must match the decoded path on: text with quotes and
-# backslashes, logprobs, several tokens, a finish that carries a token, a completion's `text`.
-SPLICE_CASES = [
+# vLLM's chunks of every kind the splice must match the decoded path on: a chat stream (its
+# role chunk carries the prompt's ids) with text holding quotes and backslashes, logprobs,
+# several tokens, a finish that carries a token; a completion stream (its choices carry the
+# prompt's ids, a list in the first chunk, null after).
+CHAT_CASES = [
     {"delta": {"role": "assistant", "content": ""}, "token_ids": []},
     {"delta": {"content": 'say "token_ids":[1] \\ ü'}, "logprobs": None, "finish_reason": None, "token_ids": [7]},
     {"delta": {"content": "bc"}, "logprobs": {"content": [{"token": "b", "logprob": -0.25, "bytes": [98],
                                                            "top_logprobs": []}]}, "token_ids": [8, 9]},
-    {"text": "d", "logprobs": None, "finish_reason": None, "stop_reason": None, "prompt_token_ids": None,
-     "token_ids": [10]},
+    {"delta": {"content": "d"}, "logprobs": None, "finish_reason": None, "token_ids": [10]},
     {"delta": {"content": "e"}, "finish_reason": "length", "token_ids": [11]},
     {"delta": {}, "finish_reason": "stop", "token_ids": []},
 ]
+COMPLETION_CASES = [
+    {"text": "a", "logprobs": None, "finish_reason": None, "stop_reason": None, "prompt_token_ids": [1, 2],
+     "token_ids": [7]},
+    *({"text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None, "prompt_token_ids": None,
+       "token_ids": ids} for text, finish, ids in (("bc", None, [8, 9]), ('"\\', None, [10]), ("e", "length", [11]))),
+]
 
 
+@pytest.mark.parametrize("cases, spliced_chunks, spliced_when_asked", [(CHAT_CASES, 3, 3), (COMPLETION_CASES, 3, 3)],
+                         ids=["chat", "completion"])
 @pytest.mark.parametrize("client_asked", [False, True])
-def test_spliced_chunks_equal_decoded_ones(monkeypatch, client_asked):
+def test_spliced_chunks_equal_decoded_ones(monkeypatch, cases, spliced_chunks, spliced_when_asked, client_asked):
     """The stream relay's splice (scores written into the chunk's bytes) against its decoded
-    path, chunk by chunk, and the splice really taken for every later chunk with tokens."""
+    path, chunk by chunk, and the splice really taken for every chunk with tokens after the
+    one that carried the prompt's scores."""
     from engine_worker import middleware
 
     request = {"return_token_ids": True} if client_asked else {}
-    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),
+                                         ProbeSlot('q "2"', 3, 1, "prompt_mean", 2.0, -1.0)))
     generated = 0
 
-    def feed(hub, engine_id, i):  # chunk i's tokens, one step each; token j scores j (raw)
+    def feed(hub, engine_id, i):  # chunk i's tokens, one step each; token j scores (j, -j) raw
         nonlocal generated
-        for _ in SPLICE_CASES[i]["token_ids"]:
-            scheduled, computed, rows = (2, 0, [0.0, 0.0]) if generated == 0 else (1, 1 + generated, [generated])
+        for _ in cases[i]["token_ids"]:
+            scheduled, computed, rows = (2, 0, [[0.5, 0.5], [0.0, 0.0]]) if generated == 0 else (
+                1, 1 + generated, [[generated, -generated]])
             layout = StepLayout([engine_id], np.array([scheduled]), np.array([computed]), np.array([2]))
-            hub.ingest(step_message(table, layout, np.array(rows, np.float32).reshape(-1, 1), []))
+            hub.ingest(step_message(table, layout, np.array(rows, np.float32), []))
             generated += 1
 
-    spliced, last, _, waits = run_stream(SPLICE_CASES, feed, **request)
-    monkeypatch.setattr(middleware, "_token_ids_member", lambda event: None)
+    spliced, last, _, waits = run_stream(cases, feed, **request)
+    relay = middleware.StreamRelay
+    monkeypatch.setattr(middleware, "StreamRelay", lambda *args: relay(*args, splice=False))
     generated = 0
-    decoded, *_ = run_stream(SPLICE_CASES, feed, **request)
+    decoded, *_, decoded_waits = run_stream(cases, feed, **request)
+    assert decoded_waits["loop_time"]["chunks_spliced"]["count"] == 0
     assert last == "[DONE]" and spliced == decoded
-    assert spliced[2]["probex"]["scores"]["p"]["generated"] == {
+    # the prompt's scores ride on the first chunk with tokens (scores come 50 ms after each chunk here)
+    first, two_tokens = (next(i for i, c in enumerate(cases) if c["token_ids"] == ids) for ids in ([7], [8, 9]))
+    with_prompt = [i for i, c in enumerate(spliced) if "prompt" in c.get("probex", {}).get("scores", {}).get("p", {})]
+    assert with_prompt == [first]
+    assert spliced[first]["probex"]["scores"]['q "2"']["prompt"]["mean"] == pytest.approx(calibrate(0.25, 2.0, -1.0))
+    assert spliced[two_tokens]["probex"]["scores"]["p"]["generated"] == {
         "offset": 1, "scores": [pytest.approx(calibrate(1.0, 1.0, 0.0)), pytest.approx(calibrate(2.0, 1.0, 0.0))]}
-    assert [("token_ids" in c["choices"][0]) for c in spliced] == [client_asked] * len(SPLICE_CASES)
+    assert [("token_ids" in c["choices"][0]) for c in spliced] == [client_asked] * len(cases)
+    assert [("prompt_token_ids" in c["choices"][0] or "prompt_token_ids" in c) for c in spliced[:1]] == [client_asked]
     loop = waits["loop_time"]
-    assert loop["chunks_spliced"]["count"] == 3 and loop["chunks_decoded"]["count"] == len(SPLICE_CASES) - 3
+    expected = spliced_when_asked if client_asked else spliced_chunks
+    assert loop["chunks_spliced"]["count"] == expected and loop["chunks_decoded"]["count"] == len(cases) - expected
 
 
 def test_missing_scores_do_not_hang_the_stream(monkeypatch):
