@@ -1707,9 +1707,59 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 overhead.setdefault(f"{kind}_vs_{base_kind}", {})[c] = {
                     name: overhead_pct(values[name], base[name]) for name in OVERHEAD_METRICS}
     return {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
-            "overhead_pct": overhead, "tpot_p50_overhead_pct_by_gpu": overhead_by_gpu(setups),
+            "overhead_pct": overhead, "overhead_over_starts": overhead_over_starts(setups),
+            "tpot_p50_overhead_pct_by_gpu": overhead_by_gpu(setups),
             "idle_ttft": idle_ttft_summary(setups), "ttft_split": ttft_split_summary(setups),
             "problems": find_problems(setups), "warnings": find_warnings(setups)}
+
+
+# Student's t, two-sided 95%, by degrees of freedom (30 stands for 30 and more).
+_T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+          15: 2.13, 20: 2.09, 30: 2.04}
+START_METRICS = {"tpot_p50": ("tpot_ms", "p50"), "ttft_p50": ("ttft_ms", "p50")}
+
+
+def overhead_over_starts(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Every set-up kind over plain with each server start as one sample: the overhead of the
+    mean over starts, and its 95% interval (Welch's t on the two kinds' start means, the
+    ratio's error by the delta method), per concurrency, for `START_METRICS`. A start's own
+    conditions (where the weights landed, the GPU's state) move TPOT by about a percent, more
+    than the goal; the interval says whether a run had the starts to tell a 0.5% difference.
+    Also without the run's first start ("steady"), which came out slow in two runs of two.
+    Kinds need two starts each; side-by-side runs (--gpus) have no single first start."""
+    out: dict[str, Any] = {}
+    variants = [("all", list(setups))]
+    if setups and not any(s.get("gpu") is not None for s in setups):
+        variants.append(("steady", list(setups[1:])))
+    for variant, starts in variants:
+        samples: dict[tuple[str, str, str], list[float]] = {}
+        for s in starts:
+            for c, entry in s.get("results", {}).items():
+                for name, path in START_METRICS.items():
+                    samples.setdefault((s["kind"], c, name), []).append(_metric(entry, path))
+        for (kind, c, name), values in sorted(samples.items()):
+            base = samples.get(("plain", c, name))
+            if kind == "plain" or not base or len(values) < 2 or len(base) < 2:
+                continue
+            row = out.setdefault(variant, {}).setdefault(kind, {}).setdefault(c, {"starts": len(values),
+                                                                                  "plain_starts": len(base)})
+            row[name] = _ratio_interval(np.array(values, dtype=np.float64), np.array(base, dtype=np.float64))
+    return out
+
+
+def _ratio_interval(values: np.ndarray, base: np.ndarray) -> dict[str, float]:
+    """(mean(values) / mean(base) − 1) in percent with its 95% interval (see overhead_over_starts)."""
+    mean, base_mean = float(values.mean()), float(base.mean())
+    rel_var = values.var(ddof=1) / len(values) / mean**2  # squared relative standard errors
+    base_rel_var = base.var(ddof=1) / len(base) / base_mean**2
+    ratio = mean / base_mean
+    se_pct = ratio * math.sqrt(rel_var + base_rel_var) * 100.0
+    spread = rel_var**2 / (len(values) - 1) + base_rel_var**2 / (len(base) - 1)
+    df = (rel_var + base_rel_var) ** 2 / spread if spread > 0 else math.inf
+    tabulated = [k for k in _T_975 if k <= df]  # the nearest df below: a wider interval, never a narrower one
+    t = _T_975[max(tabulated)] if tabulated else math.inf
+    pct = (ratio - 1.0) * 100.0
+    return {"pct": pct, "se_pct": se_pct, "ci95_pct": [pct - t * se_pct, pct + t * se_pct], "df": df}
 
 
 def idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -1951,6 +2001,22 @@ def markdown_tables(result: dict[str, Any]) -> str:
                   "consumer against the runner's default), percent:", "",
                   "| set-up | concurrency | TPOT p50 | TPOT mean | ITL p50 | TTFT p50 | output tok/s |",
                   "|---|---:|---:|---:|---:|---:|---:|", *over_tap]
+    starts = result.get("overhead_over_starts") or {}
+    if starts:
+        lines += ["", "Over plain with each server start as one sample: the overhead of the mean over starts and its "
+                  "95% interval (Welch's t); \"steady\" leaves out the run's first start:", "",
+                  "| set-up | starts | concurrency | starts (plain) | TPOT p50 | 95% interval | TTFT p50 | 95% interval |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for variant, kinds in starts.items():
+            for kind, per_c in kinds.items():
+                for c, row in sorted(per_c.items(), key=lambda kv: int(kv[0])):
+                    cells = []
+                    for name in START_METRICS:
+                        v = row[name]
+                        lo, hi = v["ci95_pct"]
+                        cells += [_pct(v["pct"]), f"{_pct(lo)} … {_pct(hi)}" if math.isfinite(hi - lo) else "n/a"]
+                    lines.append(f"| {kind} | {variant} | {c} | {row['starts']} ({row['plain_starts']}) | "
+                                 + " | ".join(cells) + " |")
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
     if spread:
         on_gpus = " (side by side, repeats ran on different GPUs: this includes the GPUs' difference)" \

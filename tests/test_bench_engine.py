@@ -887,3 +887,29 @@ def test_overhead_by_gpu_compares_each_set_up_with_plain_on_its_own_gpu():
         "tpot_p50_overhead_pct_by_gpu"] == {}
     text = be.markdown_tables(dict(be.merge_runs([{"setups": setups, "versions": {}}])))
     assert "tap on GPU 0 c=1: +1.0%" in text
+
+
+def test_overheads_over_starts_come_with_their_95_percent_interval():
+    """Each start one sample: plain 10.0/10.2/9.8, tap 1% above start by start. The interval
+    is Welch's (df = 4 here: two equal relative spreads), computed by hand; "steady" drops the
+    run's first start (plain#1), leaving plain two."""
+    plain = [_setup("plain", f"plain#{i}", {"1": v}) for i, v in enumerate((10.0, 10.2, 9.8), 1)]
+    tap = [_setup("tap", f"tap#{i}", {"1": v * 1.01}) for i, v in enumerate((10.0, 10.2, 9.8), 1)]
+    setups = [s for pair in zip(plain, tap) for s in pair]  # plain#1 ran first
+    starts = be.overhead_over_starts(setups)
+    row = starts["all"]["tap"]["1"]
+    assert (row["starts"], row["plain_starts"]) == (3, 3)
+    tpot = row["tpot_p50"]
+    rel_se = math.sqrt(2 * (0.04 / 3) / 100.0)  # sample variance 0.04 of means 10 (and 10.1, relatively the same)
+    assert tpot["pct"] == pytest.approx(1.0) and tpot["df"] == pytest.approx(4.0)
+    assert tpot["se_pct"] == pytest.approx(1.01 * rel_se * 100)
+    assert tpot["ci95_pct"] == pytest.approx([1.0 - 2.78 * tpot["se_pct"], 1.0 + 2.78 * tpot["se_pct"]])
+    assert row["ttft_p50"]["pct"] == pytest.approx(0.0)  # every start's TTFT is 20 ms here
+    steady = starts["steady"]["tap"]["1"]
+    assert (steady["starts"], steady["plain_starts"]) == (3, 2)
+    # one start per kind: no interval; side by side (--gpus): no single first start
+    assert be.overhead_over_starts(setups[:2]) == {}
+    assert "steady" not in be.overhead_over_starts([dict(s, gpu="0") for s in setups])
+    table = be.markdown_tables({"setups": setups, "workload": {}, **be.analyze(setups)})
+    lo, hi = tpot["ci95_pct"]
+    assert f"| tap | all | 1 | 3 (3) | +1.0% | {lo:+.1f}% … {hi:+.1f}% |" in table
