@@ -34,7 +34,8 @@ in the JSON; medians over `--steps`), what grows with the number of streams:
 - `intake_us`: `ScoreHub.ingest` of the step's message (N sampled tokens);
 - `chunks_us`: the N one-token chunks that step produces, decorated one after another;
   `chunks_decoded_us` the same with every chunk decoded and re-encoded instead of spliced
-  (`first_token_decoded` likewise for the first token's chunks).
+  (`first_chunk_decoded_us` and `token_chunk_decoded_us` likewise on the first token's way),
+  timed side by side with the spliced ones, step by step.
 
     python3 -m probex.bench_handoff --out out/bench-handoff.json
 """
@@ -145,9 +146,11 @@ def _completion_chunk(request_id: str, prompt_ids: list[int] | None = None) -> d
                          "prompt_token_ids": prompt_ids, "token_ids": [42]}]}
 
 
-def first_token_path(prompt_tokens: int, repeats: int, splice: bool = True) -> dict:
-    """Medians, in µs, of the host steps on a first token's way (see the module docstring);
-    `splice=False`: every chunk decoded and re-encoded instead."""
+def first_token_path(prompt_tokens: int, repeats: int) -> dict:
+    """Medians, in µs, of the host steps on a first token's way (see the module docstring).
+    Each request's chunks are decorated twice, by a relay that splices and one that decodes
+    (which goes first alternates): the two paths are timed side by side, under the same
+    conditions (`*_decoded_us`)."""
     import asyncio
     import uuid
 
@@ -157,14 +160,16 @@ def first_token_path(prompt_tokens: int, repeats: int, splice: bool = True) -> d
 
     messages: list[bytes] = []
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
-    prefill, intake, first_chunk, token_chunk = [], [], [], []
+    prefill, intake = [], []
+    chunk_times: dict[str, list[float]] = {name: [] for name in ("first_chunk", "token_chunk", "first_chunk_decoded",
+                                                                  "token_chunk_decoded")}
     prompt_ids = list(range(1000, 1000 + prompt_tokens))
     with tempfile.TemporaryDirectory() as tmp:
         controller = _controller(False, Path(tmp))
         controller.publish = lambda message: messages.append(encoder.encode(message))
         hub = ScoreHub("inproc://unused")  # never started: fed directly, as its receive loop would
 
-        async def one_request() -> None:
+        async def one_request(number: int) -> None:
             call = MonitoredCall(key_prefix=f"cmpl-probex-{uuid.uuid4().hex}", stream=True, wants_token_ids=False)
             started = time.perf_counter()
             controller.after_forward(StepLayout([f"{call.key(0)}-0123abcd"], np.array([prompt_tokens]),
@@ -174,45 +179,44 @@ def first_token_path(prompt_tokens: int, repeats: int, splice: bool = True) -> d
             started = time.perf_counter()
             hub.ingest(message)
             intake.append(time.perf_counter() - started)
-            relay = StreamRelay(hub, call, _discard, 1.0, splice)
             # The next step samples token 1, which the later chunk carries (a completion's
             # first chunk carries token 0): its scores are in when that chunk is decorated.
             controller.after_forward(StepLayout([f"{call.key(0)}-0123abcd"], np.ones(1, np.int64),
                                                 np.array([prompt_tokens]), np.array([prompt_tokens])))
             hub.ingest(decoder.decode(messages.pop()))
-            for chunk, times in ((_completion_chunk(call.key_prefix, prompt_ids), first_chunk),
-                                 (_completion_chunk(call.key_prefix), token_chunk)):
+            relays = [("", StreamRelay(hub, call, _discard, 1.0)),
+                      ("_decoded", StreamRelay(hub, call, _discard, 1.0, splice=False))]
+            for chunk, name in ((_completion_chunk(call.key_prefix, prompt_ids), "first_chunk"),
+                                (_completion_chunk(call.key_prefix), "token_chunk")):
                 event = _sse(chunk)
-                started = time.perf_counter()
-                decorated = await relay._decorate_event(event)
-                times.append(time.perf_counter() - started)
-                if b'"probex"' not in decorated or b"token_ids" in decorated:
-                    raise RuntimeError(f"the chunk was not decorated as served: {decorated[:200]!r}")
+                for suffix, relay in relays[:: 1 if number % 2 else -1]:
+                    started = time.perf_counter()
+                    decorated = await relay._decorate_event(event)
+                    chunk_times[name + suffix].append(time.perf_counter() - started)
+                    if b'"probex"' not in decorated or b"token_ids" in decorated:
+                        raise RuntimeError(f"the chunk was not decorated as served: {decorated[:200]!r}")
             hub.release(call.key(0))
 
         async def all_requests() -> None:
-            for _ in range(repeats):
-                await one_request()
+            for number in range(repeats):
+                await one_request(number)
 
         asyncio.run(all_requests())
         controller.transfer.close()
     if hub.waits["tokens"].count or hub.waits["prompt"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
-    if hub.chunks["spliced"].count != (repeats if splice else 0):
+    if hub.chunks["spliced"].count != repeats:
         raise RuntimeError("the later chunk was decoded instead of spliced: not the path vLLM's chunks take")
-
-    def median_us(values: list[float]) -> float:
-        return round(float(np.median(values)) * 1e6, 1)
-
-    return {"prompt_tokens": prompt_tokens, "repeats": repeats, "prefill_step_us": median_us(prefill),
-            "intake_us": median_us(intake), "first_chunk_us": median_us(first_chunk),
-            "token_chunk_us": median_us(token_chunk)}
+    return {"prompt_tokens": prompt_tokens, "repeats": repeats, "prefill_step_us": _median_us(prefill),
+            "intake_us": _median_us(intake), **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()}}
 
 
-def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, splice: bool = True) -> dict:
+def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dict:
     """Medians, in µs, of the API server's work per decode step of `requests` streams (see the
     module docstring): the worker's real step messages (prompts prefilled four to a step
-    first), fed to a `ScoreHub` and `StreamRelay`s as their receive loop and vLLM would."""
+    first), fed to a `ScoreHub` and `StreamRelay`s as their receive loop and vLLM would. Each
+    step's chunks are decorated by relays that splice and by relays that decode (which go
+    first alternates), timed side by side (`chunks_decoded_us`)."""
     import asyncio
     import uuid
 
@@ -239,31 +243,39 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, splice
         controller.transfer.close()
     decoded = [decoder.decode(m) for m in messages]
     hub = ScoreHub("inproc://unused")  # never started: fed directly, as its receive loop would
-    intake, chunks = [], []
+    intake: list[float] = []
+    chunk_times: dict[str, list[float]] = {"chunks": [], "chunks_decoded": []}
 
     async def all_steps() -> None:
         for message in decoded[:len(prefills)]:
             hub.ingest(message)
-        relays = [StreamRelay(hub, call, _discard, 1.0, splice) for call in calls]
-        for relay, call in zip(relays, calls):  # each stream's first chunk (token 0, prompt scores)
-            await relay._decorate_event(_sse(_completion_chunk(call.key_prefix, [1, 2, 3])))
+        relay_sets = [("chunks", [StreamRelay(hub, call, _discard, 1.0) for call in calls]),
+                      ("chunks_decoded", [StreamRelay(hub, call, _discard, 1.0, splice=False) for call in calls])]
+        for _, relays in relay_sets:
+            for relay, call in zip(relays, calls):  # each stream's first chunk (token 0, prompt scores)
+                await relay._decorate_event(_sse(_completion_chunk(call.key_prefix, [1, 2, 3])))
         token_events = [_sse(_completion_chunk(call.key_prefix)) for call in calls]
-        for message in decoded[len(prefills):]:
+        for number, message in enumerate(decoded[len(prefills):]):
             started = time.perf_counter()
             hub.ingest(message)
-            decorated = time.perf_counter()
-            for relay, token in zip(relays, token_events):
-                await relay._decorate_event(token)
-            intake.append(decorated - started)
-            chunks.append(time.perf_counter() - decorated)
+            intake.append(time.perf_counter() - started)
+            for name, relays in relay_sets[:: 1 if number % 2 else -1]:
+                started = time.perf_counter()
+                for relay, token in zip(relays, token_events):
+                    await relay._decorate_event(token)
+                chunk_times[name].append(time.perf_counter() - started)
 
     asyncio.run(all_steps())
     if hub.waits["tokens"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
-    if hub.chunks["spliced"].count != (requests * (len(decoded) - len(prefills)) if splice else 0):
+    if hub.chunks["spliced"].count != requests * steps:
         raise RuntimeError("a later chunk was decoded instead of spliced: not the path vLLM's chunks take")
-    return {"requests": requests, "steps": steps, "intake_us": round(float(np.median(intake)) * 1e6, 1),
-            "chunks_us": round(float(np.median(chunks)) * 1e6, 1)}
+    return {"requests": requests, "steps": steps, "intake_us": _median_us(intake),
+            **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()}}
+
+
+def _median_us(seconds: list[float]) -> float:
+    return round(float(np.median(seconds)) * 1e6, 1)
 
 
 def main() -> None:
@@ -297,25 +309,20 @@ def main() -> None:
     print(f"one StepLayout: {wake['layout_us_tight_loop']} µs in a tight loop, {wake['layout_us_after_sleep']} µs"
           f" right after a {args.wait_us:.0f} µs sleep (how much of the hook is waking up)", flush=True)
     first = first_token_path(args.prompt_tokens, args.repeats)
-    first_decoded = first_token_path(args.prompt_tokens, args.repeats, splice=False)
-    for label, row in (("spliced", first), ("decoded", first_decoded)):
-        print(f"first token, {row['prompt_tokens']}-token prompt (medians of {row['repeats']}), chunks {label}: "
-              f"prefill step {row['prefill_step_us']} µs in the worker, intake {row['intake_us']} µs, first chunk "
-              f"{row['first_chunk_us']} µs and a later one-token chunk {row['token_chunk_us']} µs in the API server",
-              flush=True)
-    api_steps = []
-    for n in (int(x) for x in args.requests.split(",")):
-        row = api_decode_step(n, args.steps, args.prompt_tokens)
-        row["chunks_decoded_us"] = api_decode_step(n, args.steps, args.prompt_tokens, splice=False)["chunks_us"]
-        api_steps.append(row)
-        print(f"API server, one decode step of {n} streams (medians of {row['steps']}): intake {row['intake_us']} µs,"
-              f" the step's {n} one-token chunks {row['chunks_us']} µs spliced ({row['chunks_decoded_us']} µs"
-              " decoded and re-encoded)", flush=True)
+    print(f"first token, {first['prompt_tokens']}-token prompt (medians of {first['repeats']}): prefill step "
+          f"{first['prefill_step_us']} µs in the worker, intake {first['intake_us']} µs, first chunk "
+          f"{first['first_chunk_us']} µs and a later one-token chunk {first['token_chunk_us']} µs in the API server "
+          f"(decoded and re-encoded instead: {first['first_chunk_decoded_us']} and {first['token_chunk_decoded_us']} µs)",
+          flush=True)
+    api_steps = [api_decode_step(int(x), args.steps, args.prompt_tokens) for x in args.requests.split(",")]
+    for row in api_steps:
+        print(f"API server, one decode step of {row['requests']} streams (medians of {row['steps']}): intake "
+              f"{row['intake_us']} µs, the step's {row['requests']} one-token chunks {row['chunks_us']} µs spliced "
+              f"({row['chunks_decoded_us']} µs decoded and re-encoded)", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results,
-                                        "wake": wake, "first_token": first, "first_token_decoded": first_decoded,
-                                        "api_decode_step": api_steps},
+                                        "wake": wake, "first_token": first, "api_decode_step": api_steps},
                                        indent=1) + "\n")
 
 
