@@ -2005,7 +2005,8 @@ def markdown_tables(result: dict[str, Any]) -> str:
     if starts:
         lines += ["", "Over plain with each server start as one sample: the overhead of the mean over starts and its "
                   "95% interval (Welch's t); \"steady\" leaves out the run's first start:", "",
-                  "| set-up | starts | concurrency | starts (plain) | TPOT p50 | 95% interval | TTFT p50 | 95% interval |",
+                  "| set-up | which starts | concurrency | starts (plain's) | TPOT p50 | 95% interval | TTFT p50 "
+                  "| 95% interval |",
                   "|---|---|---:|---:|---:|---:|---:|---:|"]
         for variant, kinds in starts.items():
             for kind, per_c in kinds.items():
