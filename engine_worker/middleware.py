@@ -494,9 +494,9 @@ class StreamRelay:
         return encoded
 
 
-# Every stream chunk is decoded and re-encoded on the API server's event loop, which at high
-# concurrency is the busiest thread of the worker: msgspec (a vLLM dependency) is several
-# times faster than the json module at it.
+# Request bodies, and the stream chunks that are not spliced, are decoded and re-encoded on
+# the API server's event loop, which at high concurrency is the busiest thread of the worker:
+# msgspec (a vLLM dependency) is several times faster than the json module at it.
 _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
 
