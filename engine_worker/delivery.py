@@ -63,11 +63,12 @@ class ProbeInfo:
     layer: int
 
 
-class ProbeInfos(list):
-    """One probe-table version's probes in column order, and the JSON a stream chunk's scores
-    are written into: `generated_json_parts` holds the bytes around each probe's offset and
-    scores, `{"<name>":{"generated":{"offset":` OFFSET `,"scores":[` SCORES `]}},"<name>"...`,
-    with the offsets at [1::4] and the scores at [3::4] (responses.generated_scores_json)."""
+class ProbeColumns(list):
+    """One probe-table version's probes in the order of their columns in a step's scores, and
+    the JSON a stream chunk's scores are written into: `generated_json_parts` holds the bytes
+    around each probe's offset and scores, `{"<name>":{"generated":{"offset":` OFFSET
+    `,"scores":[` SCORES `]}},"<name>"...`, with the offsets at [1::4] and the scores at
+    [3::4] (responses.generated_scores_json)."""
 
     def __init__(self, probes: list[ProbeInfo]) -> None:
         super().__init__(probes)
@@ -84,13 +85,13 @@ class RequestScores:
 
     prompt: dict | None = None  # the summary of the prompt's raw scores (bookkeeping._prompt_summary)
     prompt_fields: dict[str, dict] | None = None  # and each probe's calibrated part (responses.prompt_fields)
-    tokens: dict[int, tuple[list[float], ProbeInfos]] = field(default_factory=dict)  # calibrated
+    tokens: dict[int, tuple[list[float], ProbeColumns]] = field(default_factory=dict)  # calibrated
     contiguous: int = 0  # tokens 0..contiguous-1 are all in: O(1) answers for every stream chunk
     finished: bool = False
     touched: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def add_token(self, index: int, scores: list[float], probes: ProbeInfos) -> None:
+    def add_token(self, index: int, scores: list[float], probes: ProbeColumns) -> None:
         """`scores`: calibrated, one per probe of `probes` (the set that scored this token)."""
         self.tokens[index] = (scores, probes)
         while self.contiguous in self.tokens:
@@ -105,7 +106,7 @@ class _ProbeSet:
     """One probe-table version as the hub sees it: names and calibration, vectorised."""
 
     def __init__(self, probes: list[ProbeInfo]) -> None:
-        self.probes = ProbeInfos(probes)
+        self.probes = ProbeColumns(probes)
         self._slope = np.array([p.slope for p in probes], dtype=np.float64)
         self._intercept = np.array([p.intercept for p in probes], dtype=np.float64)
 
@@ -183,7 +184,12 @@ class ScoreHub:
             # Calibrated and laid out now, not when the first chunk is decorated: that runs on
             # the way to the client's first token, this usually while the engine is still
             # sending that token out.
-            state.prompt, state.prompt_fields = event, responses.prompt_fields(event, probes)
+            try:
+                fields = responses.prompt_fields(event, probes)
+            except Exception:  # one prompt's bad summary must not cost the step's other scores
+                log.exception("probex: could not lay out a prompt's scores")
+                fields = {}
+            state.prompt, state.prompt_fields = event, fields
             state.changed.set()
         if events.token_req_ids:
             # One vectorised calibration per step instead of one math.exp per token and

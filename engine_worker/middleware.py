@@ -26,7 +26,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, NamedTuple
 
 import msgspec
 
@@ -436,16 +436,17 @@ class StreamRelay:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
             return event
         started = time.perf_counter()
-        found = _token_ids_member(event) if self.splice else None
-        if found is None or found[0] not in self._prompt_sent:
+        points = _splice_points(event) if self.splice else None
+        if points is None or points.index not in self._prompt_sent:
             decorated = await self._decode_and_decorate(event, started)
             self.hub.chunks["decoded"].add(time.perf_counter() - started)
             return decorated
-        # A stream's later chunks in vLLM's compact form, nearly all of them: the scores of
-        # their tokens are spliced into the bytes and the token ids cut out, the chunk never
-        # decoded. The first chunk with tokens (which carries the prompt's scores too, and is
-        # no faster spliced), chunks without tokens and any other form take the decoded path.
-        index, new_tokens, cut_from, cut_to = found
+        # Chunks in vLLM's compact form once their choice's prompt scores have gone out, nearly
+        # all of a stream's: the scores of their tokens are spliced into the bytes and the token
+        # ids cut out, the chunk never decoded. Until the prompt's scores go out (with the first
+        # chunk with tokens, where they are in; a stream's first chunk is no faster spliced),
+        # chunks without tokens and any other form take the decoded path.
+        index, new_tokens, cut_from, cut_to = points
         key = self.call.key(index)
         start = self._generated.get(index, 0)
         stop = self._generated[index] = start + new_tokens
@@ -542,12 +543,20 @@ _DIGITS_AND_COMMAS = b"0123456789,"
 _COMMA, _CLOSING_BRACE = ord(","), ord("}")
 
 
-def _token_ids_member(event: bytes) -> tuple[int, int, int, int] | None:
-    """What a stream chunk's bytes say of its tokens, read without decoding it: (choice
-    index, tokens in the chunk, start and end of the bytes to cut for a client that did not
-    ask for token ids), or None unless the chunk is in vLLM's compact form with one choice,
-    at least one token and no prompt token ids. Bytes with quotes in them cannot occur
-    inside a JSON string (its quotes are escaped), so what is found here is structure.
+class SplicePoints(NamedTuple):
+    """Where a stream chunk's scores go (`_splice_points`)."""
+
+    index: int  # the choice's
+    tokens: int  # in the chunk
+    cut_from: int  # the bytes [cut_from, cut_to) to cut for a client that did not ask for token ids
+    cut_to: int
+
+
+def _splice_points(event: bytes) -> SplicePoints | None:
+    """What a stream chunk's bytes say of its tokens, read without decoding it, or None unless
+    the chunk is in vLLM's compact form with one choice, at least one token and no list of
+    prompt token ids. An unescaped quote cannot occur inside a JSON string, so what is found
+    here by its quotes is structure, not text.
 
     vLLM writes a choice's `token_ids` last. A completion's choice has
     `"prompt_token_ids":null` right before them in every chunk after the first (vLLM sets
@@ -569,10 +578,10 @@ def _token_ids_member(event: bytes) -> tuple[int, int, int, int] | None:
     if where < 0:
         return None
     where += len(_FIRST_CHOICE_INDEX)
-    digits = event[where : event.find(b",", where, member)]
+    digits = event[where : event.find(b",", where, member + 1)]  # the index's comma may be the member's
     if not digits.isdigit():
         return None
-    return int(digits), ids.count(b",") + 1, cut_from, end + 1
+    return SplicePoints(int(digits), ids.count(b",") + 1, cut_from, end + 1)
 
 
 _PROMPT_IDS_MEMBER = b'"prompt_token_ids":['

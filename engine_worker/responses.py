@@ -18,13 +18,13 @@ import msgspec
 from probes.scoring import calibrate
 
 if TYPE_CHECKING:  # the hub imports this module to lay out a prompt's part when it comes in
-    from engine_worker.delivery import ProbeInfos, RequestScores
+    from engine_worker.delivery import ProbeColumns, RequestScores
 
-_json = msgspec.json.Encoder()
+_json_encoder = msgspec.json.Encoder()
 _HEADLINE = {"last_prompt_token": "last", "prompt_mean": "mean", "prompt_max": "max"}
 
 
-def prompt_fields(summary: dict, probes: ProbeInfos) -> dict[str, dict]:
+def prompt_fields(summary: dict, probes: ProbeColumns) -> dict[str, dict]:
     """Each probe's prompt part, calibrated, from the summary the hub's books wrote
     (`bookkeeping._prompt_summary`) when the prompt's last step came in."""
     fields: dict[str, dict] = {}
@@ -98,15 +98,15 @@ def generated_scores_json(state: RequestScores, start: int, stop: int) -> bytes:
         values, probes = entry
         parts = probes.generated_json_parts.copy()
         # JSON numbers hold no commas: one encoded row splits into its values.
-        parts[3::4] = _json.encode(values)[1:-1].split(b",") if values else []
+        parts[3::4] = _json_encoder.encode(values)[1:-1].split(b",") if values else []
     else:
         entries = [state.tokens.get(index) for index in range(start, stop)]
         first = entries[0] if entries else None
         if first is None or not all(entry is not None and entry[1] is first[1] for entry in entries):
-            return _json.encode(chunk_scores(state, start, stop, False)["scores"])
+            return _json_encoder.encode(chunk_scores(state, start, stop, False)["scores"])
         probes = first[1]
         parts = probes.generated_json_parts.copy()
-        parts[3::4] = [_json.encode(column)[1:-1] for column in zip(*(entry[0] for entry in entries))]
+        parts[3::4] = [_json_encoder.encode(column)[1:-1] for column in zip(*(entry[0] for entry in entries))]
     parts[1::4] = [b"%d" % start] * len(probes)
     return b"".join(parts)
 

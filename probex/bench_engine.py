@@ -1725,18 +1725,22 @@ def overhead_over_starts(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ratio's error by the delta method), per concurrency, for `START_METRICS`. A start's own
     conditions (where the weights landed, the GPU's state) move TPOT by about a percent, more
     than the goal; the interval says whether a run had the starts to tell a 0.5% difference.
-    Also without the run's first start ("steady"), which came out slow in two runs of two.
-    Kinds need two starts each; side-by-side runs (--gpus) have no single first start."""
+    Also without each run's first start ("steady"), which came out slow in two runs of two
+    (runs merged by --reanalyze mark theirs; a single run's is its first set-up). Kinds need
+    two starts each; side-by-side runs (--gpus) have no single first start."""
     out: dict[str, Any] = {}
     variants = [("all", list(setups))]
     if setups and not any(s.get("gpu") is not None for s in setups):
-        variants.append(("steady", list(setups[1:])))
+        marked = any("first_of_run" in s for s in setups)
+        variants.append(("steady", [s for s in setups if not s.get("first_of_run")] if marked else list(setups[1:])))
     for variant, starts in variants:
         samples: dict[tuple[str, str, str], list[float]] = {}
         for s in starts:
             for c, entry in s.get("results", {}).items():
                 for name, path in START_METRICS.items():
-                    samples.setdefault((s["kind"], c, name), []).append(_metric(entry, path))
+                    value = _metric(entry, path)
+                    if math.isfinite(value):  # a start that lost the metric is left out, not made NaN
+                        samples.setdefault((s["kind"], c, name), []).append(value)
         for (kind, c, name), values in sorted(samples.items()):
             base = samples.get(("plain", c, name))
             if kind == "plain" or not base or len(values) < 2 or len(base) < 2:
@@ -1755,11 +1759,12 @@ def _ratio_interval(values: np.ndarray, base: np.ndarray) -> dict[str, float]:
     ratio = mean / base_mean
     se_pct = ratio * math.sqrt(rel_var + base_rel_var) * 100.0
     spread = rel_var**2 / (len(values) - 1) + base_rel_var**2 / (len(base) - 1)
-    df = (rel_var + base_rel_var) ** 2 / spread if spread > 0 else math.inf
+    df = (rel_var + base_rel_var) ** 2 / spread if spread > 0 else math.inf  # inf: no spread at all
     tabulated = [k for k in _T_975 if k <= df]  # the nearest df below: a wider interval, never a narrower one
     t = _T_975[max(tabulated)] if tabulated else math.inf
     pct = (ratio - 1.0) * 100.0
-    return {"pct": pct, "se_pct": se_pct, "ci95_pct": [pct - t * se_pct, pct + t * se_pct], "df": df}
+    return {"pct": pct, "se_pct": se_pct, "ci95_pct": [pct - t * se_pct, pct + t * se_pct],
+            "df": df if math.isfinite(df) else None}  # JSON has no infinity
 
 
 def idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -2166,7 +2171,8 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
 def merge_runs(saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One result from several saved runs (e.g. set-ups run in separate device calls); labels renumbered."""
     merged = dict(saved[0])
-    setups = [dict(s, source_label=s["label"]) for run in saved for s in run["setups"]]
+    setups = [dict(s, source_label=s["label"], first_of_run=i == 0)
+              for run in saved for i, s in enumerate(run["setups"])]
     counts = {k: sum(1 for s in setups if s["kind"] == k) for k in KINDS}
     seen: dict[str, int] = {}
     for s in setups:

@@ -910,6 +910,18 @@ def test_overheads_over_starts_come_with_their_95_percent_interval():
     # one start per kind: no interval; side by side (--gpus): no single first start
     assert be.overhead_over_starts(setups[:2]) == {}
     assert "steady" not in be.overhead_over_starts([dict(s, gpu="0") for s in setups])
+    # runs merged by --reanalyze: each run's first start is left out of "steady"
+    merged = be.merge_runs([{"setups": setups[:4]}, {"setups": setups[4:] + [_setup("plain", "p", {"1": 10.0})]}])
+    steady = merged["overhead_over_starts"]["steady"]["tap"]["1"]
+    assert (steady["starts"], steady["plain_starts"]) == (3, 2)  # plain#1 and plain#3 (each run's first) left out
+    # a start that lost its metric is left out rather than turning the row into NaN; no spread: no df
+    lost = _setup("tap", "tap#4", {"1": 10.1})
+    lost["results"]["1"]["tpot_ms"]["p50"] = math.nan
+    flat = [_setup("plain", "a", {"1": 10.0}), _setup("plain", "b", {"1": 10.0}), _setup("tap", "c", {"1": 10.1}),
+            _setup("tap", "d", {"1": 10.1}), lost]
+    row = be.overhead_over_starts(flat)["all"]["tap"]["1"]
+    assert row["tpot_p50"]["pct"] == pytest.approx(1.0) and row["tpot_p50"]["df"] is None
+    json.dumps(row, allow_nan=False)
     table = be.markdown_tables({"setups": setups, "workload": {}, **be.analyze(setups)})
     lo, hi = tpot["ci95_pct"]
     assert f"| tap | all | 1 | 3 (3) | +1.0% | {lo:+.1f}% … {hi:+.1f}% |" in table

@@ -171,18 +171,18 @@ def test_each_chunk_waits_for_and_carries_its_own_token_scores():
 def test_chunk_scores_written_as_json_directly_equal_the_general_path():
     """generated_scores_json's direct writing (every token in, one probe set) against
     chunk_scores encoded: one token, several, a gap (None), a second probe set, none."""
-    from engine_worker.delivery import ProbeInfo, ProbeInfos, RequestScores
+    from engine_worker.delivery import ProbeInfo, ProbeColumns, RequestScores
     from engine_worker.responses import chunk_scores, generated_scores_json
 
-    probes = ProbeInfos([ProbeInfo('a "quoted" ü', "last_prompt_token", 1.0, 0.0, 3),
+    probes = ProbeColumns([ProbeInfo('a "quoted" ü', "last_prompt_token", 1.0, 0.0, 3),
                          ProbeInfo("b", "prompt_mean", 1.0, 0.0, 3)])
-    swapped = ProbeInfos([ProbeInfo("c", "last_prompt_token", 2.0, 0.0, 5)])
+    swapped = ProbeColumns([ProbeInfo("c", "last_prompt_token", 2.0, 0.0, 5)])
     state = RequestScores()
     for index in (0, 1, 2, 4):
         state.add_token(index, [0.1 * index + 1e-7, -2.5e-12 * index], probes)
     state.add_token(5, [0.75], swapped)
     state.add_token(6, [float("nan")], swapped)
-    state.add_token(7, [], ProbeInfos([]))  # every probe unloaded
+    state.add_token(7, [], ProbeColumns([]))  # every probe unloaded
     state.add_token(8, [], state.tokens[7][1])
     for start, stop in ((0, 1), (1, 2), (0, 3), (2, 5), (3, 4), (4, 6), (5, 6), (5, 7), (6, 7), (9, 10), (3, 3),
                         (7, 8), (7, 9)):
@@ -200,21 +200,24 @@ def test_chunk_scores_written_as_json_directly_equal_the_general_path():
     (b'{"id":"x","choices":[{"index":3,"text":"ab","token_ids":[1,2,3]}],"usage":null}', (3, 3)),
     (b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop","token_ids":[]}]}', None),  # no token
     (b'{"choices":[{"index":0,"text":"a","prompt_token_ids":null,"token_ids":[4,5]}]}', (0, 2)),  # a completion's
-    (b'{"choices":[{"index":0,"token_ids":[1]}],"prompt_token_ids":[5,6]}', None),  # the first chunk
-    (b'{"choices":[{"index":0,"prompt_token_ids":[5,6],"token_ids":[1]}]}', None),  # a completion's first
-    (b'{"choices":[{"index":0,"token_ids":[1]}],"prompt_token_ids":null}', None),
-    (b'{"choices":[{"index":0,"token_ids":[1]},{"index":1,"token_ids":[2]}]}', None),  # two choices
+    (b'{"choices":[{"index":12,"token_ids":[1]}]}', (12, 1)),  # nothing between the index and the ids
+    (b'{"choices":[{"index":0,"text":"a","token_ids":[1]}],"prompt_token_ids":[5,6]}', None),  # a chat's first
+    (b'{"choices":[{"index":0,"text":"a","prompt_token_ids":[5,6],"token_ids":[1]}]}', None),  # a completion's
+    (b'{"choices":[{"index":0,"text":"a","token_ids":[1]}],"prompt_token_ids":null}', None),
+    (b'{"choices":[{"index":0,"text":"a","token_ids":[1]},{"index":1,"text":"b","token_ids":[2]}]}', None),
     (b'{"choices":[{"index":0,"delta":{"content":"\\",\\"token_ids\\":[9]"}}]}', None),  # only text
-    (b'{"choices": [{"index": 0, "token_ids": [1]}]}', None),  # spaced
-    (b'{"choices":[{"index":0,"token_ids":[1,]}]}', None),
-    (b'{"choices":[{"index":0,"token_ids":null}]}', None),
-    (b'{"choices":[{"index":0,"token_ids":[1]}]} ', None),
+    (b'{"choices": [{"index": 0, "text": "a", "token_ids": [1]}]}', None),  # spaced
+    (b'{"choices":[{"index":0,"text":"a","token_ids":[1,]}]}', None),
+    (b'{"choices":[{"index":0,"text":"a","token_ids":[,1]}]}', None),
+    (b'{"choices":[{"index":0,"text":"a","token_ids":null}]}', None),
+    (b'{"choices":[{"index":0,"text":"a","token_ids":[1]}]} ', None),
+    (b'{"choices":[{"index":-1,"text":"a","token_ids":[1]}]}', None),
 ])
 def test_a_chunks_token_ids_are_read_from_compact_json_only(payload, expected):
-    from engine_worker.middleware import _token_ids_member
+    from engine_worker.middleware import _splice_points
 
     event = b"data: " + payload
-    found = _token_ids_member(event)
+    found = _splice_points(event)
     if expected is None:
         assert found is None
         return
@@ -246,10 +249,9 @@ COMPLETION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("cases, spliced_chunks, spliced_when_asked", [(CHAT_CASES, 3, 3), (COMPLETION_CASES, 3, 3)],
-                         ids=["chat", "completion"])
+@pytest.mark.parametrize("cases", [CHAT_CASES, COMPLETION_CASES], ids=["chat", "completion"])
 @pytest.mark.parametrize("client_asked", [False, True])
-def test_spliced_chunks_equal_decoded_ones(monkeypatch, cases, spliced_chunks, spliced_when_asked, client_asked):
+def test_spliced_chunks_equal_decoded_ones(monkeypatch, cases, client_asked):
     """The stream relay's splice (scores written into the chunk's bytes) against its decoded
     path, chunk by chunk, and the splice really taken for every chunk with tokens after the
     one that carried the prompt's scores."""
@@ -286,8 +288,9 @@ def test_spliced_chunks_equal_decoded_ones(monkeypatch, cases, spliced_chunks, s
     assert [("token_ids" in c["choices"][0]) for c in spliced] == [client_asked] * len(cases)
     assert [("prompt_token_ids" in c["choices"][0] or "prompt_token_ids" in c) for c in spliced[:1]] == [client_asked]
     loop = waits["loop_time"]
-    expected = spliced_when_asked if client_asked else spliced_chunks
-    assert loop["chunks_spliced"]["count"] == expected and loop["chunks_decoded"]["count"] == len(cases) - expected
+    spliced_chunks = sum(1 for c in cases[first + 1:] if c["token_ids"])
+    assert loop["chunks_spliced"]["count"] == spliced_chunks == 3
+    assert loop["chunks_decoded"]["count"] == len(cases) - spliced_chunks
 
 
 def test_missing_scores_do_not_hang_the_stream(monkeypatch):
@@ -412,3 +415,41 @@ def test_request_bodies_python_json_accepts_are_monitored_and_passed_on_unchange
     # not JSON at all: vLLM answers with its own validation error, the body untouched
     app, status, _ = post_raw(b"{not json")
     assert app.bodies == [b"{not json"] and app.request_ids == [None]
+
+
+def test_a_batched_completions_chunks_are_spliced_with_their_own_prompts_scores():
+    """`/v1/completions` with two prompts: each choice's chunks carry its own request's scores
+    (keys `<id>-<index>`), the second prompt's later chunk spliced like the first's."""
+    from engine_worker.middleware import MonitoredCall, StreamRelay
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    call = MonitoredCall(key_prefix="cmpl-probex-batch", stream=True, wants_token_ids=False, num_prompts=2)
+
+    def chunk(index, ids, prompt_ids=None):
+        choice = {"index": index, "text": "t", "logprobs": None, "finish_reason": None, "stop_reason": None,
+                  "prompt_token_ids": prompt_ids, "token_ids": ids}
+        return b"data: " + json.dumps({"id": "cmpl-probex-batch", "choices": [choice]}, separators=(",", ":")).encode()
+
+    async def go():
+        hub = idle_hub()
+        engine_ids = [f"{call.key(i)}-deadbeef" for i in (0, 1)]
+        # both prompts (2 tokens each) prefilled in one step, then two decode steps; prompt i's
+        # rows score 10 * i, its generated token j scores 10 * i + j + 1 (raw)
+        hub.ingest(step_message(table, StepLayout(engine_ids, np.array([2, 2]), np.zeros(2, np.int64), np.array([2, 2])),
+                                np.array([[0.0], [0.0], [10.0], [10.0]], np.float32), []))
+        for j in (1, 2):
+            hub.ingest(step_message(table, StepLayout(engine_ids, np.ones(2, np.int64), np.full(2, 1 + j),
+                                                      np.array([2, 2])),
+                                    np.array([[j], [10.0 + j]], np.float32), []))
+        relay = StreamRelay(hub, call, lambda message: None, 1.0)
+        return [json.loads((await relay._decorate_event(event))[6:]) for event in (
+            chunk(1, [5], [1, 2]), chunk(0, [7], [3, 4]), chunk(1, [6, 8]), chunk(0, [9]))], hub
+
+    out, hub = asyncio.run(go())
+    assert hub.chunks["spliced"].count == 2 and hub.chunks["decoded"].count == 2
+    scores = [c["probex"]["scores"]["p"] for c in out]
+    assert scores[0]["prompt"]["last_raw"] == pytest.approx(10.0) and scores[1]["prompt"]["last_raw"] == 0.0
+    assert scores[2]["generated"] == {"offset": 1, "scores": [pytest.approx(calibrate(11.0, 1.0, 0.0)),
+                                                              pytest.approx(calibrate(12.0, 1.0, 0.0))]}
+    assert scores[3]["generated"] == {"offset": 1, "scores": [pytest.approx(calibrate(1.0, 1.0, 0.0))]}
+    assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0] for c in out)
