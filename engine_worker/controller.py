@@ -86,6 +86,7 @@ class TapController:
         self.publish = publish
         self.capture_dir = Path(capture_dir) if capture_dir else None
         self.table = ProbeTable(version=0, slots=())
+        self.paused = False  # the tap switched off at run time (`set_paused`)
         self.probes: list[ProbeArtifact] = []
         self.book = ScoreBook()
         self.steps = 0
@@ -139,9 +140,25 @@ class TapController:
         log.info("probex: loaded probe set v%d: %s", self.table.version, ", ".join(self.table.names) or "(empty)")
         return self.table
 
+    def set_paused(self, paused: bool) -> None:
+        """Switch the tap off (or on again) without a restart: its kernels return at once and no
+        step's scores are copied, booked or sent, so a paused worker serves as plain vLLM
+        does but for the kernels' empty launches (what `probex bench engine`'s `tap-toggle`
+        set-up compares the tap against within one start). Steps already handed over are still
+        consumed. Refused where steering is configured: its gates read the tap's scores in the
+        graph. Capture requests made while paused are refused by the API server; one in flight
+        when the tap is paused is not written."""
+        if self.steers:
+            raise ValueError("the tap cannot be paused on a worker that steers: steering gates read its scores")
+        for tap in self.taps.values():
+            tap.set_paused(paused)
+        self.paused = bool(paused)
+        log.info("probex: tap %s", "paused" if self.paused else "running")
+
     def listing(self) -> dict:
         return {
             "version": self.table.version,
+            "paused": self.paused,
             "tapped_layers": sorted(self.taps),
             "slots_per_layer": {str(l): t.capacity for l, t in self.taps.items()},
             "capture": self.capture_dir is not None,
@@ -323,10 +340,10 @@ class TapController:
 
     @property
     def reads_scores(self) -> bool:
-        """False on a tensor-parallel rank other than the delivering one (which is also the
-        only one that captures): its scores equal that rank's, so copying them to the host
-        would be work for nobody."""
-        return self.publish is not None or self.capture_dir is not None
+        """False while paused, and on a tensor-parallel rank other than the delivering one
+        (which is also the only one that captures): its scores equal that rank's, so copying
+        them to the host would be work for nobody."""
+        return not self.paused and (self.publish is not None or self.capture_dir is not None)
 
     def after_forward(self, layout: StepLayout | Callable[[], StepLayout], finished: set[str] | list[str] = (),
                       num_rows: int | None = None) -> None:

@@ -140,6 +140,10 @@ class ScoreHub:
         # it spliced the scores into the chunk's bytes or decoded the chunk: the API server's
         # time per chunk, which at high concurrency decides whether it keeps up with the engine.
         self.chunks = {"spliced": TimeStats(), "decoded": TimeStats()}
+        # The tap switched off at run time (`set_paused`): no scores come while it is, and a
+        # stream that lived through a pause has tokens that never will; `pauses` counts them.
+        self.paused = False
+        self.pauses = 0
 
     def start(self) -> None:
         if self._task is not None:
@@ -251,6 +255,14 @@ class ScoreHub:
     def __len__(self) -> int:
         return len(self._requests)
 
+    def set_paused(self, paused: bool) -> None:
+        """The worker's tap was paused (or runs again): waits for scores end now, as none come."""
+        if paused and not self.paused:
+            self.pauses += 1
+            for state in self._requests.values():
+                state.changed.set()  # waiters look again, and see the pause
+        self.paused = paused
+
     def scores_in(self, state: RequestScores, *, prompt: bool, tokens: int) -> bool:
         """Are the prompt summary (if asked) and tokens [0, tokens) in already? Each check is
         one of `waits`' calls; `wait_more` waits for what is not in yet."""
@@ -273,7 +285,7 @@ class ScoreHub:
         try:
             while not state.has(prompt=prompt, tokens=tokens):
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or self.paused:
                     return False
                 state.changed.clear()
                 try:

@@ -41,8 +41,10 @@ except ImportError:  # CPU builds without Triton: the torch version is used
 if triton is not None:
 
     @triton.jit
-    def _tap_rows(hidden_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, width, hidden_stride, residual_stride,
-                  out_stride, n_slots, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    def _tap_rows(hidden_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, paused_ptr, width, hidden_stride,
+                  residual_stride, out_stride, n_slots, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+        if tl.load(paused_ptr) != 0:  # the tap switched off at run time: nothing read, nothing written
+            return
         row = tl.program_id(0)
         slots = tl.program_id(1) * SLOTS + tl.arange(0, SLOTS)
         slot_ok = slots < n_slots
@@ -64,10 +66,11 @@ def enabled() -> bool:
 
 
 def applies(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-            scores_out: torch.Tensor) -> bool:
+            scores_out: torch.Tensor, paused: torch.Tensor) -> bool:
     """Whether the op should run `scores`: the kernel is on, the tensors are on a CUDA device
-    and laid out as the kernel indexes them (`layout_fits`)."""
-    return _ENABLED and hidden.is_cuda and layout_fits(hidden, residual, weight, bias, scores_out)
+    and laid out as the kernel indexes them (`layout_fits`), the pause flag an int32 there."""
+    return (_ENABLED and hidden.is_cuda and layout_fits(hidden, residual, weight, bias, scores_out)
+            and paused.dtype == torch.int32 and paused.device == hidden.device)
 
 
 def layout_fits(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -111,15 +114,16 @@ def slots_per_program(rows: int, slots: int) -> int:
 
 
 def scores(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-           scores_out: torch.Tensor) -> None:
-    """scores_out[:rows] = (hidden + residual) @ weight.T + bias, in fp32 (see `applies`)."""
+           scores_out: torch.Tensor, paused: torch.Tensor) -> None:
+    """scores_out[:rows] = (hidden + residual) @ weight.T + bias, in fp32, unless `paused[0]`
+    is non-zero (read by the kernel; see `applies`)."""
     rows, width = hidden.shape
     if rows == 0:
         return
     n_slots = weight.shape[0]
     group = slots_per_program(rows, n_slots)
     _tap_rows[(rows, triton.cdiv(n_slots, group))](
-        hidden, residual, weight, bias, scores_out, width, hidden.stride(0), residual.stride(0),
+        hidden, residual, weight, bias, scores_out, paused, width, hidden.stride(0), residual.stride(0),
         scores_out.stride(0), n_slots, SLOTS=group, BLOCK=block_for(group))
 
 

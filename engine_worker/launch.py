@@ -35,7 +35,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steer-vector", action="append", default=[], metavar="DIR",
                         help="steering-vector artifact loaded at startup (repeatable; see docs/steering.md)")
     parser.add_argument("--admin-token", default=os.environ.get("PROBEX_ADMIN_TOKEN"),
-                        help="token for PUT /probex/probes and /probex/steering (default: $PROBEX_ADMIN_TOKEN; unset = live swap disabled)")
+                        help="token for PUT /probex/probes, /probex/steering and /probex/tap (default: $PROBEX_ADMIN_TOKEN;"
+                             " unset = live swap and pausing disabled)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
 

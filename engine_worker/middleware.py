@@ -9,7 +9,8 @@ the public `engine_client.collective_rpc`):
 3. attaches the `probex` field to non-streaming bodies and to every stream chunk, waiting
    (bounded) for the scores of the tokens a chunk carries;
 4. serves `/probex/probes` (list, live swap), `/probex/steering` (list, replace steering
-   vectors) and `/probex/health`.
+   vectors), `/probex/tap` (pause the tap and run it again; paused, requests pass through
+   unmonitored) and `/probex/health`.
 
 Steered requests (`probex_steer*` xargs, see engine_worker/steering.py) are checked
 against the worker's loaded vectors and probes (400 naming the problem) and get a
@@ -33,7 +34,7 @@ import msgspec
 from engine_worker import responses
 from engine_worker.delivery import ScoreHub
 from engine_worker.steering import STEERING_XARGS, SteeringError, SteerRequest, cache_salt, steering_from_xargs
-from engine_worker.tap_config import ENV_TAP_CONFIG, TapConfig, scores_delivered
+from engine_worker.tap_config import ENV_ADMIN_TOKEN, ENV_TAP_CONFIG, TapConfig, scores_delivered
 
 log = logging.getLogger("probex.middleware")
 
@@ -41,7 +42,6 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
-ENV_ADMIN_TOKEN = "PROBEX_ADMIN_TOKEN"
 ENV_SCORE_WAIT = "PROBEX_SCORE_WAIT_S"
 ENV_MODEL_DIR = "PROBEX_MODEL_DIR"
 ENV_RETENTION = "PROBEX_RETENTION"
@@ -206,6 +206,8 @@ class ProbexMiddleware:
             return await self._probes_route(scope, receive, send)
         if path == "/probex/steering":
             return await self._steering_route(scope, receive, send)
+        if path == "/probex/tap":
+            return await self._tap_route(scope, receive, send)
         if path == "/probex/health" and method == "GET":
             return await self._health(scope, send)
         return await self.app(scope, receive, send)
@@ -228,11 +230,18 @@ class ProbexMiddleware:
             except RequestRefused as refusal:
                 return await _send_json(send, refusal.status, openai_error(refusal.message, status=refusal.status, param=refusal.param, code=refusal.code))
 
+        if self.hub.paused:  # the tap is switched off: served as plain vLLM would, unmonitored
+            if (call.body.get("vllm_xargs") or {}).get("probex_capture"):
+                message = "capture is unavailable while the tap is paused (PUT /probex/tap)"
+                return await _send_json(send, 409, openai_error(message, status=409, param="vllm_xargs.probex_capture",
+                                                                code="tap_paused"))
+            if not call.wants_token_ids:
+                call.body.pop("return_token_ids", None)
+            new_body = encode(call.body)
+            return await self.app(dict(scope, headers=_body_headers(scope, new_body)), _replay(new_body, receive), send)
         new_body = encode(call.body)
         request_id = call.key_prefix.split("-", 1)[1]
-        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"x-request-id")]
-        headers += [(b"content-length", str(len(new_body)).encode()), (b"x-request-id", request_id.encode())]
-        inner_scope = dict(scope, headers=headers)
+        inner_scope = dict(scope, headers=_body_headers(scope, new_body, request_id))
         relay = StreamRelay(self.hub, call, send, self.score_wait_s) if call.stream else BodyRelay(self.hub, call, send, self.score_wait_s)
         try:
             await self.app(inner_scope, _replay(new_body, receive), relay.send)
@@ -249,6 +258,44 @@ class ProbexMiddleware:
         auth = headers.get(b"authorization", b"").decode()
         token = auth[7:] if auth.lower().startswith("bearer ") else headers.get(b"x-probex-admin-token", b"").decode()
         return token == self.admin_token
+
+    async def _tap_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET says whether the tap is paused; PUT {"paused": true|false} (admin) switches it on
+        every worker, without a restart. While paused, requests are served unmonitored."""
+        method = scope["method"]
+        if method == "GET":
+            return await _send_json(send, 200, {"paused": self.hub.paused})
+        if method != "PUT":
+            return await _send_json(send, 405, openai_error(f"{method} not allowed on /probex/tap", status=405))
+        if await self._refused_admin(scope, send, "pausing the tap is disabled"):
+            return
+        try:
+            paused = json.loads(await _read_body(receive))["paused"]
+            if not isinstance(paused, bool):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return await _send_json(send, 400, openai_error('body must be {"paused": true} or {"paused": false}',
+                                                            status=400, param="paused"))
+        async with self._swap_lock:
+            result = _every_rank(await _engine_client(scope).collective_rpc("probex_set_paused", args=(paused,)))
+            if result.get("ok"):
+                self.hub.set_paused(result["paused"])
+        if not result.get("ok"):
+            return await _send_json(send, 400, openai_error(result["error"], status=400, param="paused",
+                                                            code="pause_refused"))
+        await _send_json(send, 200, result)
+
+    async def _refused_admin(self, scope: Scope, send: Send, disabled: str) -> bool:
+        """Answer a request to an admin route that may not proceed (no admin token configured,
+        or not given); True if it was answered."""
+        if not self.admin_token:
+            await _send_json(send, 403, openai_error(f"{disabled}: the worker was started without an admin token",
+                                                     status=403))
+            return True
+        if not self._is_admin(scope):
+            await _send_json(send, 401, openai_error("admin token required (Authorization: Bearer <token>)", status=401))
+            return True
+        return False
 
     async def _probes_route(self, scope: Scope, receive: Receive, send: Send) -> None:
         dirs = await self._artifact_route(scope, receive, send, _PROBE_SET)
@@ -268,11 +315,7 @@ class ProbexMiddleware:
         if method == "GET":
             await _send_json(send, 200, (await engine.collective_rpc(kind.list_rpc))[0])
             return None
-        if not self.admin_token:
-            await _send_json(send, 403, openai_error(f"{kind.swap_disabled}: the worker was started without an admin token", status=403))
-            return None
-        if not self._is_admin(scope):
-            await _send_json(send, 401, openai_error("admin token required (Authorization: Bearer <token>)", status=401))
+        if await self._refused_admin(scope, send, kind.swap_disabled):
             return None
         raw = await _read_body(receive)
         try:
@@ -355,9 +398,14 @@ class BodyRelay:
     """Non-streaming: hold the JSON body, attach scores when they are in, fix Content-Length."""
 
     def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float) -> None:
-        self.hub, self.call, self._send, self.wait_s = hub, call, send, wait_s
+        self.hub, self.call, self._send, self._wait_s = hub, call, send, wait_s
+        self._pauses_at_start = hub.pauses
         self._start: dict | None = None
         self._chunks: list[bytes] = []
+
+    @property
+    def wait_s(self) -> float:
+        return _score_wait(self.hub, self._pauses_at_start, self._wait_s)
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -409,11 +457,16 @@ class StreamRelay:
     take): the benchmarks' comparison for the splice."""
 
     def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float, splice: bool = True) -> None:
-        self.hub, self.call, self._send, self.wait_s, self.splice = hub, call, send, wait_s, splice
+        self.hub, self.call, self._send, self._wait_s, self.splice = hub, call, send, wait_s, splice
+        self._pauses_at_start = hub.pauses
         self._is_sse = False
         self._pending = b""
         self._generated: dict[int, int] = {}
         self._prompt_sent: set[int] = set()
+
+    @property
+    def wait_s(self) -> float:
+        return _score_wait(self.hub, self._pauses_at_start, self._wait_s)
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -664,6 +717,23 @@ async def _read_body(receive: Receive) -> bytes:
         if not message.get("more_body"):
             break
     return b"".join(parts)
+
+
+def _score_wait(hub: ScoreHub, pauses_at_start: int, wait_s: float) -> float:
+    """How long a response may wait for its scores: not at all once the tap has been paused
+    since the request came in (the tokens of the pause never get scores, and those after it
+    would wait for them)."""
+    return wait_s if hub.pauses == pauses_at_start else 0.0
+
+
+def _body_headers(scope: Scope, body: bytes, request_id: str | None = None) -> list[tuple[bytes, bytes]]:
+    """The request's headers for a rewritten `body` (its length), with ProbeX's request id if given."""
+    replaced = (b"content-length", b"x-request-id") if request_id else (b"content-length",)
+    headers = [(k, v) for k, v in scope["headers"] if k not in replaced]
+    headers.append((b"content-length", str(len(body)).encode()))
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
+    return headers
 
 
 def _replay(body: bytes, downstream: Receive) -> Receive:

@@ -9,6 +9,12 @@ of the step and
 - copies the rows named by `capture_index` into `capture_out` (capture mode; both are
   zero-sized when capture is off, which makes that half free).
 
+While `paused` (a one-element int32 buffer) is non-zero the scores are left as they are and
+the kernel returns at once: the tap switched off at run time, within one start
+(`TapController.set_paused`; capture requests are refused meanwhile). The flag is read on
+the device, so CUDA graphs replay unchanged; the torch version reads it on the host, which
+only the CPU may (the GPU's torch version, a diagnostic, computes the scores anyway).
+
 The op mutates only its declared buffers, never reads a value back to the host and
 allocates nothing that outlives the call, so torch.compile keeps it inside the
 compiled graph and CUDA graphs can replay it. On CUDA the scores come from one Triton
@@ -35,15 +41,18 @@ def tap(
     scores_out: torch.Tensor,
     capture_index: torch.Tensor,
     capture_out: torch.Tensor,
+    paused: torch.Tensor,
 ) -> None:
     rows = hidden.shape[0]
-    if fused_tap.applies(hidden, residual, weight, bias, scores_out):
-        fused_tap.scores(hidden, residual, weight, bias, scores_out)  # one kernel on CUDA
+    if fused_tap.applies(hidden, residual, weight, bias, scores_out, paused):
+        fused_tap.scores(hidden, residual, weight, bias, scores_out, paused)  # one kernel on CUDA
         if capture_out.shape[0] > 0 and rows > 0:
             # Only the selected rows' stream is formed (clamped as in tap_torch), the same fp32 sum.
             safe_index = capture_index.clamp(min=0, max=rows - 1)
             torch.add(hidden.index_select(0, safe_index).float(), residual.index_select(0, safe_index),
                       out=capture_out)
+        return
+    if paused.device.type == "cpu" and int(paused[0]) != 0:
         return
     tap_torch(hidden, residual, weight, bias, scores_out, capture_index, capture_out)
 
@@ -69,7 +78,7 @@ def tap_torch(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 
 
 @tap.register_fake
-def _tap_fake(hidden, residual, weight, bias, scores_out, capture_index, capture_out) -> None:
+def _tap_fake(hidden, residual, weight, bias, scores_out, capture_index, capture_out, paused) -> None:
     return None
 
 

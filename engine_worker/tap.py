@@ -63,6 +63,9 @@ class LayerTap(nn.Module):
         self.register_buffer("scores", zeros(max_rows, capacity), persistent=False)
         self.register_buffer("capture_index", zeros(capture_rows, dtype=torch.long), persistent=False)
         self.register_buffer("capture", zeros(capture_rows, hidden_size), persistent=False)
+        # Non-zero: the op leaves the scores alone (`set_paused`). Zero, as `materialize` leaves
+        # it, is running.
+        self.register_buffer("paused", zeros(1, dtype=torch.int32), persistent=False)
         if self.scores.is_meta:
             await_storage(self)
 
@@ -72,8 +75,14 @@ class LayerTap(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         torch.ops.probex.tap(
-            hidden, residual, self.weight, self.bias, self.scores, self.capture_index, self.capture
+            hidden, residual, self.weight, self.bias, self.scores, self.capture_index, self.capture, self.paused
         )
+
+    @torch.no_grad()
+    def set_paused(self, paused: bool) -> None:
+        """Switch the op's work off or on in place (the flag's address kept, as graphs need);
+        the next forward enqueued after this sees it."""
+        self.paused.fill_(int(paused))
 
     @torch.no_grad()
     def load(self, weights: np.ndarray, biases: np.ndarray) -> None:

@@ -28,6 +28,9 @@ ENV_PREFIX = "PROBEX_"  # every ProbeX setting an engine process reads starts so
 RUN_FIELDS = ("probe_dirs", "capture_dir", "score_address", "steer_vector_dirs")
 # additional_config's mark that RUN_FIELDS are in ENV_TAP_CONFIG (a constant: the key stays put).
 RUN_FIELDS_FROM = "run_fields_from"
+# The admin routes' bearer token (live probe and vector swaps, pausing the tap); read by the
+# API server's middleware, set by `probex worker --admin-token`.
+ENV_ADMIN_TOKEN = "PROBEX_ADMIN_TOKEN"
 # Diagnostic: "off" keeps the op in the graphs but never copies out or delivers its scores, so a
 # benchmark can tell the op's device time from the host path's cost (set-up "tap-op-only").
 ENV_DELIVERY = "PROBEX_DELIVERY"

@@ -176,6 +176,14 @@ class ProbexWorkerExtension:
             return {"ok": False, "error": str(exc), "version": controller.table.version}
         return {"ok": True, **controller.listing()}
 
+    def probex_set_paused(self, paused: bool) -> dict:
+        controller = self._probex_controller()
+        try:
+            controller.set_paused(bool(paused))
+        except ValueError as exc:
+            return {"ok": False, "error": str(exc), "paused": controller.paused}
+        return {"ok": True, "paused": controller.paused}
+
     def probex_list_steering(self) -> dict:
         return self._probex_controller().steering_listing()
 

@@ -53,7 +53,13 @@ consuming its scores (``PROBEX_SCORES_AHEAD_OF_TOKENS=0``, the order before sess
 (``PROBEX_COPY_STREAM=side``), off the device's path from forward to sampling.
 ``tap-buffers-in-model`` (diagnostic) allocates the tap's buffers while the model is built,
 between its layers' weights (``PROBEX_TAP_BUFFERS=in-model``, the placement before session
-11), instead of after the weights are loaded.
+11), instead of after the weights are loaded. ``tap-toggle`` is the tap measured within one
+start: after each concurrency's phase, the tap is paused (``PUT /probex/tap``: its kernels
+return at once, nothing is copied or delivered, requests are served unmonitored) and run
+again, alternating, ``--toggle-pairs`` phases of each in all, fresh prompts each; the
+running phases over the paused ones say what the tap costs without the start-to-start spread
+(~1% TPOT) that plain against tap carries, and plain against the paused phases holds only
+the graph's empty kernel launches and where the buffers sit.
 ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
 where its kind has run least (so repeats meet every GPU), and adds each set-up's TPOT over
 plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
@@ -93,6 +99,7 @@ import os
 import platform
 import re
 import shlex
+import secrets
 import shutil
 import signal
 import subprocess
@@ -107,8 +114,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from engine_worker.tap_config import (ENV_COPY_STREAM, ENV_DELIVERY, ENV_HOOK_SPIN_US,  # torch-free
-                                      ENV_SCORE_CONSUMER, ENV_SCORES_AHEAD, ENV_TAP_BUFFERS)
+from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY,  # torch-free
+                                      ENV_HOOK_SPIN_US, ENV_SCORE_CONSUMER, ENV_SCORES_AHEAD, ENV_TAP_BUFFERS)
 
 from probex.processes import free_port
 
@@ -120,10 +127,10 @@ except ImportError:  # pragma: no cover - depends on the machine
     _loads = json.loads
 
 KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-         "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "eager",
+         "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "eager",
          "steer-idle", "steer-active", "steer-gated")
 WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-                "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "steer-idle",
+                "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "steer-idle",
                 "steer-active", "steer-gated")  # `probex worker` with the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
@@ -131,6 +138,11 @@ UNDELIVERED_KINDS = ("tap-op-only",)
 # Set-ups that deliver scores like `tap` with one thing changed: each is also compared with `tap`.
 TAP_VARIANT_KINDS = tuple(kind for kind in WORKER_KINDS if kind != "tap" and kind not in UNDELIVERED_KINDS)
 SLOW_HOOK_SPIN_US = 100  # tap-slow-hook's extra engine-thread time per step: 2% of a 5 ms step
+# tap-toggle: after each concurrency's measured phase (the tap running), phases with the tap
+# paused and running again alternate on the same start (`--toggle-pairs`), so the tap's cost
+# is read from one start, whose TPOT holds to ~0.1%, not across starts that differ by ~1%.
+TOGGLE_KIND = "tap-toggle"
+TOGGLE_ADMIN_TOKEN = secrets.token_hex(16)  # this run's servers only, on 127.0.0.1
 # Worker settings a set-up kind stands for (on top of --worker-env), measured against `tap` in
 # the same run. Who consumes each step's scores once its copies land: the engine thread
 # (runner V2's default) or the transfer thread (runner V1's); engine_worker/score_transfer.py.
@@ -144,7 +156,9 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    "tap-side-copies": {ENV_COPY_STREAM: "side"},
                    # Diagnostic: the tap's buffers allocated between the model's weights, as
                    # before session 11 (engine_worker/tap.py)
-                   "tap-buffers-in-model": {ENV_TAP_BUFFERS: "in-model"}}
+                   "tap-buffers-in-model": {ENV_TAP_BUFFERS: "in-model"},
+                   # Pausable through PUT /probex/tap (an admin route), phases alternate on one start
+                   "tap-toggle": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN}}
 # What the worker's /probex/probes listing must then say (its `transfer` section), so a set-up
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
@@ -706,6 +720,7 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
 IDLE_TTFT_TOKENS = 2
 IDLE_TTFT_SEED = 999_983  # the idle-TTFT prompts' seed offset: no concurrency phase uses it
 PROFILE_SEED = 999_979  # the profiled requests' prompts
+TOGGLE_SEED = 499_979  # tap-toggle's later phases' prompts (offset by concurrency and phase)
 PROFILE_TOKENS = 64  # per profiled request: decode steps dominate its trace
 
 
@@ -1253,9 +1268,12 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   save_itl: bool, probe_layers: dict[str, int] | None = None,
                   steer: SteerBench | None = None, staggered: bool = True, length_spread: float = 0.0,
                   cancelled: Callable[[], bool] = lambda: False, idle_ttft_requests: int = 0,
-                  idle_ttft_pause_s: float = 0.1, profile_requests: int = 0) -> None:
+                  idle_ttft_pause_s: float = 0.1, profile_requests: int = 0, toggle_pairs: int = 2) -> None:
     """`cancelled`: polled around every phase; once true, the phase in progress is dropped
-    (its server was stopped under it) and SetupCancelled is raised. `idle_ttft_requests`:
+    (its server was stopped under it) and SetupCancelled is raised. `toggle_pairs` (tap-toggle
+    only): each concurrency's measured phase is followed by phases with the tap paused and
+    running again, alternating, for that many of each in all (`record["toggle"]`; fresh
+    prompts per phase, so the prefix cache serves none). `idle_ttft_requests`:
     after the concurrency phases, that many requests one at a time (`run_idle_ttft`).
     `profile_requests`: after those, that many requests one at a time under vLLM's torch
     profiler, whose trace (under the plan's `trace_dir`) is summarised into `record["profile"]`."""
@@ -1294,39 +1312,55 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         warm_results, _, _ = asyncio.run(run_phase(server.url, model, warm, c,
                                                    output_len if spreads else min(output_len, 16), None, xargs))
         spread = arrival_spread_s(warm_results) if spreads else 0.0
-        prompts = random_prompts(num_prompts[c], input_len, seed * 1_000_003 + c * 2)
         lengths = output_lengths(num_prompts[c], output_len, length_spread, seed * 1_000_003 + c * 2 + 7)
-        before = server_counters(server.url, worker)
-        ticks_before, phase_began = group_cpu_ticks(server.proc.pid), time.monotonic()
-        results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, lengths, expect, xargs,
-                                                   spread_s=spread))
-        server_cpu = group_cpu_cores(ticks_before, group_cpu_ticks(server.proc.pid), time.monotonic() - phase_began)
-        entry = summarize(results, wall, cpu, expected_tokens=output_len)
-        entry["server_cpu"] = server_cpu
-        entry["arrival_spread_s"] = round(spread, 4)
-        if spreads and spread == 0:  # no warm-up request succeeded: the clients started together
-            entry["arrivals_not_spread"] = True
-        entry.update(phase_server_fields(server.url, before, results, worker, len(probe_names)))
-        entry["per_request"] = [
-            {"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
-             "e2e_ms": r.e2e_s * 1e3,
-             "tokens": r.output_tokens, "expected_tokens": r.expected_tokens, "chunks": len(r.chunk_tokens), "error": r.error,
-             **({"itl_ms": [round(g * 1e3, 4) for g in r.itl_s]} if save_itl else {})}
-            for r in results
-        ]
-        if cancelled():
-            raise SetupCancelled(f"during concurrency {c}")
-        record["results"][str(c)] = entry
+
+        def measured_phase(prompt_seed: int, expected: Sequence[str] | None, label: str) -> dict[str, Any]:
+            prompts = random_prompts(num_prompts[c], input_len, prompt_seed)
+            before = server_counters(server.url, worker)
+            ticks_before, phase_began = group_cpu_ticks(server.proc.pid), time.monotonic()
+            results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, lengths, expected, xargs,
+                                                       spread_s=spread))
+            server_cpu = group_cpu_cores(ticks_before, group_cpu_ticks(server.proc.pid),
+                                         time.monotonic() - phase_began)
+            entry = summarize(results, wall, cpu, expected_tokens=output_len)
+            entry["server_cpu"] = server_cpu
+            entry["arrival_spread_s"] = round(spread, 4)
+            if spreads and spread == 0:  # no warm-up request succeeded: the clients started together
+                entry["arrivals_not_spread"] = True
+            entry.update(phase_server_fields(server.url, before, results, worker and expected is not None,
+                                             len(probe_names)))
+            entry["per_request"] = [
+                {"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
+                 "e2e_ms": r.e2e_s * 1e3,
+                 "tokens": r.output_tokens, "expected_tokens": r.expected_tokens, "chunks": len(r.chunk_tokens),
+                 "error": r.error, **({"itl_ms": [round(g * 1e3, 4) for g in r.itl_s]} if save_itl else {})}
+                for r in results
+            ]
+            if cancelled():
+                raise SetupCancelled(f"during concurrency {c}")
+            lines = [f"  {label:9} c={c:<3} TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  TPOT p50 "
+                     f"{entry['tpot_ms']['p50']:7.3f} ms  ITL p50 {entry['itl_ms']['p50']:7.3f} ms  "
+                     f"{entry['output_tokens_per_s']:9.1f} tok/s  failed {entry['failed']}"
+                     + (f"  scores {entry['scores']['coverage']:.1%}" if "scores" in entry else "")]
+            if entry.get("delivery"):
+                lines.append("            " + delivery_line(entry["delivery"]))
+            if server_cpu:
+                lines.append("            " + cpu_line(server_cpu))
+            say(*lines)
+            return entry
+
+        record["results"][str(c)] = measured_phase(seed * 1_000_003 + c * 2, expect, plan.label)
         save()
-        lines = [f"  {plan.label:9} c={c:<3} TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  TPOT p50 "
-                 f"{entry['tpot_ms']['p50']:7.3f} ms  ITL p50 {entry['itl_ms']['p50']:7.3f} ms  "
-                 f"{entry['output_tokens_per_s']:9.1f} tok/s  failed {entry['failed']}"
-                 + (f"  scores {entry['scores']['coverage']:.1%}" if "scores" in entry else "")]
-        if entry.get("delivery"):
-            lines.append("            " + delivery_line(entry["delivery"]))
-        if server_cpu:
-            lines.append("            " + cpu_line(server_cpu))
-        say(*lines)
+        if plan.kind == TOGGLE_KIND:
+            phases = record.setdefault("toggle", {})[str(c)] = [{"paused": False, **record["results"][str(c)]}]
+            for number, paused in enumerate(([True, False] * toggle_pairs)[:-1], 1):
+                set_tap_paused(server.url, paused)
+                # Fresh prompts per phase: the prefix cache must serve none of a measured phase.
+                phase_seed = seed * 1_000_003 + TOGGLE_SEED + c * 64 + number
+                phases.append({"paused": paused, **measured_phase(phase_seed, None if paused else expect,
+                                                                  f"{plan.label} {'paused' if paused else 'running'}")})
+                save()
+            set_tap_paused(server.url, False)
     if idle_ttft_requests:
         # Same prompts in every set-up, so set-ups compare request by request.
         prompts = random_prompts(idle_ttft_requests, input_len, seed * 1_000_003 + IDLE_TTFT_SEED)
@@ -1363,6 +1397,16 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         say(f"  {plan.label}: steered vs unsteered prompt scores, max |raw diff| after the write (layer "
             f"{steer.layer}) {effect['max_abs_raw_diff_after_write']:.3g}, at or before it "
             f"{effect['max_abs_raw_diff_at_or_before_write']:.3g}")
+
+
+def set_tap_paused(url: str, paused: bool) -> None:
+    """Pause or resume a tap-toggle worker's tap (PUT /probex/tap) and check it took."""
+    import httpx
+
+    answer = httpx.put(url + "/probex/tap", json={"paused": paused}, timeout=60,
+                       headers={"Authorization": f"Bearer {TOGGLE_ADMIN_TOKEN}"})
+    if answer.status_code != 200 or answer.json().get("paused") is not paused:
+        raise RuntimeError(f"PUT /probex/tap {{'paused': {paused}}}: {answer.status_code} {answer.text[:300]}")
 
 
 def profile_phase(url: str, model: str, requests: int, input_len: int, seed: int,
@@ -1582,7 +1626,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                               {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered",
                               length_spread=args.output_len_spread, cancelled=stopping.is_set,
                               idle_ttft_requests=args.idle_ttft_requests, idle_ttft_pause_s=args.idle_ttft_pause_s,
-                              profile_requests=args.profile_requests)
+                              profile_requests=args.profile_requests, toggle_pairs=args.toggle_pairs)
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
                 if stopping.is_set():
                     record["error"] = "interrupted"
@@ -1708,6 +1752,7 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     name: overhead_pct(values[name], base[name]) for name in OVERHEAD_METRICS}
     return {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
             "overhead_pct": overhead, "overhead_over_starts": overhead_over_starts(setups),
+            "toggle_overhead_pct": toggle_overhead(setups),
             "tpot_p50_overhead_pct_by_gpu": overhead_by_gpu(setups),
             "idle_ttft": idle_ttft_summary(setups), "ttft_split": ttft_split_summary(setups),
             "problems": find_problems(setups), "warnings": find_warnings(setups)}
@@ -1749,6 +1794,25 @@ def overhead_over_starts(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                                                                   "plain_starts": len(base)})
             row[name] = _ratio_interval(np.array(values, dtype=np.float64), np.array(base, dtype=np.float64))
     return out
+
+
+def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """tap-toggle: per concurrency, the tap running over the tap paused within each start (the
+    mean of that start's running phases over the mean of its paused ones), for
+    `OVERHEAD_METRICS`; then the mean over starts, each start's TPOT p50 figure kept."""
+    per_c: dict[str, list[dict[str, float]]] = {}
+    for s in setups:
+        for c, phases in (s.get("toggle") or {}).items():
+            running = [p for p in phases if not p["paused"]]
+            paused = [p for p in phases if p["paused"]]
+            if running and paused:
+                per_c.setdefault(c, []).append({
+                    name: overhead_pct(float(np.mean([_metric(p, path) for p in running])),
+                                       float(np.mean([_metric(p, path) for p in paused])))
+                    for name, path in OVERHEAD_METRICS.items()})
+    return {c: {"starts": len(starts), **{name: float(np.mean([x[name] for x in starts])) for name in OVERHEAD_METRICS},
+                "tpot_p50_per_start": [x["tpot_p50"] for x in starts]}
+            for c, starts in sorted(per_c.items(), key=lambda kv: int(kv[0]))}
 
 
 def _ratio_interval(values: np.ndarray, base: np.ndarray) -> dict[str, float]:
@@ -1883,6 +1947,12 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                                 f"default instead of the set-up's {KIND_WORKER_ENV[s['kind']]}")
         for c, entry in s.get("results", {}).items():
             problems += phase_problems(f"{label} c={c}", s["kind"], entry)
+        for c, phases in (s.get("toggle") or {}).items():
+            for number, phase in enumerate(phases[1:], 2):  # the first is results[c]
+                state = "paused" if phase["paused"] else "running"
+                # Paused, the worker answers as stock vLLM does: no probex field at all.
+                problems += phase_problems(f"{label} c={c} phase {number} ({state})",
+                                           "plain" if phase["paused"] else s["kind"], phase)
         if s.get("idle_ttft"):
             problems += phase_problems(f"{label} idle TTFT", s["kind"], s["idle_ttft"])
     return problems
@@ -1910,7 +1980,7 @@ def phase_problems(where: str, kind: str, entry: dict[str, Any]) -> list[str]:
                         f"{scores['requests_with_all_prompt_scores']}/{scores['requests']} requests "
                         f"{scores.get('problems', [])}")
     if entry.get("responses_with_probex_field"):
-        problems.append(f"{where}: responses carry a probex field: this is not stock vLLM")
+        problems.append(f"{where}: responses carry a probex field: this is not stock vLLM (or a paused tap)")
     return problems
 
 
@@ -2023,6 +2093,16 @@ def markdown_tables(result: dict[str, Any]) -> str:
                         cells += [_pct(v["pct"]), f"{_pct(lo)} … {_pct(hi)}" if math.isfinite(hi - lo) else "n/a"]
                     lines.append(f"| {kind} | {variant} | {c} | {row['starts']} ({row['plain_starts']}) | "
                                  + " | ".join(cells) + " |")
+    toggled = result.get("toggle_overhead_pct") or {}
+    if toggled:
+        lines += ["", "The tap within one start (tap-toggle: phases with the tap running and paused alternate on "
+                  "the same server), running over paused, percent; for tokens/s negative means slower:", "",
+                  "| concurrency | starts | TPOT p50 | TPOT mean | ITL p50 | TTFT p50 | output tok/s | TPOT p50 by start |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for c, o in toggled.items():
+            lines.append(f"| {c} | {o['starts']} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | {_pct(o['itl_p50'])} | "
+                         f"{_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} | "
+                         + ", ".join(_pct(v) for v in o["tpot_p50_per_start"]) + " |")
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
     if spread:
         on_gpus = " (side by side, repeats ran on different GPUs: this includes the GPUs' difference)" \
@@ -2258,6 +2338,8 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-requests", type=int, default=0, metavar="N",
                         help="after each set-up's measured phases, N requests one at a time under vLLM's torch profiler; the "
                              "device's busy and idle time per step from its trace (OUT/profile/<set-up>)")
+    parser.add_argument("--toggle-pairs", type=int, default=2, metavar="N",
+                        help="tap-toggle: phases with the tap running and paused per concurrency, N of each")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runner", choices=sorted(RUNNERS), default="default",
                         help=f"{RUNNER_ENV}: unset (default) / 0 (v1) / 1 (v2)")

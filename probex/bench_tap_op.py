@@ -8,7 +8,9 @@ tapped layers of 8 probe slots):
   to four kernels per layer), captured 200 steps to a CUDA graph and replayed: device
   microseconds per step;
 - ``fused``: the Triton kernel the op runs on CUDA (`fused_tap.py`), captured the same way,
-  with its largest difference from the torch version;
+  with its largest difference from the torch version; ``fused_paused``: the same launches
+  with the tap paused (its flag set: each program returns at once), what a switched-off tap
+  still costs;
 - ``copies_issue``: the hand-off's calls after the forward (one device-to-host copy per layer
   into pinned memory, plus an event record) issued back to back: per step, whichever is slower
   of the host issuing them and the stream running them (the host, for these sizes);
@@ -89,6 +91,7 @@ def measure(rows_list: list[int]) -> dict:
     empty_index = torch.zeros(0, dtype=torch.long, device=device)
     empty_capture = torch.zeros(0, HIDDEN, device=device)
     fused = fused_tap.scores if fused_tap.triton is not None else None
+    running, paused = (torch.full((1,), v, dtype=torch.int32, device=device) for v in (0, 1))
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": HIDDEN,
                  "slots": SLOTS, "layers": LAYERS, "rows": {}}
     for rows in rows_list:
@@ -102,11 +105,12 @@ def measure(rows_list: list[int]) -> dict:
 
         entry = {"torch_op_us": _graph_us(torch_step)}
         if fused is not None:
-            def fused_step():
+            def fused_step(flag=running):
                 for layer in range(LAYERS):
-                    fused(hidden, residual, weight[layer], bias[layer], fused_scores[layer])
+                    fused(hidden, residual, weight[layer], bias[layer], fused_scores[layer], flag)
 
             entry["fused_us"] = _graph_us(fused_step)
+            entry["fused_paused_us"] = _graph_us(lambda: fused_step(paused))  # the tap switched off at run time
             torch_step()
             fused_step()
             torch.cuda.synchronize()

@@ -654,10 +654,12 @@ def test_merge_relabels_and_reanalyze_cli(tmp_path, capsys):
 
 @pytest.mark.engine
 def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
-    """One run, four servers: plain, tap, eager and every request steered (the steering op's rows)."""
+    """One run, four servers: plain, the tap (switched off and on between phases: tap-toggle,
+    whose first phase at each concurrency is the tap's), eager and every request steered (the
+    steering op's rows)."""
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--setups",
-                           "plain,tap,eager,steer-active", "--profile-requests", "1", "--out", str(out)],
+                           "plain,tap-toggle,eager,steer-active", "--profile-requests", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=1500)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
@@ -667,7 +669,7 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
     assert result["command"] and result["runner"] == "default" and result["problems"] == []
     assert result["model"]["config"]["vocab_size"] == 128256 and result["model"]["load_format"] == "dummy"
     assert len(result["probes"]) == 8 and {p["layer"] for p in result["probes"]} == {1, 2}
-    assert [s["label"] for s in result["setups"]] == ["plain", "tap", "eager", "steer-active"]
+    assert [s["label"] for s in result["setups"]] == ["plain", "tap-toggle", "eager", "steer-active"]
     workload = result["workload"]
     assert workload["arrivals"] == "staggered"
     for setup in result["setups"]:
@@ -691,7 +693,7 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
             # vLLM's own per-token time below is the positive one
             assert all(math.isfinite(v) and v >= 0 for v in [*e["tpot_ms"].values(), *e["itl_ms"].values()]), where
             assert e["server"].get("tpot_mean_ms", 0) > 0, where  # vLLM's own /metrics were read
-            if setup["kind"] in ("tap", "steer-active"):
+            if setup["kind"] in ("tap-toggle", "steer-active"):
                 scores = e["scores"]
                 assert scores["coverage"] == 1.0 and scores["scored_tokens"] == e["output_tokens"], (where, scores)
                 assert scores["requests_with_all_prompt_scores"] == scores["requests"], (where, scores)
@@ -712,12 +714,12 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
         assert profile["failed"] == 0 and "error" not in profile, (setup["label"], profile)
         assert (out / "profile" / profile["trace_path"]).is_file(), profile
         assert profile["device_events"] == 0 and profile["host_events"] > 0, profile
-        if setup["kind"] in ("tap", "steer-active"):
+        if setup["kind"] in ("tap-toggle", "steer-active"):
             assert idle["scores"]["coverage"] == 1.0, (setup["label"], idle["scores"])
             # the worker's and the API server's accounts of the first tokens' path
             loop = idle["delivery"]["api_loop"]
             assert loop["intake_prompt_steps"]["count"] == 2 and loop["first_chunks"]["count"] == 2, loop
-    assert set(result["idle_ttft"]["overhead_pct_vs_plain"]) == {"tap", "eager", "steer-active"}
+    assert set(result["idle_ttft"]["overhead_pct_vs_plain"]) == {"tap-toggle", "eager", "steer-active"}
     assert "TTFT at an idle engine (2 requests one at a time" in proc.stdout
     assert workload["profile_requests"] == 1 and "Device time from each set-up's profiled requests" in proc.stdout
     # dummy weights sample ids the SmolLM2 tokenizer (49152 tokens) lacks: served as empty text, counted all the same
@@ -725,8 +727,20 @@ def test_smoke_mode_runs_plain_tap_eager_and_steering(tmp_path):
     tap = result["setups"][1]
     assert tap["checks"]["probex_probes_listed"] == 8 and tap["checks"]["probex_tapped_layers"] == [1, 2]
     assert "enforce_eager=True" in (out / "eager.log").read_text()
-    for kind in ("tap_vs_plain", "eager_vs_plain"):
+    for kind in ("tap-toggle_vs_plain", "eager_vs_plain"):
         assert set(result["overhead_pct"][kind]) == {"1", "2"}
+    # tap-toggle: at each concurrency the tap ran, was paused, ran and was paused again on one server;
+    # paused, its responses were stock vLLM's; running again, every token was scored again
+    for c, phases in tap["toggle"].items():
+        assert [p["paused"] for p in phases] == [False, True, False, True], c
+        assert phases[0]["tpot_ms"] == tap["results"][c]["tpot_ms"]
+        for phase in phases:
+            assert phase["failed"] == 0 and phase["output_tokens"] == phase["expected_output_tokens"], (c, phase)
+            if phase["paused"]:
+                assert phase["responses_with_probex_field"] == 0 and "scores" not in phase, c
+            else:
+                assert phase["scores"]["coverage"] == 1.0, (c, phase["scores"])
+    assert set(result["toggle_overhead_pct"]) == {"1", "2"} and "The tap within one start" in proc.stdout
     assert "| set-up | concurrency |" in proc.stdout
     # every request of steer-active was steered, and it showed in the scores after the write
     assert result["steering"]["layer"] == 1
@@ -925,3 +939,35 @@ def test_overheads_over_starts_come_with_their_95_percent_interval():
     table = be.markdown_tables({"setups": setups, "workload": {}, **be.analyze(setups)})
     lo, hi = tpot["ci95_pct"]
     assert f"| tap | all | 1 | 3 (3) | +1.0% | {lo:+.1f}% … {hi:+.1f}% |" in table
+
+
+def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_path):
+    """tap-toggle: the running phases' mean over the paused phases' mean, per start and
+    concurrency, then over starts; a paused phase that carried scores is a problem, as is a
+    running phase that did not deliver them. Its worker gets the run's admin token."""
+    def toggled(label, running, paused):
+        setup = _setup("tap-toggle", label, {"1": running[0]})
+        phases = [{"paused": False, **setup["results"]["1"]}]
+        for r, p in zip(running[1:] + [None], paused):
+            phases.append({"paused": True, **_entry(p)})
+            if r is not None:
+                phases.append({"paused": False, **_entry(r)})
+        setup["toggle"] = {"1": phases}
+        return setup
+
+    starts = [toggled("tap-toggle#1", [5.05, 5.06], [5.0, 5.01]), toggled("tap-toggle#2", [4.02, 4.02], [4.0, 4.0])]
+    assert [p["paused"] for p in starts[0]["toggle"]["1"]] == [False, True, False, True]
+    result = be.toggle_overhead(starts)["1"]
+    first = (5.055 / 5.005 - 1) * 100
+    assert result["starts"] == 2 and result["tpot_p50_per_start"] == pytest.approx([first, 0.5])
+    assert result["tpot_p50"] == pytest.approx((first + 0.5) / 2)
+    table = be.markdown_tables({"setups": starts, "workload": {}, **be.analyze(starts)})
+    assert f"| 1 | 2 | {be._pct((first + 0.5) / 2)} |" in table and "The tap within one start" in table
+    starts[0]["toggle"]["1"][1]["responses_with_probex_field"] = 3
+    starts[0]["toggle"]["1"][2]["scores"] = {"coverage": 0.5, "scored_tokens": 1, "generated_tokens": 2,
+                                             "requests_with_all_prompt_scores": 1, "requests": 1}
+    problems = be.find_problems(starts)
+    assert any("tap-toggle#1 c=1 phase 2 (paused): responses carry a probex field" in p for p in problems)
+    assert any("tap-toggle#1 c=1 phase 3 (running): SCORES NOT FULLY DELIVERED" in p for p in problems)
+    (plan,) = be.plan_setups(["tap-toggle"], tmp_path, [tmp_path / "p"], [], "default")
+    assert plan.env_changes["PROBEX_ADMIN_TOKEN"] == be.TOGGLE_ADMIN_TOKEN and len(be.TOGGLE_ADMIN_TOKEN) == 32

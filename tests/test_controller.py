@@ -201,6 +201,39 @@ def test_a_rank_that_neither_delivers_nor_captures_copies_no_scores(setup):
     assert controller.steps == 1 and controller.transfer.describe()["steps"] == 0
 
 
+def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup):
+    """`set_paused`: the op leaves the score buffers alone, no step is handed over or sent;
+    running again, the next step is scored and sent as before. A worker that steers refuses."""
+    taps, probes, published = setup
+    controller = TapController(taps, served(), published.append, threaded=False)
+    controller.load([str(p) for p in probes])
+    controller.set_paused(True)
+    assert controller.listing()["paused"] and not controller.reads_scores
+    assert all(int(t.paused[0]) == 1 for t in taps.values())
+    before = {l: t.scores.clone() for l, t in taps.items()}
+    run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
+    controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])))
+    assert all(torch.equal(t.scores, before[l]) for l, t in taps.items())
+    assert published == [] and controller.transfer.describe()["steps"] == 0
+    controller.set_paused(False)
+    streams = {l: torch.randn(2, HIDDEN) for l in taps}
+    run_step(taps, streams)
+    controller.after_forward(StepLayout(["b"], np.array([2]), np.array([0]), np.array([2])))
+    (message,) = published
+    assert message["step"]["req"] == ["b"]
+    raw = np.frombuffer(message["raw"], np.float32).reshape(2, -1)
+    np.testing.assert_allclose(raw[:, 0], (streams[1] @ taps[1].weight[0]).numpy() + float(taps[1].bias[0]),
+                               rtol=1e-5, atol=1e-5)
+
+    from engine_worker.steer import LayerSteer
+
+    steering = TapController(taps, served(), published.append, threaded=False,
+                             steers={1: LayerSteer(1, HIDDEN, capacity=2, max_rows=32, gate_taps=[taps[1]])})
+    with pytest.raises(ValueError, match="steering gates read its scores"):
+        steering.set_paused(True)
+    assert not steering.paused and all(int(t.paused[0]) == 0 for t in taps.values())
+
+
 def test_a_failing_consumer_does_not_stop_later_steps():
     source = torch.zeros(4, 1)
     seen = []

@@ -453,3 +453,98 @@ def test_a_batched_completions_chunks_are_spliced_with_their_own_prompts_scores(
                                                               pytest.approx(calibrate(12.0, 1.0, 0.0))]}
     assert scores[3]["generated"] == {"offset": 1, "scores": [pytest.approx(calibrate(1.0, 1.0, 0.0))]}
     assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0] for c in out)
+
+
+class FakeEngineClient:
+    """vLLM's engine client as the admin routes use it: one answer per worker rank."""
+
+    def __init__(self, answer=None):
+        self.calls = []
+        self.answer = answer
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append((method, args))
+        return [self.answer or {"ok": True, "paused": args[0]}]
+
+
+async def call_route(middleware, method, path, body=b"", headers=(), engine=None):
+    sent = []
+    scope = {"type": "http", "path": path, "method": method, "headers": list(headers),
+             "app": type("App", (), {"state": type("State", (), {"engine_client": engine})()})()}
+    queue = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return queue.pop(0) if queue else await asyncio.Event().wait()
+
+    async def send(message):
+        sent.append(message)
+
+    await middleware(scope, receive, send)
+    return sent[0]["status"], json.loads(response_body(sent) or b"null")
+
+
+def test_the_tap_is_paused_and_resumed_by_an_admin_and_paused_requests_pass_unmonitored(monkeypatch):
+    monkeypatch.setenv("PROBEX_ADMIN_TOKEN", "secret")
+    admin = [(b"authorization", b"Bearer secret")]
+
+    async def go():
+        app, engine = RecordingApp(), FakeEngineClient()
+        middleware = ProbexMiddleware(app, hub=idle_hub(), tap_config=TapConfig(layers=(3,)))
+        put = lambda body, headers=admin: call_route(middleware, "PUT", "/probex/tap", body, headers, engine)  # noqa: E731
+        assert (await put(b'{"paused": true}', []))[0] == 401 and engine.calls == []
+        status, answer = await put(b'{"paused": "yes"}')
+        assert status == 400 and answer["error"]["param"] == "paused"
+        assert await put(b'{"paused": true}') == (200, {"ok": True, "paused": True})
+        assert engine.calls == [("probex_set_paused", (True,))] and middleware.hub.paused
+        assert await call_route(middleware, "GET", "/probex/tap") == (200, {"paused": True})
+        # paused: a request reaches vLLM as the client sent it (no token ids asked for, no id of ours)
+        body = json.dumps({"prompt": "x", "max_tokens": 2, "vllm_xargs": {"probex_recompute": "true"}}).encode()
+        sent = await post_through(middleware, "/v1/completions", body)
+        forwarded = json.loads(app.bodies[-1])
+        assert sent[0]["status"] == 200 and "return_token_ids" not in forwarded and app.request_ids[-1] is None
+        assert forwarded["vllm_xargs"] == {"probex_recompute": 1}  # still checked and normalised
+        capture = json.dumps({"prompt": "x", "vllm_xargs": {"probex_capture": True}}).encode()
+        refused = await post_through(middleware, "/v1/completions", capture)
+        assert refused[0]["status"] == 409 and b"tap_paused" in response_body(refused) and len(app.bodies) == 1
+        assert await put(b'{"paused": false}') == (200, {"ok": True, "paused": False})
+        await post_through(middleware, "/v1/completions", body)
+        assert json.loads(app.bodies[-1])["return_token_ids"] is True and app.request_ids[-1] is not None
+        # a worker that refuses (it steers) leaves the API server's state as it was
+        engine.answer = {"ok": False, "error": "steering gates read its scores", "paused": False}
+        status, answer = await put(b'{"paused": true}')
+        assert status == 400 and answer["error"]["code"] == "pause_refused" and not middleware.hub.paused
+
+    asyncio.run(go())
+    monkeypatch.delenv("PROBEX_ADMIN_TOKEN")
+
+    async def without_token():
+        middleware = ProbexMiddleware(RecordingApp(), hub=idle_hub(), tap_config=TapConfig(layers=(3,)))
+        return await call_route(middleware, "PUT", "/probex/tap", b'{"paused": true}', engine=FakeEngineClient())
+
+    assert asyncio.run(without_token())[0] == 403
+
+
+def test_streams_in_flight_stop_waiting_for_scores_when_the_tap_is_paused():
+    """A chunk waiting for scores when the tap is paused goes out at once; so do the later
+    chunks of a stream that lived through a pause, after the tap runs again (the pause's
+    tokens never get scores), instead of each waiting the full score wait."""
+    from engine_worker.middleware import MonitoredCall, StreamRelay
+
+    async def go():
+        hub = idle_hub()
+        relay = StreamRelay(hub, MonitoredCall(key_prefix="cmpl-probex-p", stream=True, wants_token_ids=False), None,
+                            30.0)
+        chunk = b'data: {"id":"x","choices":[{"index":0,"text":"a","token_ids":[5]}]}'
+        waiting = asyncio.get_running_loop().create_task(relay._decorate_event(chunk))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # held for the prompt's and the token's scores
+        started = asyncio.get_running_loop().time()
+        hub.set_paused(True)
+        first = json.loads((await waiting)[6:])
+        hub.set_paused(False)
+        later = json.loads((await relay._decorate_event(chunk))[6:])
+        return first, later, asyncio.get_running_loop().time() - started, hub.pauses
+
+    first, later, elapsed, pauses = asyncio.run(go())
+    assert elapsed < 5 and pauses == 1
+    assert first["probex"]["scores"] == {} and later["probex"]["scores"] == {}

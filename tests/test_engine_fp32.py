@@ -221,6 +221,32 @@ def test_token_ids_are_not_leaked_unless_asked(worker):
     assert sum(len(c["probex"]["scores"]["dir18"]["generated"]["scores"]) for c in chunks[:-1] if "probex" in c) == 4
 
 
+def test_a_paused_tap_serves_unmonitored_and_scores_the_same_once_running_again(worker):
+    """PUT /probex/tap: paused, the worker answers as stock vLLM does (same tokens, no probex
+    field, capture refused); running again, the same request gets the same token scores."""
+    admin = {"Authorization": f"Bearer {worker.admin_token}"}
+    body = chat_body(f"[{uuid.uuid4().hex[:8]}] {PROMPTS[2]}", max_tokens=6, return_token_ids=True)
+    before = ok(worker, body)
+    try:
+        paused = httpx.put(worker.url + "/probex/tap", json={"paused": True}, headers=admin, timeout=60)
+        assert paused.status_code == 200 and paused.json() == {"ok": True, "paused": True}, paused.text
+        assert httpx.get(worker.url + "/probex/health", timeout=60).json()["paused"] is True
+        unmonitored = ok(worker, body)
+        assert "probex" not in unmonitored
+        assert unmonitored["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+        capture = post(worker, dict(body, vllm_xargs={"probex_capture": True}))
+        assert capture.status_code == 409 and capture.json()["error"]["code"] == "tap_paused"
+    finally:
+        resumed = httpx.put(worker.url + "/probex/tap", json={"paused": False}, headers=admin, timeout=60)
+    assert resumed.status_code == 200 and resumed.json()["paused"] is False
+    after = ok(worker, body)
+    for name, scores in before["probex"]["scores"].items():
+        np.testing.assert_allclose(after["probex"]["scores"][name]["generated"]["scores"],
+                                   scores["generated"]["scores"], atol=1e-5)
+        assert after["probex"]["scores"][name]["prompt"]["last_raw"] == pytest.approx(scores["prompt"]["last_raw"],
+                                                                                      abs=1e-4)
+
+
 def test_batched_completion_prompts_each_get_scores(worker):
     body = {"model": str(model_dir()), "prompt": ["Once upon a time", "The capital of Italy is"], "max_tokens": 3,
             "temperature": 0}

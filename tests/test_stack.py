@@ -157,16 +157,20 @@ def test_policy_edit_under_load_swaps_probe_weights_in_the_worker(stack):
 
     async def load_and_edit():
         async with httpx.AsyncClient(timeout=120) as http:
-            async def stream():
+            async def stream(judged: asyncio.Event):
                 body = {"model": str(model_dir()), "stream": True, "max_tokens": 24,
                         "messages": [{"role": "user", "content": "Write a poem about the sea."}]}
                 async with http.stream("POST", stack["gateway"].url + "/v1/chat/completions", json=body,
                                        headers={"Authorization": "Bearer k-admin"}) as r:
+                    judged.set()  # the gateway answers a stream once its prompt is judged
                     assert r.status_code == 200
                     return [line async for line in r.aiter_lines() if line]
 
-            tasks = [asyncio.create_task(stream()) for _ in range(8)]
-            await asyncio.sleep(0.5)
+            judged = [asyncio.Event() for _ in range(8)]
+            tasks = [asyncio.create_task(stream(event)) for event in judged]
+            # The edit lands while the streams generate, each judged under the old probe: sent
+            # before all were judged, a slow machine blocks the late ones under the new one.
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in judged)), 120)
             edited = dict(stack["policy"], probes={"harmful-request": {"path": str(stack["flipped"])}})
             saved = time.monotonic()
             stack["policy_path"].write_text(yaml.safe_dump(edited))

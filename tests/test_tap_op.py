@@ -48,6 +48,16 @@ def test_compiled_op_writes_scores_for_every_row_and_follows_live_swaps():
     _, expected = reference(block, hidden, residual)
     torch.testing.assert_close(block.probex_tap.scores[:7], expected, rtol=1e-5, atol=1e-5)
     assert torch.all(block.probex_tap.scores[:7, 1:] == 0)  # emptied slots score exactly zero
+    # Paused in place, the compiled graph leaves the scores alone; resumed, it writes them again.
+    pause_address = block.probex_tap.paused.data_ptr()
+    block.probex_tap.set_paused(True)
+    before = block.probex_tap.scores.clone()
+    compiled(torch.randn(7, H), torch.randn(7, H))
+    assert torch.equal(block.probex_tap.scores, before) and block.probex_tap.paused.data_ptr() == pause_address
+    block.probex_tap.set_paused(False)
+    hidden, residual = torch.randn(7, H), torch.randn(7, H)
+    compiled(hidden, residual)
+    torch.testing.assert_close(block.probex_tap.scores[:7], reference(block, hidden, residual)[1], rtol=1e-5, atol=1e-5)
 
 
 def test_capture_copies_the_selected_rows():
@@ -98,18 +108,22 @@ residual = torch.randn(5, 1000, generator=g).to(torch.bfloat16)
 weight = torch.randn(6, 1000, generator=g)
 bias = torch.randn(6, generator=g)
 fused, reference = torch.full((8, 6), -7.0), torch.full((8, 6), -7.0)
-fused_tap.scores(hidden, residual, weight, bias, fused)
+running, paused = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+fused_tap.scores(hidden, residual, weight, bias, fused, running)
 ops.tap_torch(hidden, residual, weight, bias, reference, torch.zeros(0, dtype=torch.long), torch.zeros(0, 1000))
 assert (fused[5:] == -7.0).all(), "rows past the step must be left alone"
 diff = (fused[:5] - reference[:5]).abs().max().item()
 scale = reference[:5].abs().max().item()
 assert diff < 1e-5 * max(scale, 1.0), (diff, scale)
-fused_tap.scores(hidden[:0], residual[:0], weight, bias, fused)  # an empty step launches nothing
+fused_tap.scores(hidden[:0], residual[:0], weight, bias, fused, running)  # an empty step launches nothing
+before = fused.clone()
+fused_tap.scores(hidden, 2 * residual, weight, bias, fused, paused)  # switched off: nothing written
+assert torch.equal(fused, before)
 # fp32 stream (the fp32 model path) and 64 slots (narrower blocks)
 hidden32, residual32 = torch.randn(3, 300, generator=g), torch.randn(3, 300, generator=g)
 weight64, bias64 = torch.randn(64, 300, generator=g), torch.randn(64, generator=g)
 fused64, reference64 = torch.zeros(3, 64), torch.zeros(3, 64)
-fused_tap.scores(hidden32, residual32, weight64, bias64, fused64)
+fused_tap.scores(hidden32, residual32, weight64, bias64, fused64, running)
 ops.tap_torch(hidden32, residual32, weight64, bias64, reference64, torch.zeros(0, dtype=torch.long), torch.zeros(0, 300))
 diff64 = (fused64 - reference64).abs().max().item()
 assert diff64 < 1e-5 * max(reference64.abs().max().item(), 1.0), diff64
@@ -119,7 +133,7 @@ assert fused_tap.slots_per_program(rows, 6) == 8
 hidden_many, residual_many = torch.randn(rows, 300, generator=g).to(torch.bfloat16), torch.randn(rows, 300, generator=g)
 residual_many = residual_many.to(torch.bfloat16)
 fused_many, reference_many = torch.full((rows + 1, 6), -7.0), torch.zeros(rows, 6)
-fused_tap.scores(hidden_many, residual_many, weight[:, :300].contiguous(), bias, fused_many)
+fused_tap.scores(hidden_many, residual_many, weight[:, :300].contiguous(), bias, fused_many, running)
 ops.tap_torch(hidden_many, residual_many, weight[:, :300].contiguous(), bias, reference_many,
               torch.zeros(0, dtype=torch.long), torch.zeros(0, 300))
 assert (fused_many[rows:] == -7.0).all()
@@ -147,7 +161,7 @@ def test_fused_kernel_takes_only_cuda_tensors_in_the_layout_it_indexes():
     residual = torch.zeros(6, 16, dtype=torch.bfloat16)
     weight, bias, out = torch.zeros(3, 16), torch.zeros(3), torch.zeros(8, 3)
     assert fused_tap.layout_fits(hidden, residual, weight, bias, out)
-    assert not fused_tap.applies(hidden, residual, weight, bias, out)  # CPU tensors: the torch version
+    assert not fused_tap.applies(hidden, residual, weight, bias, out, torch.zeros(1, dtype=torch.int32))  # CPU
     refused = {
         "weight wider than the stream": (hidden, residual, torch.zeros(3, 20), bias, out),
         "weight rows not packed": (hidden, residual, torch.zeros(3, 32)[:, :16], bias, out),
@@ -198,11 +212,11 @@ def test_buffers_built_as_shapes_get_zeroed_storage_once_the_weights_are_in(monk
     steer = LayerSteer(1, 16, capacity=2, max_rows=32, gate_taps=[tap], device="meta")
     shapes = {name: (b.shape, b.dtype) for m in (tap, steer) for name, b in m.named_buffers()}
     assert all(b.is_meta for m in (tap, steer) for b in m.buffers())
-    assert materialize(tap, torch.device("cpu")) == 5 and materialize(steer, torch.device("cpu")) == 3
+    assert materialize(tap, torch.device("cpu")) == 6 and materialize(steer, torch.device("cpu")) == 3
     assert materialize(tap, torch.device("cpu")) == 0  # storage given once; its addresses stay
     for module in (tap, steer):
         for name, buffer in module.named_buffers():
-            assert not buffer.is_meta and (buffer.shape, buffer.dtype) == shapes[name] and not buffer.any(), name
+            assert not buffer.is_meta and (buffer.shape, buffer.dtype) == shapes[name] and not buffer.any(), name  # paused: 0, running
     tap.load(np.ones((2, 16), np.float32), np.zeros(2, np.float32))  # a probe set loads into the new storage
     hidden = torch.randn(3, 16)
     tap(hidden, torch.zeros(3, 16))
