@@ -2195,7 +2195,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     probes = len(result.get("probes", [])) or 8
     colors = {"plain": "#4c72b0", "tap": "#55a868", "tap-op-only": "#937860", "tap-engine-consumer": "#da8bc3",
               "tap-thread-consumer": "#8c8c8c", "tap-slow-hook": "#e5ae38", "tap-scores-after-tokens": "#4f9da6",
-              "tap-side-copies": "#b07aa1", "tap-buffers-in-model": "#ff9da6",
+              "tap-side-copies": "#b07aa1", "tap-buffers-in-model": "#ff9da6", "tap-toggle": "#2ca02c",
               "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
@@ -2207,6 +2207,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
              "tap-scores-after-tokens": "ProbeX tap, scores consumed after their tokens",
              "tap-side-copies": "ProbeX tap, score copies on a side stream",
              "tap-buffers-in-model": "ProbeX tap, buffers between the model's weights",
+             "tap-toggle": f"ProbeX tap, {probes} probes, its first phase of running and paused ones",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}

@@ -971,3 +971,10 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert any("tap-toggle#1 c=1 phase 3 (running): SCORES NOT FULLY DELIVERED" in p for p in problems)
     (plan,) = be.plan_setups(["tap-toggle"], tmp_path, [tmp_path / "p"], [], "default")
     assert plan.env_changes["PROBEX_ADMIN_TOKEN"] == be.TOGGLE_ADMIN_TOKEN and len(be.TOGGLE_ADMIN_TOKEN) == 32
+
+
+def test_the_chart_has_a_colour_and_a_name_for_every_set_up_kind(tmp_path):
+    setups = [_setup(kind, kind, {"1": 5.0, "8": 6.0}) for kind in be.KINDS]
+    result = {"setups": setups, "versions": {"gpu": "NVIDIA H200"}, "probes": [{}] * 8, **be.analyze(setups)}
+    assert be.write_png(result, tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
