@@ -87,6 +87,7 @@ class TapController:
         self.capture_dir = Path(capture_dir) if capture_dir else None
         self.table = ProbeTable(version=0, slots=())
         self.paused = False  # the tap switched off at run time (`set_paused`)
+        self._capture_skipped: set[str] = set()  # capture requests that ran while paused: never written
         self.probes: list[ProbeArtifact] = []
         self.book = ScoreBook()
         self.steps = 0
@@ -142,14 +143,19 @@ class TapController:
 
     def set_paused(self, paused: bool) -> None:
         """Switch the tap off (or on again) without a restart: its kernels return at once and no
-        step's scores are copied, booked or sent, so a paused worker serves as plain vLLM
-        does but for the kernels' empty launches (what `probex bench engine`'s `tap-toggle`
-        set-up compares the tap against within one start). Steps already handed over are still
-        consumed. Refused where steering is configured: its gates read the tap's scores in the
-        graph. Capture requests made while paused are refused by the API server; one in flight
-        when the tap is paused is not written."""
+        step's scores are copied, booked or sent (requests that end are still announced), so a
+        paused worker serves as plain vLLM does but for the kernels' empty launches (what
+        `probex bench engine`'s `tap-toggle` set-up compares the tap against within one
+        start). Steps already handed over are still consumed. Refused where steering is
+        configured (its gates read the tap's scores in the graph) and while a capture is being
+        written; capture requests made while paused are refused by the API server, and one
+        that runs while paused anyway (sent before) is never written, not written in part.
+        Called between engine steps on the engine thread, so the flags' fill is queued on the
+        stream the next forward runs on."""
         if self.steers:
             raise ValueError("the tap cannot be paused on a worker that steers: steering gates read its scores")
+        if paused and self._capture_requests:
+            raise ValueError("a capture is being written; pause the tap once it has finished")
         for tap in self.taps.values():
             tap.set_paused(paused)
         self.paused = bool(paused)
@@ -294,6 +300,11 @@ class TapController:
         self._capture_plan = []
         if self.capture_dir is None or not capture_req_ids:
             return
+        if self.paused:  # nothing is captured while paused, and what began then is never written
+            self._capture_skipped.update(capture_req_ids)
+            return
+        if self._capture_skipped:
+            capture_req_ids = {r for r in capture_req_ids if r not in self._capture_skipped}
         rows: list[int] = []
         capacity = next(iter(self.taps.values())).capture_index.shape[0]
         for i, req_id in enumerate(layout.req_ids):
@@ -339,11 +350,16 @@ class TapController:
         self.engine_thread_s += time.perf_counter() - started - (self.transfer.device_wait_s - waited)
 
     @property
+    def delivers(self) -> bool:
+        """False on a tensor-parallel rank other than the delivering one (which is also the only
+        one that captures): its scores equal that rank's, so copying them to the host would be
+        work for nobody."""
+        return self.publish is not None or self.capture_dir is not None
+
+    @property
     def reads_scores(self) -> bool:
-        """False while paused, and on a tensor-parallel rank other than the delivering one
-        (which is also the only one that captures): its scores equal that rank's, so copying
-        them to the host would be work for nobody."""
-        return not self.paused and (self.publish is not None or self.capture_dir is not None)
+        """Steps' scores are copied out and consumed: a delivering rank whose tap is not paused."""
+        return self.delivers and not self.paused
 
     def after_forward(self, layout: StepLayout | Callable[[], StepLayout], finished: set[str] | list[str] = (),
                       num_rows: int | None = None) -> None:
@@ -356,9 +372,11 @@ class TapController:
         (the runner's per-step arrays, or snapshots of shared ones).
         """
         self.steps += 1
-        if self._steer_warned and finished:
+        if (self._steer_warned or self._capture_skipped) and finished:
             self.forget(finished)
         if not self.reads_scores:
+            if self.paused:
+                self._announce_finished(finished)
             return
         captured = None
         if self._capture_plan:
@@ -379,12 +397,18 @@ class TapController:
         for req_id in finished:
             for key in [k for k in self._steer_warned if k[0] == req_id]:
                 self._steer_warned.discard(key)
+            self._capture_skipped.discard(req_id)
 
     def after_idle_step(self, finished: set[str] | list[str]) -> None:
         """A step that ran no forward still ends requests; their bookkeeping must be released."""
-        if self._steer_warned:
+        if self._steer_warned or self._capture_skipped:
             self.forget(finished)
-        if self.reads_scores:
+        self._announce_finished(finished)
+
+    def _announce_finished(self, finished: set[str] | list[str]) -> None:
+        """A step of no rows that only ends requests (their books on both sides are released),
+        on a delivering rank; paused or not."""
+        if finished and self.delivers:
             self.transfer.submit(0, (StepLayout.empty(), self.table, list(finished), [], None))
 
     def flush(self, timeout: float = 10.0) -> bool:

@@ -141,7 +141,8 @@ class ScoreHub:
         # time per chunk, which at high concurrency decides whether it keeps up with the engine.
         self.chunks = {"spliced": TimeStats(), "decoded": TimeStats()}
         # The tap switched off at run time (`set_paused`): no scores come while it is, and a
-        # stream that lived through a pause has tokens that never will; `pauses` counts them.
+        # stream that lived through a pause has tokens that never will; `pauses` counts the
+        # pauses, so a response can tell whether one happened since it began.
         self.paused = False
         self.pauses = 0
 

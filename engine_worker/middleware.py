@@ -230,7 +230,7 @@ class ProbexMiddleware:
             except RequestRefused as refusal:
                 return await _send_json(send, refusal.status, openai_error(refusal.message, status=refusal.status, param=refusal.param, code=refusal.code))
 
-        if self.hub.paused:  # the tap is switched off: served as plain vLLM would, unmonitored
+        if self.hub.paused:  # the tap is switched off: checked as above, then passed on unmonitored
             if (call.body.get("vllm_xargs") or {}).get("probex_capture"):
                 message = "capture is unavailable while the tap is paused (PUT /probex/tap)"
                 return await _send_json(send, 409, openai_error(message, status=409, param="vllm_xargs.probex_capture",

@@ -11,9 +11,10 @@ of the step and
 
 While `paused` (a one-element int32 buffer) is non-zero the scores are left as they are and
 the kernel returns at once: the tap switched off at run time, within one start
-(`TapController.set_paused`; capture requests are refused meanwhile). The flag is read on
-the device, so CUDA graphs replay unchanged; the torch version reads it on the host, which
-only the CPU may (the GPU's torch version, a diagnostic, computes the scores anyway).
+(`TapController.set_paused`). The flag is read on the device, so CUDA graphs replay
+unchanged; the torch version reads it on the host, which only the CPU may (the GPU's torch
+version, a diagnostic, computes the scores anyway). Capture rows are still gathered on CUDA
+(in capture mode only); nothing captured while paused is ever written.
 
 The op mutates only its declared buffers, never reads a value back to the host and
 allocates nothing that outlives the call, so torch.compile keeps it inside the

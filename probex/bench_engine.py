@@ -1272,7 +1272,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     """`cancelled`: polled around every phase; once true, the phase in progress is dropped
     (its server was stopped under it) and SetupCancelled is raised. `toggle_pairs` (tap-toggle
     only): each concurrency's measured phase is followed by phases with the tap paused and
-    running again, alternating, for that many of each in all (`record["toggle"]`; fresh
+    running again (`toggle_order`), that many of each in all (`record["toggle"]`; fresh
     prompts per phase, so the prefix cache serves none). `idle_ttft_requests`:
     after the concurrency phases, that many requests one at a time (`run_idle_ttft`).
     `profile_requests`: after those, that many requests one at a time under vLLM's torch
@@ -1314,7 +1314,10 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         spread = arrival_spread_s(warm_results) if spreads else 0.0
         lengths = output_lengths(num_prompts[c], output_len, length_spread, seed * 1_000_003 + c * 2 + 7)
 
-        def measured_phase(prompt_seed: int, expected: Sequence[str] | None, label: str) -> dict[str, Any]:
+        def measured_phase(prompt_seed: int, paused: bool, label: str) -> dict[str, Any]:
+            """One measured phase at concurrency c; `paused`: tap-toggle's worker with its tap
+            paused, expected to answer as stock vLLM does (no probex field)."""
+            expected = None if paused else expect
             prompts = random_prompts(num_prompts[c], input_len, prompt_seed)
             before = server_counters(server.url, worker)
             ticks_before, phase_began = group_cpu_ticks(server.proc.pid), time.monotonic()
@@ -1327,8 +1330,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             entry["arrival_spread_s"] = round(spread, 4)
             if spreads and spread == 0:  # no warm-up request succeeded: the clients started together
                 entry["arrivals_not_spread"] = True
-            entry.update(phase_server_fields(server.url, before, results, worker and expected is not None,
-                                             len(probe_names)))
+            entry.update(phase_server_fields(server.url, before, results, worker and not paused, len(probe_names)))
             entry["per_request"] = [
                 {"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
                  "e2e_ms": r.e2e_s * 1e3,
@@ -1349,16 +1351,16 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             say(*lines)
             return entry
 
-        record["results"][str(c)] = measured_phase(seed * 1_000_003 + c * 2, expect, plan.label)
+        record["results"][str(c)] = measured_phase(seed * 1_000_003 + c * 2, False, plan.label)
         save()
         if plan.kind == TOGGLE_KIND:
             phases = record.setdefault("toggle", {})[str(c)] = [{"paused": False, **record["results"][str(c)]}]
-            for number, paused in enumerate(([True, False] * toggle_pairs)[:-1], 1):
+            for number, paused in enumerate(toggle_order(toggle_pairs)[1:], 1):
                 set_tap_paused(server.url, paused)
                 # Fresh prompts per phase: the prefix cache must serve none of a measured phase.
-                phase_seed = seed * 1_000_003 + TOGGLE_SEED + c * 64 + number
-                phases.append({"paused": paused, **measured_phase(phase_seed, None if paused else expect,
-                                                                  f"{plan.label} {'paused' if paused else 'running'}")})
+                phase_seed = seed * 1_000_003 + TOGGLE_SEED + c * 1000 + number
+                phases.append({"paused": paused, **measured_phase(
+                    phase_seed, paused, f"{plan.label} {'paused' if paused else 'running'}")})
                 save()
             set_tap_paused(server.url, False)
     if idle_ttft_requests:
@@ -1397,6 +1399,15 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         say(f"  {plan.label}: steered vs unsteered prompt scores, max |raw diff| after the write (layer "
             f"{steer.layer}) {effect['max_abs_raw_diff_after_write']:.3g}, at or before it "
             f"{effect['max_abs_raw_diff_at_or_before_write']:.3g}")
+
+
+def toggle_order(pairs: int) -> list[bool]:
+    """tap-toggle's phases at one concurrency, paused or not: running, paused, paused, running,
+    and again (ABBA), `pairs` of each; so neither state sits earlier in the run on average, and
+    a drift over the phases (clocks, heat) falls on both alike."""
+    if pairs < 1:
+        raise ValueError(f"--toggle-pairs must be at least 1, got {pairs}")
+    return ([False, True, True, False] * pairs)[: 2 * pairs]
 
 
 def set_tap_paused(url: str, paused: bool) -> None:
@@ -2207,7 +2218,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
              "tap-scores-after-tokens": "ProbeX tap, scores consumed after their tokens",
              "tap-side-copies": "ProbeX tap, score copies on a side stream",
              "tap-buffers-in-model": "ProbeX tap, buffers between the model's weights",
-             "tap-toggle": f"ProbeX tap, {probes} probes, its first phase of running and paused ones",
+             "tap-toggle": f"ProbeX tap, {probes} probes (tap-toggle's first running phase)",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}
@@ -2396,6 +2407,7 @@ def run_bench_engine(args: argparse.Namespace) -> int:
             print(f"chart: {args.png}" if write_png(result, args.png) else "chart: matplotlib is not installed")
         return 1 if result["problems"] else 0
     args = resolve_defaults(args)
+    toggle_order(args.toggle_pairs)  # refused before any server starts, not after the first set-up
     # A time limit's SIGTERM becomes an exception, so the `finally` blocks stop the running server
     # and the JSON keeps every phase measured so far.
     signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -215,11 +215,15 @@ def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup)
     controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])))
     assert all(torch.equal(t.scores, before[l]) for l, t in taps.items())
     assert published == [] and controller.transfer.describe()["steps"] == 0
+    # requests that end while paused are still announced (their books released on both sides)
+    controller.after_forward(StepLayout.empty(), ["a"])
+    (ended,) = published
+    assert ended["step"]["req"] == [] and ended["finished"] == ["a"]
     controller.set_paused(False)
     streams = {l: torch.randn(2, HIDDEN) for l in taps}
     run_step(taps, streams)
     controller.after_forward(StepLayout(["b"], np.array([2]), np.array([0]), np.array([2])))
-    (message,) = published
+    message = published[-1]
     assert message["step"]["req"] == ["b"]
     raw = np.frombuffer(message["raw"], np.float32).reshape(2, -1)
     np.testing.assert_allclose(raw[:, 0], (streams[1] @ taps[1].weight[0]).numpy() + float(taps[1].bias[0]),
@@ -232,6 +236,27 @@ def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup)
     with pytest.raises(ValueError, match="steering gates read its scores"):
         steering.set_paused(True)
     assert not steering.paused and all(int(t.paused[0]) == 0 for t in taps.values())
+
+
+def test_a_capture_is_never_written_in_part_around_a_pause(tmp_path):
+    """Pausing is refused while a capture is being written; a capture request that runs while
+    paused (sent before the pause) is left out for good, not captured from the resume on."""
+    taps = {1: LayerTap(1, HIDDEN, capacity=2, max_rows=32, capture_rows=8)}
+    controller = TapController(taps, served(), lambda message: None, capture_dir=str(tmp_path), threaded=False)
+    controller._capture_requests["writing"] = {}
+    with pytest.raises(ValueError, match="a capture is being written"):
+        controller.set_paused(True)
+    controller._capture_requests.clear()
+    controller.set_paused(True)
+    layout = StepLayout(["c"], np.array([2]), np.array([0]), np.array([4]))
+    controller.before_forward(layout, {"c"})
+    assert controller._capture_plan == []
+    controller.set_paused(False)
+    controller.before_forward(StepLayout(["c"], np.array([2]), np.array([2]), np.array([4])), {"c"})
+    assert controller._capture_plan == []  # its first half ran paused: none of it is written
+    controller.after_idle_step(["c"])
+    controller.before_forward(StepLayout(["d"], np.array([2]), np.array([0]), np.array([2])), {"d"})
+    assert controller._capture_plan == [("d", 0, 2)]  # a capture after the pause is written as ever
 
 
 def test_a_failing_consumer_does_not_stop_later_steps():

@@ -169,8 +169,14 @@ def test_policy_edit_under_load_swaps_probe_weights_in_the_worker(stack):
             judged = [asyncio.Event() for _ in range(8)]
             tasks = [asyncio.create_task(stream(event)) for event in judged]
             # The edit lands while the streams generate, each judged under the old probe: sent
-            # before all were judged, a slow machine blocks the late ones under the new one.
-            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in judged)), 120)
+            # before all were judged, a slow machine blocks the late ones under the new one. A
+            # stream that fails before it is judged ends the wait with its own error.
+            all_judged = asyncio.ensure_future(asyncio.gather(*(event.wait() for event in judged)))
+            await asyncio.wait([all_judged, *tasks], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                if task.done():
+                    task.result()  # raises what went wrong in it
+            await asyncio.wait_for(all_judged, 120)
             edited = dict(stack["policy"], probes={"harmful-request": {"path": str(stack["flipped"])}})
             saved = time.monotonic()
             stack["policy_path"].write_text(yaml.safe_dump(edited))
