@@ -46,12 +46,10 @@ def prompt_scores(state: RequestScores) -> dict[str, dict]:
 
 def generated_scores(state: RequestScores, start: int, stop: int) -> dict[str, list[float | None]]:
     """Calibrated scores of generated tokens [start, stop) per probe; None where a token has none."""
-    if stop == start + 1 and (entry := state.tokens.get(start)) is not None:  # a one-token chunk
-        return {probe.name: [value] for probe, value in zip(entry[1], entry[0])}
-    entries = [state.tokens.get(index) for index in range(start, stop)]
-    if entries and all(e is not None and e[1] is entries[0][1] for e in entries):
-        # The usual stream chunk: every token in, scored by one probe set — transpose.
-        return {probe.name: list(column) for probe, column in zip(entries[0][1], zip(*(e[0] for e in entries)))}
+    uniform = _scored_by_one_set(state, start, stop)
+    if uniform is not None:  # the usual stream chunk: transpose
+        probes, rows = uniform
+        return {probe.name: list(column) for probe, column in zip(probes, zip(*rows))}
     names: dict[str, list[float | None]] = {}
     for index in range(start, stop):
         entry = state.tokens.get(index)
@@ -94,21 +92,29 @@ def generated_scores_json(state: RequestScores, start: int, stop: int) -> bytes:
     thread: when every token [start, stop) is in and was scored by one probe set (the
     usual case), the JSON is its probe set's `generated_json_parts` filled in with one
     encoding of the floats, no dicts built; anything else goes through `chunk_scores`."""
-    if stop == start + 1 and (entry := state.tokens.get(start)) is not None:  # a one-token chunk
-        values, probes = entry
-        parts = probes.generated_json_parts.copy()
-        # JSON numbers hold no commas: one encoded row splits into its values.
-        parts[3::4] = _json_encoder.encode(values)[1:-1].split(b",") if values else []
+    uniform = _scored_by_one_set(state, start, stop)
+    if uniform is None:
+        return _json_encoder.encode(chunk_scores(state, start, stop, False)["scores"])
+    probes, rows = uniform
+    parts = probes.generated_json_parts.copy()
+    if len(rows) == 1:  # JSON numbers hold no commas: one encoded row splits into its values
+        parts[3::4] = _json_encoder.encode(rows[0])[1:-1].split(b",") if rows[0] else []
     else:
-        entries = [state.tokens.get(index) for index in range(start, stop)]
-        first = entries[0] if entries else None
-        if first is None or not all(entry is not None and entry[1] is first[1] for entry in entries):
-            return _json_encoder.encode(chunk_scores(state, start, stop, False)["scores"])
-        probes = first[1]
-        parts = probes.generated_json_parts.copy()
-        parts[3::4] = [_json_encoder.encode(column)[1:-1] for column in zip(*(entry[0] for entry in entries))]
+        parts[3::4] = [_json_encoder.encode(column)[1:-1] for column in zip(*rows)]
     parts[1::4] = [b"%d" % start] * len(probes)
     return b"".join(parts)
+
+
+def _scored_by_one_set(state: RequestScores, start: int, stop: int) -> tuple[ProbeColumns, list[list[float]]] | None:
+    """(probe set, each token's scores) when every token [start, stop) is in and was scored by
+    one probe set, the usual chunk; None otherwise (a gap, a swap between tokens, no token)."""
+    if stop == start + 1:  # a one-token chunk, most of them: no list to build
+        entry = state.tokens.get(start)
+        return None if entry is None else (entry[1], [entry[0]])
+    entries = [state.tokens.get(index) for index in range(start, stop)]
+    if not entries or not all(entry is not None and entry[1] is entries[0][1] for entry in entries):
+        return None
+    return entries[0][1], [entry[0] for entry in entries]
 
 
 def _missing(state: RequestScores, num_generated: int) -> dict:

@@ -56,7 +56,8 @@ between its layers' weights (``PROBEX_TAP_BUFFERS=in-model``, the placement befo
 11), instead of after the weights are loaded. ``tap-toggle`` is the tap measured within one
 start: after each concurrency's phase, the tap is paused (``PUT /probex/tap``: its kernels
 return at once, nothing is copied or delivered, requests are served unmonitored) and run
-again, alternating, ``--toggle-pairs`` phases of each in all, fresh prompts each; the
+again, in the order running, paused, paused, running (``--toggle-pairs`` phases of each in
+all, fresh prompts each); the
 running phases over the paused ones say what the tap costs without the start-to-start spread
 (~1% TPOT) that plain against tap carries, and plain against the paused phases holds only
 the graph's empty kernel launches and where the buffers sit.
@@ -139,7 +140,7 @@ UNDELIVERED_KINDS = ("tap-op-only",)
 TAP_VARIANT_KINDS = tuple(kind for kind in WORKER_KINDS if kind != "tap" and kind not in UNDELIVERED_KINDS)
 SLOW_HOOK_SPIN_US = 100  # tap-slow-hook's extra engine-thread time per step: 2% of a 5 ms step
 # tap-toggle: after each concurrency's measured phase (the tap running), phases with the tap
-# paused and running again alternate on the same start (`--toggle-pairs`), so the tap's cost
+# paused and running again follow on the same start (`toggle_order`), so the tap's cost
 # is read from one start, whose TPOT holds to ~0.1%, not across starts that differ by ~1%.
 TOGGLE_KIND = "tap-toggle"
 TOGGLE_ADMIN_TOKEN = secrets.token_hex(16)  # this run's servers only, on 127.0.0.1
@@ -157,7 +158,7 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    # Diagnostic: the tap's buffers allocated between the model's weights, as
                    # before session 11 (engine_worker/tap.py)
                    "tap-buffers-in-model": {ENV_TAP_BUFFERS: "in-model"},
-                   # Pausable through PUT /probex/tap (an admin route), phases alternate on one start
+                   # Pausable through PUT /probex/tap (an admin route), for phases on one start
                    "tap-toggle": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN}}
 # What the worker's /probex/probes listing must then say (its `transfer` section), so a set-up
 # that silently ran the default is reported instead of compared.

@@ -77,10 +77,13 @@ def idle_hub() -> ScoreHub:
     return hub
 
 
-async def post_through(middleware, path: str, body: bytes) -> list[dict]:
-    """One POST through the middleware as an ASGI server would send it; the messages sent back."""
+async def post_through(middleware, path: str, body: bytes, method: str = "POST", headers=(),
+                       engine=None) -> list[dict]:
+    """One request through the middleware as an ASGI server would send it; the messages sent
+    back. `engine`: what the admin routes reach as vLLM's engine client."""
     sent = []
-    scope = {"type": "http", "path": path, "method": "POST", "headers": []}
+    scope = {"type": "http", "path": path, "method": method, "headers": list(headers),
+             "app": type("App", (), {"state": type("State", (), {"engine_client": engine})()})()}
     queue = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def receive():
@@ -468,18 +471,8 @@ class FakeEngineClient:
 
 
 async def call_route(middleware, method, path, body=b"", headers=(), engine=None):
-    sent = []
-    scope = {"type": "http", "path": path, "method": method, "headers": list(headers),
-             "app": type("App", (), {"state": type("State", (), {"engine_client": engine})()})()}
-    queue = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive():
-        return queue.pop(0) if queue else await asyncio.Event().wait()
-
-    async def send(message):
-        sent.append(message)
-
-    await middleware(scope, receive, send)
+    """An admin route's answer: (status, decoded body)."""
+    sent = await post_through(middleware, path, body, method, headers, engine)
     return sent[0]["status"], json.loads(response_body(sent) or b"null")
 
 
