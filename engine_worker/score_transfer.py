@@ -373,12 +373,16 @@ class ScoreTransfer:
                 except queue.Empty:
                     self._raise_if_failed()  # then nobody will give a buffer back
         staging = time.perf_counter()
-        ready = slot.ready
+        # A step without rows copies nothing, so it has nothing of its own to wait for on the
+        # device: an event recorded behind the forward just enqueued would make the engine
+        # thread wait for that whole forward (below), losing the overlap of the next step's
+        # scheduling with this one's forward at every step that ends a request.
+        ready = slot.ready if rows else None
         try:
             if ready is not None:
                 driver = self._driver
                 stream = driver.current_stream()
-                side = self._side is not None and rows > 0  # a step without rows copies nothing
+                side = self._side is not None
                 if side:
                     if self._unguarded is not None:
                         self.unguarded_forwards += 1
@@ -388,13 +392,12 @@ class ScoreTransfer:
                     driver.record(slot.launched, stream)
                     driver.wait_event(self._side, slot.launched)
                     stream = self._side
-                if rows:
-                    for copy in slot.copies:
-                        driver.copy_rows(copy, rows, stream)
+                for copy in slot.copies:
+                    driver.copy_rows(copy, rows, stream)
                 driver.record(ready.handle, stream)
                 if side:
                     self._unguarded = ready.handle
-            else:
+            elif rows:
                 for copy in slot.copies:
                     copy.target[:rows].copy_(copy.source[:rows])
         except BaseException:

@@ -416,6 +416,25 @@ def test_the_engine_consumes_landed_steps_at_its_next_hooks_in_order_without_wai
     assert transfer.flush() and transfer.describe()["steps"] == 5
 
 
+@pytest.mark.parametrize("copy_stream", ["same", "side"])
+def test_a_step_without_rows_records_nothing_on_the_device_and_waits_only_for_earlier_steps(copy_stream):
+    """Requests ending with no rows to copy (an idle step, or any step while the tap is
+    paused): an event recorded behind the forward just enqueued would hold the engine thread
+    until that forward finished. Alone, the step is consumed at once, without a device call."""
+    transfer, driver, seen = engine_consumer(depth=4)
+    if copy_stream == "side":
+        transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=4,
+                                 threaded=False, driver=driver, consumer="engine", copy_stream="side")
+    driver.calls.clear()
+    transfer.submit(0, "ended while paused")
+    assert seen == ["ended while paused"] and driver.calls == []
+    transfer.submit(1, "a")
+    transfer.submit(0, "a's request ended")  # ordered behind a: waits for a's copy, records nothing itself
+    assert seen == ["ended while paused", "a", "a's request ended"]
+    assert [c[0] for c in driver.calls].count("record") == (2 if copy_stream == "side" else 1)
+    assert transfer.describe()["steps"] == 3
+
+
 def test_consume_landed_takes_what_has_landed_and_never_waits():
     transfer, driver, seen = engine_consumer(depth=4)
     transfer.submit(1, "a")
@@ -592,8 +611,8 @@ def test_on_a_device_each_step_is_one_driver_copy_per_layer_then_one_event_the_c
                             ("record", "event-1", 7), ("wait", "event-1")]
     assert seen == [{1: [[1.0, 2, 3], [4, 5, 6]], 4: [[-1.0, -2, -3], [-4, -5, -6]]}]
     driver.calls.clear()
-    transfer.submit(0, None)  # a step without rows (requests ending) copies nothing but is still ordered
-    assert driver.calls == [("record", "event-2", 7), ("wait", "event-2")]
+    transfer.submit(0, None)  # a step without rows (requests ending) copies nothing and waits for nothing
+    assert driver.calls == [] and len(seen) == 2  # its consumer takes steps in order all the same
     assert transfer.stage_s > 0
     transfer.submit(1, None)
     assert driver.events == 2  # the slots' events are reused, never made per step
@@ -624,10 +643,8 @@ def test_side_stream_copies_wait_for_the_forward_and_the_next_forward_waits_for_
     assert len(driver.calls) == 1 and transfer.unguarded_forwards == 0
     transfer.submit(1, None)
     driver.calls.clear()
-    transfer.submit(0, None)  # a step that only ends requests: nothing copied, no forward to guard against
-    (record, wait) = driver.calls  # the step's event on the engine stream, for ordering; no side stream
-    assert record[0] == "record" and record[2] == 7 and wait == ("wait", record[1])
-    assert transfer.unguarded_forwards == 0
+    transfer.submit(0, None)  # a step that only ends requests: nothing copied, nothing to order on the device
+    assert driver.calls == [] and transfer.unguarded_forwards == 0
     transfer.submit(1, None)  # a forward ran without the guard since the copy before: counted (and logged)
     assert transfer.unguarded_forwards == 1
     assert transfer.describe()["copy_stream"] == "side"
