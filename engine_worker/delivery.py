@@ -10,6 +10,7 @@ that suffix so the middleware can ask by the id it put in `X-Request-Id`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import re
 import time
@@ -85,17 +86,33 @@ class RequestScores:
 
     prompt: dict | None = None  # the summary of the prompt's raw scores (bookkeeping._prompt_summary)
     prompt_fields: dict[str, dict] | None = None  # and each probe's calibrated part (responses.prompt_fields)
-    tokens: dict[int, tuple[list[float], ProbeColumns]] = field(default_factory=dict)  # calibrated
+    # Each generated token's calibrated scores, a tuple of floats: the garbage collector stops
+    # tracking such a tuple the first time it sees it, so a long stream's tokens do not add to
+    # what every later collection of the API server scans (a list, or a tuple holding the
+    # probe set, would stay tracked until the request ends).
+    tokens: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    token_probes: ProbeColumns | None = None  # the probe set that scored the request's first token in
+    other_probes: dict[int, ProbeColumns] = field(default_factory=dict)  # tokens a different set scored
     contiguous: int = 0  # tokens 0..contiguous-1 are all in: O(1) answers for every stream chunk
     finished: bool = False
     touched: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def add_token(self, index: int, scores: list[float], probes: ProbeColumns) -> None:
+    def add_token(self, index: int, scores: tuple[float, ...], probes: ProbeColumns) -> None:
         """`scores`: calibrated, one per probe of `probes` (the set that scored this token)."""
-        self.tokens[index] = (scores, probes)
+        self.tokens[index] = scores
+        if self.token_probes is None:
+            self.token_probes = probes
+        elif probes is not self.token_probes:
+            self.other_probes[index] = probes  # a probe swap while the request ran
         while self.contiguous in self.tokens:
             self.contiguous += 1
+
+    def probes_of(self, index: int) -> ProbeColumns | None:
+        """The probe set that scored token `index` (None if it has not come in)."""
+        if index not in self.tokens:
+            return None
+        return self.other_probes.get(index, self.token_probes) if self.other_probes else self.token_probes
 
     def has(self, *, prompt: bool, tokens: int) -> bool:
         """The prompt summary (if asked) and tokens [0, tokens) are all in."""
@@ -145,10 +162,14 @@ class ScoreHub:
         # pauses, so a response can tell whether one happened since it began.
         self.paused = False
         self.pauses = 0
+        # The API server's garbage collections, which stop its event loop: the books keep
+        # objects per token until a request ends, so they add to what each collection scans.
+        self.collections = CollectionPauses()
 
     def start(self) -> None:
         if self._task is not None:
             return
+        self.collections.attach()
         import zmq.asyncio
 
         ctx = zmq.asyncio.Context.instance()
@@ -200,7 +221,7 @@ class ScoreHub:
             # One vectorised calibration per step instead of one math.exp per token and
             # probe later, on the event loop that also relays every chunk; one clock read per
             # step, not per token; the usual lookups inline (every token of every stream).
-            scores = table.calibrate(events.token_raw).tolist()
+            scores = map(tuple, table.calibrate(events.token_raw).tolist())
             now = time.monotonic()
             requests, external_ids = self._requests, self._external_ids
             for req, index, values in zip(events.token_req_ids, events.token_indexes, scores):
@@ -304,7 +325,9 @@ class ScoreHub:
         """The event-loop time of `intake`, `first_chunks` and `chunks` (see __init__), for /probex/health."""
         return {**{f"intake_{kind}": stats.as_dict() for kind, stats in self.intake.items()},
                 "first_chunks": self.first_chunks.as_dict(),
-                **{f"chunks_{kind}": stats.as_dict() for kind, stats in self.chunks.items()}}
+                **{f"chunks_{kind}": stats.as_dict() for kind, stats in self.chunks.items()},
+                **{f"gc_generation_{generation}": stats.as_dict()
+                   for generation, stats in enumerate(self.collections.by_generation)}}
 
 
 @dataclass
@@ -323,6 +346,25 @@ class TimeStats:
 
     def as_dict(self) -> dict[str, float | int]:
         return {"count": self.count, "total_s": self.total_s, "max_s": self.max_s}
+
+
+class CollectionPauses:
+    """The process's garbage collections by generation, timed through `gc.callbacks` (count,
+    total and longest pause; a collection holds the GIL, so it stops the event loop)."""
+
+    def __init__(self) -> None:
+        self.by_generation = [TimeStats(), TimeStats(), TimeStats()]
+        self._started = 0.0
+
+    def attach(self) -> None:
+        if self._record not in gc.callbacks:
+            gc.callbacks.append(self._record)
+
+    def _record(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif 0 <= info.get("generation", -1) < len(self.by_generation):
+            self.by_generation[info["generation"]].add(time.perf_counter() - self._started)
 
 
 @dataclass

@@ -52,12 +52,12 @@ def generated_scores(state: RequestScores, start: int, stop: int) -> dict[str, l
         return {probe.name: list(column) for probe, column in zip(probes, zip(*rows))}
     names: dict[str, list[float | None]] = {}
     for index in range(start, stop):
-        entry = state.tokens.get(index)
-        if entry is None:
+        scores = state.tokens.get(index)
+        if scores is None:
             for values in names.values():
                 values.append(None)
             continue
-        scores, probes = entry
+        probes = state.probes_of(index)
         for column, probe in enumerate(probes):
             values = names.setdefault(probe.name, [None] * (index - start))
             values.append(scores[column])
@@ -105,16 +105,23 @@ def generated_scores_json(state: RequestScores, start: int, stop: int) -> bytes:
     return b"".join(parts)
 
 
-def _scored_by_one_set(state: RequestScores, start: int, stop: int) -> tuple[ProbeColumns, list[list[float]]] | None:
+def _scored_by_one_set(state: RequestScores,
+                       start: int, stop: int) -> tuple[ProbeColumns, list[tuple[float, ...]]] | None:
     """(probe set, each token's scores) when every token [start, stop) is in and was scored by
     one probe set, the usual chunk; None otherwise (a gap, a swap between tokens, no token)."""
+    tokens = state.tokens
     if stop == start + 1:  # a one-token chunk, most of them: no list to build
-        entry = state.tokens.get(start)
-        return None if entry is None else (entry[1], [entry[0]])
-    entries = [state.tokens.get(index) for index in range(start, stop)]
-    if not entries or not all(entry is not None and entry[1] is entries[0][1] for entry in entries):
+        scores = tokens.get(start)
+        if scores is None:
+            return None
+        return (state.probes_of(start) if state.other_probes else state.token_probes), [scores]
+    rows = [tokens.get(index) for index in range(start, stop)]
+    if not rows or None in rows:
         return None
-    return entries[0][1], [entry[0] for entry in entries]
+    probes = state.probes_of(start)
+    if state.other_probes and any(state.probes_of(index) is not probes for index in range(start + 1, stop)):
+        return None
+    return probes, rows
 
 
 def _missing(state: RequestScores, num_generated: int) -> dict:

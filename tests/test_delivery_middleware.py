@@ -5,6 +5,7 @@ middleware's own rules, which are easier to break subtly than to see break.
 """
 
 import asyncio
+import gc
 import json
 
 import msgspec
@@ -182,11 +183,12 @@ def test_chunk_scores_written_as_json_directly_equal_the_general_path():
     swapped = ProbeColumns([ProbeInfo("c", "last_prompt_token", 2.0, 0.0, 5)])
     state = RequestScores()
     for index in (0, 1, 2, 4):
-        state.add_token(index, [0.1 * index + 1e-7, -2.5e-12 * index], probes)
-    state.add_token(5, [0.75], swapped)
-    state.add_token(6, [float("nan")], swapped)
-    state.add_token(7, [], ProbeColumns([]))  # every probe unloaded
-    state.add_token(8, [], state.tokens[7][1])
+        state.add_token(index, (0.1 * index + 1e-7, -2.5e-12 * index), probes)
+    state.add_token(5, (0.75,), swapped)
+    state.add_token(6, (float("nan"),), swapped)
+    state.add_token(7, (), ProbeColumns([]))  # every probe unloaded
+    state.add_token(8, (), state.probes_of(7))
+    assert state.probes_of(4) is probes and state.probes_of(6) is swapped and state.probes_of(3) is None
     for start, stop in ((0, 1), (1, 2), (0, 3), (2, 5), (3, 4), (4, 6), (5, 6), (5, 7), (6, 7), (9, 10), (3, 3),
                         (7, 8), (7, 9)):
         written = generated_scores_json(state, start, stop)
@@ -195,6 +197,19 @@ def test_chunk_scores_written_as_json_directly_equal_the_general_path():
     assert json.loads(generated_scores_json(state, 0, 3))['a "quoted" ü']["generated"] == {
         "offset": 0, "scores": [pytest.approx(1e-7), pytest.approx(0.1 + 1e-7), pytest.approx(0.2 + 1e-7)]}
     assert json.loads(generated_scores_json(state, 3, 5))["b"]["generated"]["scores"] == [None, pytest.approx(-1e-11)]
+
+
+def test_a_streams_token_scores_leave_the_garbage_collectors_books():
+    """A long stream's scores must not add to what every collection of the API server scans:
+    each token's are a tuple of floats, which a collection stops tracking the first time."""
+    from engine_worker.delivery import ProbeInfo, ProbeColumns, RequestScores
+
+    probes = ProbeColumns([ProbeInfo("a", "last_prompt_token", 1.0, 0.0, 3)])
+    state = RequestScores()
+    for index in range(100):
+        state.add_token(index, tuple(np.arange(8, dtype=np.float64).tolist()), probes)
+    gc.collect()
+    assert not any(gc.is_tracked(scores) for scores in state.tokens.values())
 
 
 @pytest.mark.parametrize("payload, expected", [
@@ -541,3 +556,18 @@ def test_streams_in_flight_stop_waiting_for_scores_when_the_tap_is_paused():
     first, later, elapsed, pauses = asyncio.run(go())
     assert elapsed < 5 and pauses == 1
     assert first["probex"]["scores"] == {} and later["probex"]["scores"] == {}
+
+
+def test_the_hub_times_the_processs_garbage_collections_by_generation():
+    hub = ScoreHub("inproc://probex-gc-test")
+    hub.collections.attach()
+    hub.collections.attach()  # once only: a second start must not count each collection twice
+    try:
+        before = hub.loop_time_stats()["gc_generation_2"]["count"]
+        gc.collect(2)
+        gc.collect(0)
+        stats = hub.loop_time_stats()
+    finally:
+        gc.callbacks.remove(hub.collections._record)
+    assert stats["gc_generation_2"]["count"] == before + 1
+    assert stats["gc_generation_0"]["count"] >= 1 and stats["gc_generation_2"]["total_s"] > 0
