@@ -43,6 +43,7 @@ in the JSON; medians over `--steps`), what grows with the number of streams:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -221,7 +222,7 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
     import uuid
 
     from engine_worker.bookkeeping import StepLayout
-    from engine_worker.delivery import ScoreHub
+    from engine_worker.delivery import CollectionPauses, ScoreHub
     from engine_worker.middleware import MonitoredCall, StreamRelay
 
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
@@ -246,9 +247,15 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
     intake: list[float] = []
     chunk_times: dict[str, list[float]] = {"chunks": [], "chunks_decoded": []}
 
+    collections = CollectionPauses()
+
     async def all_steps() -> None:
         for message in decoded[:len(prefills)]:
             hub.ingest(message)
+        # As vLLM's API server does once started: what exists now is left out of collections.
+        gc.collect()
+        gc.freeze()
+        collections.attach()
         relay_sets = [("chunks", [StreamRelay(hub, call, _discard, 1.0) for call in calls]),
                       ("chunks_decoded", [StreamRelay(hub, call, _discard, 1.0, splice=False) for call in calls])]
         for _, relays in relay_sets:
@@ -265,13 +272,23 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
                     await relay._decorate_event(token)
                 chunk_times[name].append(time.perf_counter() - started)
 
-    asyncio.run(all_steps())
+    try:
+        asyncio.run(all_steps())
+    finally:
+        if collections._record in gc.callbacks:
+            gc.callbacks.remove(collections._record)
+        gc.unfreeze()
     if hub.waits["tokens"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
     if hub.chunks["spliced"].count != requests * steps:
         raise RuntimeError("a later chunk was decoded instead of spliced: not the path vLLM's chunks take")
+    # The garbage collections these steps set off (both relay sets'), which stop the event loop.
+    pauses = collections.by_generation
     return {"requests": requests, "steps": steps, "intake_us": _median_us(intake),
-            **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()}}
+            **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()},
+            "gc_us_per_step": round(sum(p.total_s for p in pauses) / steps * 1e6, 1),
+            "gc_longest_ms": round(max(p.max_s for p in pauses) * 1e3, 2),
+            "gc_collections": [p.count for p in pauses]}
 
 
 def _median_us(seconds: list[float]) -> float:
@@ -318,7 +335,8 @@ def main() -> None:
     for row in api_steps:
         print(f"API server, one decode step of {row['requests']} streams (medians of {row['steps']}): intake "
               f"{row['intake_us']} µs, the step's {row['requests']} one-token chunks {row['chunks_us']} µs spliced "
-              f"({row['chunks_decoded_us']} µs decoded and re-encoded)", flush=True)
+              f"({row['chunks_decoded_us']} µs decoded and re-encoded); garbage collection {row['gc_us_per_step']} "
+              f"µs a step, the longest {row['gc_longest_ms']} ms", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results,

@@ -22,6 +22,7 @@ def test_handoff_benchmark_runs_both_ways_and_writes_json(tmp_path, monkeypatch)
     # the API server's share of a decode step (the benchmark raises if a chunk waited or was not spliced)
     assert [(r["requests"], r["steps"]) for r in result["api_decode_step"]] == [(4, 20)]
     assert all(result["api_decode_step"][0][key] > 0 for key in ("intake_us", "chunks_us", "chunks_decoded_us"))
+    assert len(result["api_decode_step"][0]["gc_collections"]) == 3 and result["api_decode_step"][0]["gc_us_per_step"] >= 0
     assert all(first[key] > 0 for key in ("first_chunk_decoded_us", "token_chunk_decoded_us"))
     assert row["requests"] == 4 and row["inline_us"] > 0 and row["hook_us"] > 0
     # the transfer thread consumed every step, and the stand-in loop really waited between steps
