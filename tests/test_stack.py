@@ -76,8 +76,11 @@ def stack(tmp_path_factory):
     }
     policy_path = root / "policy.yaml"
     policy_path.write_text(yaml.safe_dump(policy))
+    # Eager mode: this module is about the gateway in front of a real worker (policy, streams,
+    # audit, reloads), not the compiled graph, which the engine tests cover; skipping
+    # torch.compile takes minutes off the suite on a 2-core machine.
     worker = Worker([f"--probe={plain}", "--max-model-len", "2048", "--max-num-seqs", "16",
-                     "--gpu-memory-utilization", "0.25"], root / "worker.log")
+                     "--gpu-memory-utilization", "0.25", "--enforce-eager"], root / "worker.log")
     redis.Redis.from_url(REDIS_URL).delete("probex:audit")
     try:
         worker.wait_ready()
