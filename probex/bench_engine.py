@@ -722,6 +722,7 @@ IDLE_TTFT_TOKENS = 2
 IDLE_TTFT_SEED = 999_983  # the idle-TTFT prompts' seed offset: no concurrency phase uses it
 PROFILE_SEED = 999_979  # the profiled requests' prompts
 TOGGLE_SEED = 499_979  # tap-toggle's later phases' prompts (offset by concurrency and phase)
+TOGGLE_IDLE_SEED = 749_993  # tap-toggle's idle requests with the tap paused and running in turn
 PROFILE_TOKENS = 64  # per profiled request: decode steps dominate its trace
 
 
@@ -744,6 +745,60 @@ async def run_idle_ttft(url: str, model: str, prompts: Sequence[list[int]], paus
             result.expected_tokens = max_tokens
             results.append(result)
     return results
+
+
+def idle_toggle_paused(number: int) -> bool:
+    """Whether the tap is paused for the `number`-th of tap-toggle's idle requests: pairs of
+    requests, running then paused, then paused then running (ABBA), so neither state comes
+    first more often nor sits later in the run on average."""
+    pair_starts_paused = (number // 2) % 2 == 1
+    return pair_starts_paused if number % 2 == 0 else not pair_starts_paused
+
+
+async def run_toggled_idle_ttft(url: str, model: str, prompts: Sequence[list[int]], pause_s: float,
+                                probe_names: Sequence[str] | None,
+                                xargs: dict[str, Any] | None = None) -> list[tuple[bool, RequestResult]]:
+    """`run_idle_ttft` on one tap-toggle server with its tap paused and running request by
+    request (`idle_toggle_paused`): (paused, result) per prompt.
+
+    Phases at 8 and 64 streams differ in TTFT by tens of percent between phases of the same
+    state (which requests arrive together is chaotic), and starts differ by several percent at
+    an idle engine: a change of 1% in TTFT shows only when each request with the tap running
+    has a neighbour with it paused, on the same server, a moment apart."""
+    results = []
+    async with _Transport(1) as transport:
+        for number, prompt in enumerate(prompts):
+            paused = idle_toggle_paused(number)
+            await asyncio.to_thread(set_tap_paused, url, paused)
+            await asyncio.sleep(pause_s)
+            result = await one_request(transport, url + "/v1/completions",
+                                       completion_body(model, prompt, IDLE_TTFT_TOKENS, xargs),
+                                       None if paused else probe_names)
+            result.expected_tokens = IDLE_TTFT_TOKENS
+            results.append((paused, result))
+    await asyncio.to_thread(set_tap_paused, url, False)
+    return results
+
+
+def paired_ttft_overhead(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """TTFT with the tap running over paused from (running, paused) pairs of neighbouring
+    requests, in percent: the mean difference over the paused mean, with a 95% interval from
+    the pairs' differences (Student's t); pairs with a failed request are left out."""
+    kept = [(r, p) for r, p in pairs if math.isfinite(r) and math.isfinite(p)]
+    out: dict[str, Any] = {"pairs": len(kept)}
+    if len(kept) < 2:
+        return out
+    running, paused = np.array(kept).T
+    differences = running - paused
+    base = float(paused.mean())
+    mean = float(differences.mean())
+    se = float(differences.std(ddof=1)) / math.sqrt(len(kept))
+    df = len(kept) - 1
+    t = _T_975[max(k for k in _T_975 if k <= df)]
+    out.update(running_mean_ms=float(running.mean()), paused_mean_ms=base, difference_mean_ms=mean,
+               pct=mean / base * 100.0, ci95_pct=[(mean - t * se) / base * 100.0, (mean + t * se) / base * 100.0],
+               median_difference_pct=float(np.median(differences / paused)) * 100.0)
+    return out
 
 
 def arrival_spread_s(warm_results: Sequence[RequestResult]) -> float:
@@ -1386,6 +1441,34 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         say(f"  {plan.label:9} idle TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  mean {entry['ttft_ms']['mean']:8.2f} ms"
             f"  ({len(results)} requests one at a time, {idle_ttft_pause_s} s apart)  failed {entry['failed']}",
             *(["            " + delivery_line(entry["delivery"])] if entry.get("delivery") else []))
+    if idle_ttft_requests and plan.kind == TOGGLE_KIND:
+        prompts = random_prompts(2 * idle_ttft_requests, input_len, seed * 1_000_003 + TOGGLE_IDLE_SEED)
+        before = server_counters(server.url, worker)
+        toggled = asyncio.run(run_toggled_idle_ttft(server.url, model, prompts, idle_ttft_pause_s, expect, xargs))
+        if cancelled():
+            raise SetupCancelled("during the toggled idle-TTFT requests")
+        ttft_ms = [r.ttft_s * 1e3 if r.ok else math.nan for _, r in toggled]
+        paused_flags = [paused for paused, _ in toggled]
+        pairs = [(ttft_ms[i], ttft_ms[i + 1]) if not paused_flags[i] else (ttft_ms[i + 1], ttft_ms[i])
+                 for i in range(0, len(toggled) - 1, 2)]
+        entry = {"requests": len(toggled), "failed": sum(not r.ok for _, r in toggled),
+                 "errors": sorted({r.error for _, r in toggled if r.error})[:5],
+                 "paused": paused_flags, "per_request_ttft_ms": ttft_ms,
+                 "running_without_scores": sum(1 for paused, r in toggled if not paused and r.ok and not r.has_scores),
+                 "paused_with_scores": sum(1 for paused, r in toggled if paused and r.has_scores),
+                 "running_over_paused": paired_ttft_overhead(pairs),
+                 "scores": score_coverage([r for paused, r in toggled if not paused], len(probe_names))}
+        # vLLM's own means and the worker's delivery account, over both states' requests
+        fields = phase_server_fields(server.url, before, [r for _, r in toggled], False, len(probe_names))
+        entry.update(server=fields["server"], **({"delivery": fields["delivery"]} if "delivery" in fields else {}))
+        record["idle_ttft_toggle"] = entry
+        save()
+        overhead = entry["running_over_paused"]
+        if "pct" in overhead:
+            say(f"  {plan.label:9} idle TTFT, tap running over paused request by request: {overhead['pct']:+.2f}% "
+                f"(95% interval {overhead['ci95_pct'][0]:+.2f} … {overhead['ci95_pct'][1]:+.2f}%, "
+                f"{overhead['pairs']} pairs; running {overhead['running_mean_ms']:.2f} ms, paused "
+                f"{overhead['paused_mean_ms']:.2f} ms)  failed {entry['failed']}")
     if profile_requests:
         record["profile"] = profile_phase(server.url, model, profile_requests, input_len, seed, expect, xargs,
                                           plan.trace_dir)
@@ -1765,6 +1848,7 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
             "overhead_pct": overhead, "overhead_over_starts": overhead_over_starts(setups),
             "toggle_overhead_pct": toggle_overhead(setups),
+            "idle_ttft_toggle": toggled_idle_ttft_summary(setups),
             "tpot_p50_overhead_pct_by_gpu": overhead_by_gpu(setups),
             "idle_ttft": idle_ttft_summary(setups), "ttft_split": ttft_split_summary(setups),
             "problems": find_problems(setups), "warnings": find_warnings(setups)}
@@ -1806,6 +1890,23 @@ def overhead_over_starts(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                                                                   "plain_starts": len(base)})
             row[name] = _ratio_interval(np.array(values, dtype=np.float64), np.array(base, dtype=np.float64))
     return out
+
+
+def toggled_idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """tap-toggle's idle requests, paused and running in turn: each start's running over
+    paused, and all starts' pairs together (`paired_ttft_overhead`)."""
+    per_start, pairs = [], []
+    for s in setups:
+        toggled = s.get("idle_ttft_toggle")
+        if not toggled:
+            continue
+        per_start.append({"label": s["label"], **toggled["running_over_paused"]})
+        ttft, paused = toggled["per_request_ttft_ms"], toggled["paused"]
+        pairs += [(ttft[i], ttft[i + 1]) if not paused[i] else (ttft[i + 1], ttft[i])
+                  for i in range(0, len(ttft) - 1, 2)]
+    if not per_start:
+        return {}
+    return {"per_start": per_start, "all_starts": paired_ttft_overhead(pairs)}
 
 
 def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -1967,6 +2068,14 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                                            "plain" if phase["paused"] else s["kind"], phase)
         if s.get("idle_ttft"):
             problems += phase_problems(f"{label} idle TTFT", s["kind"], s["idle_ttft"])
+        toggled = s.get("idle_ttft_toggle")
+        if toggled:
+            problems += phase_problems(f"{label} idle TTFT, paused and running in turn", s["kind"],
+                                       {key: toggled[key] for key in ("failed", "errors", "scores") if key in toggled})
+            if toggled.get("running_without_scores") or toggled.get("paused_with_scores"):
+                problems.append(f"{label} idle TTFT, paused and running in turn: {toggled['running_without_scores']} "
+                                f"requests without scores while the tap ran, {toggled['paused_with_scores']} with "
+                                "scores while it was paused")
     return problems
 
 
@@ -2115,6 +2224,20 @@ def markdown_tables(result: dict[str, Any]) -> str:
             lines.append(f"| {c} | {o['starts']} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | {_pct(o['itl_p50'])} | "
                          f"{_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} | "
                          + ", ".join(_pct(v) for v in o["tpot_p50_per_start"]) + " |")
+    idle_toggled = result.get("idle_ttft_toggle") or {}
+    if idle_toggled.get("all_starts", {}).get("pct") is not None:
+        lines += ["", "TTFT at an idle engine with the tap running over paused, request by request (tap-toggle: "
+                  "pairs of neighbouring requests on one server, ABBA), percent:", "",
+                  "| starts | pairs | running, ms | paused, ms | running over paused | 95% interval | per start |",
+                  "|---:|---:|---:|---:|---:|---:|---|"]
+        pooled = idle_toggled["all_starts"]
+        def pct2(value: float) -> str:  # the goal is 1%: two decimals
+            return f"{value:+.2f}%" if math.isfinite(value) else "n/a"
+
+        lines.append(f"| {len(idle_toggled['per_start'])} | {pooled['pairs']} | {pooled['running_mean_ms']:.2f} | "
+                     f"{pooled['paused_mean_ms']:.2f} | {pct2(pooled['pct'])} | {pct2(pooled['ci95_pct'][0])} … "
+                     f"{pct2(pooled['ci95_pct'][1])} | "
+                     + ", ".join(pct2(x["pct"]) for x in idle_toggled["per_start"] if "pct" in x) + " |")
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
     if spread:
         on_gpus = " (side by side, repeats ran on different GPUs: this includes the GPUs' difference)" \

@@ -742,6 +742,14 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
             else:
                 assert phase["scores"]["coverage"] == 1.0, (c, phase["scores"])
     assert set(result["toggle_overhead_pct"]) == {"1", "2"} and "The tap within one start" in proc.stdout
+    # and at an idle engine, request by request: two pairs, each one running and one paused
+    toggled = tap["idle_ttft_toggle"]
+    assert toggled["paused"] == [False, True, True, False] and toggled["failed"] == 0, toggled
+    assert toggled["running_without_scores"] == 0 and toggled["paused_with_scores"] == 0, toggled
+    assert toggled["scores"]["coverage"] == 1.0 and toggled["scores"]["requests"] == 2, toggled["scores"]
+    assert all(math.isfinite(v) and v > 0 for v in toggled["per_request_ttft_ms"]), toggled
+    assert result["idle_ttft_toggle"]["all_starts"]["pairs"] == 2
+    assert "TTFT at an idle engine with the tap running over paused, request by request" in proc.stdout
     assert "| set-up | concurrency |" in proc.stdout
     if importlib.util.find_spec("matplotlib"):
         assert (out / "bench_engine_tpot.png").read_bytes()[:4] == b"\x89PNG"
@@ -969,3 +977,25 @@ def test_the_chart_has_a_colour_and_a_name_for_every_set_up_kind(tmp_path):
     result = {"setups": setups, "versions": {"gpu": "NVIDIA H200"}, "probes": [{}] * 8, **be.analyze(setups)}
     assert be.write_png(result, tmp_path / "chart.png")
     assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_idle_requests_alternate_the_tap_abba_and_pair_neighbours():
+    assert [be.idle_toggle_paused(n) for n in range(8)] == [False, True, True, False, False, True, True, False]
+    # running 11 ms against paused 10 ms in every pair, give or take 0.5 ms: +10% with a tight interval
+    pairs = [(11.0 + d, 10.0 + d) for d in (-0.5, 0.0, 0.5, 0.25, -0.25, 0.1)]
+    result = be.paired_ttft_overhead(pairs + [(math.nan, 10.0)])
+    assert result["pairs"] == 6 and result["pct"] == pytest.approx(100 * 1.0 / result["paused_mean_ms"])
+    assert result["ci95_pct"][0] == pytest.approx(result["pct"]) == pytest.approx(result["ci95_pct"][1])
+    noisy = be.paired_ttft_overhead([(10.0, 11.0), (11.0, 10.0), (10.5, 10.0), (10.0, 10.5)])
+    assert noisy["ci95_pct"][0] < 0 < noisy["ci95_pct"][1]
+    assert be.paired_ttft_overhead([(1.0, 1.0)]) == {"pairs": 1}
+    # a run's summary pools every start's pairs, each request put in its pair by its own state
+    setups = [{"label": f"tap-toggle#{i}", "kind": "tap-toggle", "results": {}, "checks": {},
+               "idle_ttft_toggle": {"paused": [False, True, True, False], "per_request_ttft_ms": [11.0, 10.0, 10.0, 11.0],
+                                    "running_over_paused": be.paired_ttft_overhead([(11.0, 10.0), (11.0, 10.0)])}}
+              for i in (1, 2)]
+    summary = be.toggled_idle_ttft_summary(setups)
+    assert summary["all_starts"]["pairs"] == 4 and summary["all_starts"]["pct"] == pytest.approx(10.0)
+    assert [s["label"] for s in summary["per_start"]] == ["tap-toggle#1", "tap-toggle#2"]
+    table = be.markdown_tables({"setups": setups, "workload": {}, **be.analyze(setups)})
+    assert "| 2 | 4 | 11.00 | 10.00 | +10.00% |" in table
