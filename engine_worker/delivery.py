@@ -105,6 +105,8 @@ class RequestScores:
             self.token_probes = probes
         elif probes is not self.token_probes:
             self.other_probes[index] = probes  # a probe swap while the request ran
+        elif self.other_probes:
+            self.other_probes.pop(index, None)  # the token came again, scored by the first set
         while self.contiguous in self.tokens:
             self.contiguous += 1
 

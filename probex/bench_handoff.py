@@ -336,7 +336,7 @@ def main() -> None:
         print(f"API server, one decode step of {row['requests']} streams (medians of {row['steps']}): intake "
               f"{row['intake_us']} µs, the step's {row['requests']} one-token chunks {row['chunks_us']} µs spliced "
               f"({row['chunks_decoded_us']} µs decoded and re-encoded); garbage collection {row['gc_us_per_step']} "
-              f"µs a step, the longest {row['gc_longest_ms']} ms", flush=True)
+              f"µs a step (intake and both relay sets), the longest {row['gc_longest_ms']} ms", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results,

@@ -989,6 +989,12 @@ def test_idle_requests_alternate_the_tap_abba_and_pair_neighbours():
     noisy = be.paired_ttft_overhead([(10.0, 11.0), (11.0, 10.0), (10.5, 10.0), (10.0, 10.5)])
     assert noisy["ci95_pct"][0] < 0 < noisy["ci95_pct"][1]
     assert be.paired_ttft_overhead([(1.0, 1.0)]) == {"pairs": 1}
+    # each pair is read by its own states, whichever came first; two requests of one state are refused
+    assert be.toggled_pairs([11.0, 10.0, 20.0, 22.0], [False, True, True, False]) == [(11.0, 10.0), (22.0, 20.0)]
+    with pytest.raises(ValueError, match="same state"):
+        be.toggled_pairs([1.0, 2.0], [True, True])
+    with pytest.raises(ValueError, match="pairs"):
+        be.toggled_pairs([1.0, 2.0, 3.0], [False, True, False])
     # a run's summary pools every start's pairs, each request put in its pair by its own state
     setups = [{"label": f"tap-toggle#{i}", "kind": "tap-toggle", "results": {}, "checks": {},
                "idle_ttft_toggle": {"paused": [False, True, True, False], "per_request_ttft_ms": [11.0, 10.0, 10.0, 11.0],
@@ -996,6 +1002,7 @@ def test_idle_requests_alternate_the_tap_abba_and_pair_neighbours():
               for i in (1, 2)]
     summary = be.toggled_idle_ttft_summary(setups)
     assert summary["all_starts"]["pairs"] == 4 and summary["all_starts"]["pct"] == pytest.approx(10.0)
+    assert summary["over_starts"]["starts"] == 2 and summary["over_starts"]["ci95_pct"] == pytest.approx([10.0, 10.0])
     assert [s["label"] for s in summary["per_start"]] == ["tap-toggle#1", "tap-toggle#2"]
     table = be.markdown_tables({"setups": setups, "workload": {}, **be.analyze(setups)})
     assert "| 2 | 4 | 11.00 | 10.00 | +10.00% |" in table

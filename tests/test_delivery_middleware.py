@@ -7,6 +7,7 @@ middleware's own rules, which are easier to break subtly than to see break.
 import asyncio
 import gc
 import json
+import tempfile
 
 import msgspec
 import numpy as np
@@ -202,14 +203,28 @@ def test_chunk_scores_written_as_json_directly_equal_the_general_path():
 def test_a_streams_token_scores_leave_the_garbage_collectors_books():
     """A long stream's scores must not add to what every collection of the API server scans:
     each token's are a tuple of floats, which a collection stops tracking the first time."""
-    from engine_worker.delivery import ProbeInfo, ProbeColumns, RequestScores
-
-    probes = ProbeColumns([ProbeInfo("a", "last_prompt_token", 1.0, 0.0, 3)])
-    state = RequestScores()
-    for index in range(100):
-        state.add_token(index, tuple(np.arange(8, dtype=np.float64).tolist()), probes)
+    hub = idle_hub()
+    engine_id = "cmpl-gc-0-0123abcd"
+    feed = step_feed([[0.0, 0.0]] + [[float(i)] for i in range(1, 40)])
+    for step in range(41):  # the prompt's step, 39 token steps, the end
+        feed(hub, engine_id, step)
+    state = hub.get(external_request_id(engine_id))
+    assert len(state.tokens) == 40
     gc.collect()
     assert not any(gc.is_tracked(scores) for scores in state.tokens.values())
+
+
+def test_a_token_scored_again_by_the_first_probe_set_is_read_with_it():
+    from engine_worker.delivery import ProbeInfo, ProbeColumns, RequestScores
+
+    first = ProbeColumns([ProbeInfo("a", "last_prompt_token", 1.0, 0.0, 3)])
+    swapped = ProbeColumns([ProbeInfo("b", "last_prompt_token", 1.0, 0.0, 3)])
+    state = RequestScores()
+    state.add_token(0, (0.1,), first)
+    state.add_token(1, (0.2,), swapped)
+    assert state.probes_of(1) is swapped
+    state.add_token(1, (0.3,), first)
+    assert state.probes_of(1) is first and state.tokens[1] == (0.3,)
 
 
 @pytest.mark.parametrize("payload, expected", [
@@ -559,8 +574,14 @@ def test_streams_in_flight_stop_waiting_for_scores_when_the_tap_is_paused():
 
 
 def test_the_hub_times_the_processs_garbage_collections_by_generation():
-    hub = ScoreHub("inproc://probex-gc-test")
-    hub.collections.attach()
+    async def started() -> ScoreHub:
+        hub = ScoreHub(f"ipc://{tempfile.mkdtemp()}/scores")
+        hub.start()
+        hub._task.cancel()
+        hub._socket.close()
+        return hub
+
+    hub = asyncio.run(started())
     hub.collections.attach()  # once only: a second start must not count each collection twice
     try:
         before = hub.loop_time_stats()["gc_generation_2"]["count"]
