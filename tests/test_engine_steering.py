@@ -55,6 +55,11 @@ def worker(probes, vector_dir, capture_dir, tmp_path_factory):
         "--steer-vector", str(vector_dir), "--steer-vectors", "4", "--capture-dir", str(capture_dir),
         "--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "32",
         "--gpu-memory-utilization", "0.25",
+        # The model is still traced into vLLM's graph, split and run piece by piece, the steering
+        # op a node in it, but the pieces run as traced instead of through inductor's C++ code,
+        # which takes minutes to build on a 2-core machine. The steering op under inductor is
+        # the tensor-parallel test's (tests/test_engine_tp.py steers on a compiled worker).
+        "--compilation-config", '{"backend": "eager"}',
     ]
     with Worker(args, log) as w:
         yield w
