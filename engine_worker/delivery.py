@@ -362,6 +362,10 @@ class CollectionPauses:
         if self._record not in gc.callbacks:
             gc.callbacks.append(self._record)
 
+    def detach(self) -> None:
+        if self._record in gc.callbacks:
+            gc.callbacks.remove(self._record)
+
     def _record(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = time.perf_counter()

@@ -728,8 +728,17 @@ PROFILE_TOKENS = 64  # per profiled request: decode steps dominate its trace
 
 async def run_idle_ttft(url: str, model: str, prompts: Sequence[list[int]], pause_s: float,
                         probe_names: Sequence[str] | None, xargs: dict[str, Any] | None = None,
-                        max_tokens: int = IDLE_TTFT_TOKENS) -> list[RequestResult]:
+                        max_tokens: int = IDLE_TTFT_TOKENS,
+                        paused_for: Callable[[int], bool] | None = None) -> list[RequestResult]:
     """One request at a time, each sent after `pause_s` with nothing in flight.
+
+    `paused_for` (a tap-toggle server): whether the tap is paused for the n-th request, set
+    before it is sent (PUT /probex/tap), a paused request expected without scores; the tap
+    runs again afterwards. Phases at 8 and 64 streams differ in TTFT by tens of percent
+    between phases of the same state (which requests arrive together is chaotic), and starts
+    differ by several percent at an idle engine: a change of 1% in TTFT shows only when each
+    request with the tap running has a neighbour with it paused, on the same server, a moment
+    apart (`idle_toggle_paused`).
 
     At concurrency 1 each request arrives while the engine still finishes its predecessor
     (the step scheduled ahead, the server's end-of-request work), so its TTFT includes a
@@ -737,13 +746,21 @@ async def run_idle_ttft(url: str, model: str, prompts: Sequence[list[int]], paus
     starts. Arriving at an idle engine, a request's TTFT is its own prefill and first chunk,
     the part a tap could lengthen."""
     results = []
-    async with _Transport(1) as transport:
-        for prompt in prompts:
-            await asyncio.sleep(pause_s)
-            result = await one_request(transport, url + "/v1/completions",
-                                       completion_body(model, prompt, max_tokens, xargs), probe_names)
-            result.expected_tokens = max_tokens
-            results.append(result)
+    try:
+        async with _Transport(1) as transport:
+            for number, prompt in enumerate(prompts):
+                paused = paused_for is not None and paused_for(number)
+                if paused_for is not None:
+                    await asyncio.to_thread(set_tap_paused, url, paused)
+                await asyncio.sleep(pause_s)
+                result = await one_request(transport, url + "/v1/completions",
+                                           completion_body(model, prompt, max_tokens, xargs),
+                                           None if paused else probe_names)
+                result.expected_tokens = max_tokens
+                results.append(result)
+    finally:
+        if paused_for is not None:
+            await asyncio.to_thread(set_tap_paused, url, False)
     return results
 
 
@@ -753,33 +770,6 @@ def idle_toggle_paused(number: int) -> bool:
     first more often nor sits later in the run on average."""
     pair_starts_paused = (number // 2) % 2 == 1
     return pair_starts_paused if number % 2 == 0 else not pair_starts_paused
-
-
-async def run_toggled_idle_ttft(url: str, model: str, prompts: Sequence[list[int]], pause_s: float,
-                                probe_names: Sequence[str] | None,
-                                xargs: dict[str, Any] | None = None) -> list[tuple[bool, RequestResult]]:
-    """`run_idle_ttft` on one tap-toggle server with its tap paused and running request by
-    request (`idle_toggle_paused`): (paused, result) per prompt.
-
-    Phases at 8 and 64 streams differ in TTFT by tens of percent between phases of the same
-    state (which requests arrive together is chaotic), and starts differ by several percent at
-    an idle engine: a change of 1% in TTFT shows only when each request with the tap running
-    has a neighbour with it paused, on the same server, a moment apart."""
-    results = []
-    try:
-        async with _Transport(1) as transport:
-            for number, prompt in enumerate(prompts):
-                paused = idle_toggle_paused(number)
-                await asyncio.to_thread(set_tap_paused, url, paused)
-                await asyncio.sleep(pause_s)
-                result = await one_request(transport, url + "/v1/completions",
-                                           completion_body(model, prompt, IDLE_TTFT_TOKENS, xargs),
-                                           None if paused else probe_names)
-                result.expected_tokens = IDLE_TTFT_TOKENS
-                results.append((paused, result))
-    finally:
-        await asyncio.to_thread(set_tap_paused, url, False)
-    return results
 
 
 def toggled_pairs(ttft_ms: Sequence[float], paused: Sequence[bool]) -> list[tuple[float, float]]:
@@ -809,7 +799,7 @@ def paired_ttft_overhead(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]
     mean = float(differences.mean())
     se = float(differences.std(ddof=1)) / math.sqrt(len(kept))
     df = len(kept) - 1
-    t = _T_975[max(k for k in _T_975 if k <= df)]
+    t = _t_975(df)
     out.update(running_mean_ms=float(running.mean()), paused_mean_ms=base, difference_mean_ms=mean,
                pct=mean / base * 100.0, ci95_pct=[(mean - t * se) / base * 100.0, (mean + t * se) / base * 100.0],
                median_difference_pct=float(np.median(differences / paused)) * 100.0)
@@ -1459,7 +1449,9 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     if idle_ttft_requests and plan.kind == TOGGLE_KIND:
         prompts = random_prompts(2 * idle_ttft_requests, input_len, seed * 1_000_003 + TOGGLE_IDLE_SEED)
         before = server_counters(server.url, worker)
-        toggled = asyncio.run(run_toggled_idle_ttft(server.url, model, prompts, idle_ttft_pause_s, expect, xargs))
+        results = asyncio.run(run_idle_ttft(server.url, model, prompts, idle_ttft_pause_s, expect, xargs,
+                                            paused_for=idle_toggle_paused))
+        toggled = [(idle_toggle_paused(number), r) for number, r in enumerate(results)]
         if cancelled():
             raise SetupCancelled("during the toggled idle-TTFT requests")
         ttft_ms = [r.ttft_s * 1e3 if r.ok else math.nan for _, r in toggled]
@@ -1874,6 +1866,13 @@ _T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.3
 START_METRICS = {"tpot_p50": ("tpot_ms", "p50"), "ttft_p50": ("ttft_ms", "p50")}
 
 
+def _t_975(df: float) -> float:
+    """Student's t for a two-sided 95% interval at `df` degrees of freedom: the table's entry
+    at the nearest df below (a wider interval, never a narrower one); infinite below 1."""
+    tabulated = [k for k in _T_975 if k <= df]
+    return _T_975[max(tabulated)] if tabulated else math.inf
+
+
 def overhead_over_starts(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Every set-up kind over plain with each server start as one sample: the overhead of the
     mean over starts, and its 95% interval (Welch's t on the two kinds' start means, the
@@ -1923,7 +1922,7 @@ def toggled_idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any
     # start to start, the starts' own spread is the honest interval.
     figures = np.array([x["pct"] for x in per_start if "pct" in x])
     if len(figures) >= 2:
-        half = _T_975[max(k for k in _T_975 if k <= len(figures) - 1)] * figures.std(ddof=1) / math.sqrt(len(figures))
+        half = _t_975(len(figures) - 1) * figures.std(ddof=1) / math.sqrt(len(figures))
         summary["over_starts"] = {"starts": len(figures), "pct": float(figures.mean()),
                                   "ci95_pct": [float(figures.mean() - half), float(figures.mean() + half)]}
     return summary
@@ -1957,8 +1956,7 @@ def _ratio_interval(values: np.ndarray, base: np.ndarray) -> dict[str, float]:
     se_pct = ratio * math.sqrt(rel_var + base_rel_var) * 100.0
     spread = rel_var**2 / (len(values) - 1) + base_rel_var**2 / (len(base) - 1)
     df = (rel_var + base_rel_var) ** 2 / spread if spread > 0 else math.inf  # inf: no spread at all
-    tabulated = [k for k in _T_975 if k <= df]  # the nearest df below: a wider interval, never a narrower one
-    t = _T_975[max(tabulated)] if tabulated else math.inf
+    t = _t_975(df)
     pct = (ratio - 1.0) * 100.0
     return {"pct": pct, "se_pct": se_pct, "ci95_pct": [pct - t * se_pct, pct + t * se_pct],
             "df": df if math.isfinite(df) else None}  # JSON has no infinity

@@ -275,8 +275,7 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
     try:
         asyncio.run(all_steps())
     finally:
-        if collections._record in gc.callbacks:
-            gc.callbacks.remove(collections._record)
+        collections.detach()
         gc.unfreeze()
     if hub.waits["tokens"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")

@@ -589,6 +589,6 @@ def test_the_hub_times_the_processs_garbage_collections_by_generation():
         gc.collect(0)
         stats = hub.loop_time_stats()
     finally:
-        gc.callbacks.remove(hub.collections._record)
+        hub.collections.detach()
     assert stats["gc_generation_2"]["count"] == before + 1
     assert stats["gc_generation_0"]["count"] >= 1 and stats["gc_generation_2"]["total_s"] > 0
