@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import importlib.util
 import itertools
 import json
@@ -2545,9 +2546,16 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def load_saved_run(path: Path) -> dict:
+    """A saved bench_engine.json, or one gzipped (docs/results keeps its large runs that way,
+    as the checkout travels to the GPU machine with every call)."""
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+
+
 def run_bench_engine(args: argparse.Namespace) -> int:
     if args.reanalyze:
-        result = merge_runs([json.loads(p.read_text()) for p in args.reanalyze])
+        result = merge_runs([load_saved_run(p) for p in args.reanalyze])
         report(result)
         if args.merged_json:
             args.merged_json.write_text(json.dumps(result, indent=1) + "\n")

@@ -4,6 +4,7 @@ the analysis, and (engine) its CPU smoke mode end to end, so the GPU tooling can
 from __future__ import annotations
 
 import asyncio
+import gzip
 import importlib.util
 import json
 import math
@@ -634,8 +635,9 @@ def test_merge_relabels_and_reanalyze_cli(tmp_path, capsys):
     first.write_text(json.dumps(_saved_run()))
     run_b = _saved_run()
     run_b["setups"] = [s for s in run_b["setups"] if s["kind"] == "eager"]
-    second.write_text(json.dumps(run_b))
-    merged = be.merge_runs([json.loads(first.read_text()), json.loads(second.read_text())])
+    second = tmp_path / "b.json.gz"  # saved runs may be gzipped
+    second.write_bytes(gzip.compress(json.dumps(run_b).encode()))
+    merged = be.merge_runs([be.load_saved_run(first), be.load_saved_run(second)])
     assert [s["label"] for s in merged["setups"]] == ["plain#1", "tap#1", "plain#2", "tap#2", "eager#1", "eager#2"]
     from probex.cli import main
 
