@@ -36,10 +36,11 @@ before it can overwrite the score buffers (`before_next_forward`, which the runn
 adapters call before every forward). The copies' device latency then overlaps sampling
 instead of preceding it, for two more driver calls per step on the host.
 
-`consumer="engine"` (runner V2's default on one GPU; `TapController` takes it from the
-adapter, PROBEX_SCORE_CONSUMER overrides) takes the transfer thread out of the per-step
-path. The engine thread consumes the pending steps, in order: where the engine is about to
-wait for a step's sampled tokens, runner V2's adapter calls `consume_through`, which
+`consumer="engine"` (both runners' default on one GPU with async scheduling; `TapController`
+takes it from the adapter, PROBEX_SCORE_CONSUMER overrides) takes the transfer thread out of
+the per-step path. The engine thread consumes the pending steps, in order: where the engine
+is about to wait for a step's sampled tokens, the adapters' shared wrapper
+(`vllm_worker.scores_with_sampled_tokens`) calls `consume_through`, which
 waits (`cuEventSynchronize`, GIL released) for the copies of the steps up to that one —
 queued ahead of its sampling, they land first, so its scores leave ahead of its tokens
 while the device samples — then, after the tokens, `consume_landed`; and at the end of

@@ -3,9 +3,16 @@
 The only module that reads V1 runner internals. Per step it describes the batch as a
 `StepLayout` (requests in row order, rows per request, tokens computed before the step,
 prompt lengths) from `input_batch` and the scheduler output, and hands it to the
-engine-agnostic `TapController`, which copies the step's scores to the host off the
-engine thread. Controller set-up, the worker extension and the prefix-cache bypass are
-shared with the V2 adapter (`vllm_worker.py`).
+engine-agnostic `TapController`, which copies the step's scores to the host. The layout
+is read on the engine thread right after the launch: V1 keeps one persistent batch, which
+the next step's `_update_states` rewrites before this step's scores are consumed.
+
+Who consumes the scores: on one GPU with async scheduling (vLLM's default on CUDA) the
+engine thread, where it reads the step's sampled tokens (`sample_tokens`' async output,
+as on runner V2); otherwise (tensor parallelism, the CPU backend's synchronous
+scheduling, PROBEX_SCORE_CONSUMER=thread) the transfer thread. Controller set-up, the
+worker extension, the consumer wrapper and the prefix-cache bypass are shared with the V2
+adapter (`vllm_worker.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import numpy as np
 from engine_worker.bookkeeping import StepLayout
 from engine_worker.controller import TapController
 from engine_worker.steering import SteerRequest
-from engine_worker.vllm_worker import controller_of, install_controller, steering_of, wants_capture
+from engine_worker.vllm_worker import (controller_of, default_score_consumer, install_controller,
+                                       scores_with_sampled_tokens, steering_of, wants_capture)
 
 log = logging.getLogger("vllm.probex.v1_runner")  # under "vllm": printed by its log handler
 
@@ -43,6 +51,7 @@ def patch_v1_runner() -> None:
     if not GPUModelRunner.__dict__.get("_probex_step_patched"):
         GPUModelRunner.execute_model = _remember_scheduler_output(GPUModelRunner.execute_model)
         GPUModelRunner._model_forward = _tapped_forward(GPUModelRunner._model_forward)
+        GPUModelRunner.sample_tokens = scores_with_sampled_tokens(GPUModelRunner.sample_tokens)
         GPUModelRunner._probex_step_patched = True
 
 
@@ -50,7 +59,7 @@ def _after_load_model(load_model):
     @functools.wraps(load_model)
     def wrapper(self, *args, **kwargs):
         result = load_model(self, *args, **kwargs)
-        if install_controller(self) is not None:
+        if install_controller(self, score_consumer=default_score_consumer(self)) is not None:
             self._probex_capture_flags = {}
             self._probex_steering = {}  # req id -> SteerRequest | None, parsed once per request
         return result

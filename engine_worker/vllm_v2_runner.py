@@ -16,13 +16,8 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
   capture flag and steering settings are read there.
 - The engine thread consumes the scores (the default here on one GPU; with tensor
   parallelism, and with PROBEX_SCORE_CONSUMER=thread, the transfer thread does), when vLLM
-  reads the step's sampled tokens: `sample_tokens` returns an `AsyncOutput` whose
-  `get_output` the engine calls to wait for the tokens' copy; we wrap that object's
-  `get_output` to wait first for the step's score copies (on the engine's stream they
-  land before the logits and sampling are done), consume them, then read the tokens
-  (side-stream copies, PROBEX_COPY_STREAM=side, are not waited for: they are consumed
-  after the tokens). At TP=1 (UniProcExecutor) vLLM calls it on the engine-core thread;
-  at TP>1 with async scheduling, on its worker's output-copy thread.
+  reads the step's sampled tokens: `sample_tokens` returns an `AsyncOutput`, wrapped by
+  `vllm_worker.scores_with_sampled_tokens` as runner V1's async output is.
 """
 
 from __future__ import annotations
@@ -35,7 +30,8 @@ from typing import Callable
 import numpy as np
 
 from engine_worker.bookkeeping import StepLayout
-from engine_worker.vllm_worker import controller_of, install_controller, steering_of, wants_capture
+from engine_worker.vllm_worker import (controller_of, default_score_consumer, install_controller,
+                                       scores_with_sampled_tokens, steering_of, wants_capture)
 
 log = logging.getLogger("vllm.probex.v2_runner")  # under "vllm": printed by its log handler
 
@@ -54,7 +50,7 @@ def patch_v2_runner() -> bool:
     GPUModelRunner.add_requests = _remember_capture_flags(GPUModelRunner.add_requests)
     GPUModelRunner.prepare_inputs = _layout_before_forward(GPUModelRunner.prepare_inputs)
     GPUModelRunner.execute_model = _scores_after_forward(GPUModelRunner.execute_model)
-    GPUModelRunner.sample_tokens = _scores_with_sampled_tokens(GPUModelRunner.sample_tokens)
+    GPUModelRunner.sample_tokens = scores_with_sampled_tokens(GPUModelRunner.sample_tokens)
     setattr(GPUModelRunner, _PATCHED_MARK, True)
     return True
 
@@ -63,7 +59,7 @@ def _after_load_model(load_model):
     @functools.wraps(load_model)
     def wrapper(self, *args, **kwargs):
         result = load_model(self, *args, **kwargs)
-        if install_controller(self, score_consumer=_default_score_consumer(self)) is not None:
+        if install_controller(self, score_consumer=default_score_consumer(self)) is not None:
             self._probex_capture_flags = {}
             self._probex_steering = {}  # req id -> SteerRequest, steered requests only
             self._probex_layout = None  # built before the forward (steering or capture on)
@@ -72,15 +68,6 @@ def _after_load_model(load_model):
         return result
 
     return wrapper
-
-
-def _default_score_consumer(runner) -> str:
-    """The engine thread where vLLM reads the sampled tokens on it (one GPU; measured on the
-    H200 against the transfer thread, docs/benchmarks.md session 8). With tensor parallelism
-    vLLM reads them on its own output-copy thread, a path not yet run on a GPU: the transfer
-    thread there, as measured at TP=2."""
-    parallel = getattr(runner.vllm_config, "parallel_config", None)
-    return "engine" if getattr(parallel, "tensor_parallel_size", 1) == 1 else "thread"
 
 
 def _remember_capture_flags(add_requests):
@@ -154,46 +141,6 @@ def _scores_after_forward(execute_model):
         elif finished:
             controller.after_idle_step(finished)  # nothing ran, but requests ended
         controller.engine_thread_s += time.perf_counter() - started
-        return output
-
-    return wrapper
-
-
-def _scores_with_sampled_tokens(sample_tokens):
-    @functools.wraps(sample_tokens)
-    def wrapper(self, *args, **kwargs):
-        output = sample_tokens(self, *args, **kwargs)
-        controller = controller_of(self)
-        if controller is None or not controller.consumes_on_engine_thread or not hasattr(output, "get_output"):
-            return output  # the transfer thread consumes (PROBEX_SCORE_CONSUMER=thread), or no async output
-        read_tokens = output.get_output
-        this_step = controller.scores_step_mark()  # this output's step was the last one handed over
-
-        def scores_then_tokens():
-            # Drop the instance attribute first: it holds this closure, which holds the bound
-            # method, which holds the output — a cycle keeping each step's tensors alive
-            # until the garbage collector runs.
-            output.__dict__.pop("get_output", None)
-            if controller.scores_ahead_of_tokens:  # PROBEX_SCORES_AHEAD_OF_TOKENS=0 (diagnostic) skips this
-                try:
-                    # The step's score copies were queued behind its forward, ahead of its
-                    # logits and sampling: waiting for them (GIL released, as vLLM's own wait
-                    # for the tokens is), then booking and sending them, overlaps the device's
-                    # sampling, and the scores leave ahead of their tokens instead of holding
-                    # them up.
-                    controller.consume_scores_through(this_step)
-                except Exception:  # ProbeX must never cost vLLM a step's tokens
-                    log.exception("probex: consuming the step's scores failed")
-            result = read_tokens()
-            # Anything else landed meanwhile (side-stream copies, which may land after the
-            # tokens, are taken here or at a later hook).
-            try:
-                controller.consume_landed_scores()
-            except Exception:
-                log.exception("probex: consuming landed scores failed")
-            return result
-
-        output.get_output = scores_then_tokens
         return output
 
     return wrapper

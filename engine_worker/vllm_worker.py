@@ -2,8 +2,10 @@
 
 Both model runners (V1 in `vllm_v1_runner.py`, V2 in `vllm_v2_runner.py`) expose the
 loaded model as `runner.model` and the engine configuration as `runner.vllm_config`;
-that is all this module reads from a runner. Everything a runner does differently —
-how a step's rows map to requests, where the forward is — stays in its own adapter.
+that is all this module reads from a runner, besides V1's `use_async_scheduling` switch
+and the async output both runners' `sample_tokens` return (`scores_with_sampled_tokens`).
+Everything a runner does differently — how a step's rows map to requests, where the
+forward is — stays in its own adapter.
 """
 
 from __future__ import annotations
@@ -77,6 +79,67 @@ def install_controller(runner, score_consumer: str = "thread") -> TapController 
         sys.setswitchinterval(float(interval))
         log.info("probex: GIL switch interval set to %s s (%s)", interval, ENV_SWITCH_INTERVAL)
     return controller
+
+
+def default_score_consumer(runner) -> str:
+    """Who consumes each step's scores unless PROBEX_SCORE_CONSUMER says otherwise: the
+    engine thread where vLLM reads a step's sampled tokens there through an async output
+    (one GPU; runner V2 always, runner V1 with async scheduling, vLLM's default on CUDA;
+    measured on the H200 with V2 against the transfer thread, docs/benchmarks.md sessions
+    8 and 9), otherwise the transfer thread. With tensor parallelism vLLM reads the tokens
+    on its own output-copy thread, a path not yet run on a GPU with the engine consumer:
+    the transfer thread there, as measured at TP=2. The CPU backend schedules
+    synchronously (no async output): the transfer thread."""
+    parallel = getattr(runner.vllm_config, "parallel_config", None)
+    one_gpu = getattr(parallel, "tensor_parallel_size", 1) == 1
+    # Runner V1 says whether it schedules asynchronously; V2 has no such switch and always does.
+    return "engine" if one_gpu and getattr(runner, "use_async_scheduling", True) else "thread"
+
+
+def scores_with_sampled_tokens(sample_tokens):
+    """Wraps a runner's `sample_tokens` (V1 and V2 alike): with the engine consumer, the
+    step's scores are consumed where the engine core reads the step's sampled tokens, in the
+    `get_output` of the async output `sample_tokens` returns (vLLM's interface between either
+    runner and the engine core). At TP=1 vLLM calls it on the engine-core thread."""
+
+    @functools.wraps(sample_tokens)
+    def wrapper(self, *args, **kwargs):
+        output = sample_tokens(self, *args, **kwargs)
+        controller = controller_of(self)
+        if controller is None or not controller.consumes_on_engine_thread or not hasattr(output, "get_output"):
+            return output  # the transfer thread consumes (PROBEX_SCORE_CONSUMER=thread), or no async output
+        read_tokens = output.get_output
+        this_step = controller.scores_step_mark()  # this output's step was the last one handed over
+
+        def scores_then_tokens():
+            # Drop the instance attribute first: it holds this closure, which holds the bound
+            # method, which holds the output — a cycle keeping each step's tensors alive
+            # until the garbage collector runs.
+            output.__dict__.pop("get_output", None)
+            if controller.scores_ahead_of_tokens:  # PROBEX_SCORES_AHEAD_OF_TOKENS=0 (diagnostic) skips this
+                try:
+                    # The step's score copies were queued behind its forward, ahead of its
+                    # logits and sampling: waiting for them (GIL released, as vLLM's own wait
+                    # for the tokens is), then booking and sending them, overlaps the device's
+                    # sampling, and the scores leave ahead of their tokens instead of holding
+                    # them up. (Side-stream copies, PROBEX_COPY_STREAM=side, are not waited
+                    # for: they are consumed after the tokens.)
+                    controller.consume_scores_through(this_step)
+                except Exception:  # ProbeX must never cost vLLM a step's tokens
+                    log.exception("probex: consuming the step's scores failed")
+            result = read_tokens()
+            # Anything else landed meanwhile (side-stream copies, which may land after the
+            # tokens, are taken here or at a later hook).
+            try:
+                controller.consume_landed_scores()
+            except Exception:
+                log.exception("probex: consuming landed scores failed")
+            return result
+
+        output.get_output = scores_then_tokens
+        return output
+
+    return wrapper
 
 
 def _give_buffers_storage(runner, modules: list) -> None:

