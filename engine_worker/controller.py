@@ -8,8 +8,8 @@ in capture mode, saves residual rows for extraction.
 Threads: `load`, `before_forward` and `after_forward` run on the engine thread;
 everything that reads scores (bookkeeping, capture files, publishing) runs, in step order,
 once the step's copies have landed, so the engine never waits for the device: on the
-`ScoreTransfer` thread, or (the engine consumer, runner V2's default on one GPU) on the
-engine thread where it finds them landed.
+`ScoreTransfer` thread, or (the engine consumer, the default on one GPU) on the engine
+thread where it finds them landed.
 """
 
 from __future__ import annotations

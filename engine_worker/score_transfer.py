@@ -36,7 +36,8 @@ before it can overwrite the score buffers (`before_next_forward`, which the runn
 adapters call before every forward). The copies' device latency then overlaps sampling
 instead of preceding it, for two more driver calls per step on the host.
 
-`consumer="engine"` (both runners' default on one GPU with async scheduling; `TapController`
+`consumer="engine"` (the default on one GPU where the runner reads a step's tokens through an
+async output: V2, and V1 with async scheduling; `TapController`
 takes it from the adapter, PROBEX_SCORE_CONSUMER overrides) takes the transfer thread out of
 the per-step path. The engine thread consumes the pending steps, in order: where the engine
 is about to wait for a step's sampled tokens, the adapters' shared wrapper
@@ -329,7 +330,7 @@ class ScoreTransfer:
         self.handoff_s = 0.0
         self.consume_errors = 0
         # Time spent waiting for copies to land (GIL released), on whichever thread consumed:
-        # the V2 engine consumer's waits ahead of each step's tokens (time vLLM would spend
+        # the engine consumer's waits ahead of each step's tokens (time vLLM would spend
         # waiting for those tokens anyway), plus, on the engine thread, waits at a step without
         # rows, for a full staging pool and in `flush`; with consumer="thread", the transfer
         # thread's waits.

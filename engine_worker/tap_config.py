@@ -36,8 +36,9 @@ ENV_ADMIN_TOKEN = "PROBEX_ADMIN_TOKEN"
 ENV_DELIVERY = "PROBEX_DELIVERY"
 
 
-# Who consumes each step's scores once its copies land: "engine" (the engine thread, runner
-# V2's default on one GPU) or "thread" (a transfer thread, the default otherwise);
+# Who consumes each step's scores once its copies land: "engine" (the engine thread, the
+# default in a one-GPU engine whose runner reads tokens through an async output: V2, and V1
+# with async scheduling) or "thread" (a transfer thread, the default otherwise);
 # engine_worker/score_transfer.py. Unset: the runner adapter's default.
 ENV_SCORE_CONSUMER = "PROBEX_SCORE_CONSUMER"
 
@@ -53,7 +54,7 @@ ENV_HOOK_SPIN_US = "PROBEX_HOOK_SPIN_US"
 ENV_COPY_STREAM = "PROBEX_COPY_STREAM"
 
 
-# Diagnostic: "0" makes runner V2's engine consumer read a step's tokens first and consume its
+# Diagnostic: "0" makes the engine consumer read a step's tokens first and consume its
 # scores after them (the order before session 9), instead of consuming the scores while the
 # device samples (set-up "tap-scores-after-tokens").
 ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"

@@ -59,7 +59,8 @@ def _after_load_model(load_model):
     @functools.wraps(load_model)
     def wrapper(self, *args, **kwargs):
         result = load_model(self, *args, **kwargs)
-        if install_controller(self, score_consumer=default_score_consumer(self)) is not None:
+        consumer = default_score_consumer(self, reads_tokens_async=bool(getattr(self, "use_async_scheduling", False)))
+        if install_controller(self, score_consumer=consumer) is not None:
             self._probex_capture_flags = {}
             self._probex_steering = {}  # req id -> SteerRequest | None, parsed once per request
         return result

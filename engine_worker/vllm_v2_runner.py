@@ -59,7 +59,7 @@ def _after_load_model(load_model):
     @functools.wraps(load_model)
     def wrapper(self, *args, **kwargs):
         result = load_model(self, *args, **kwargs)
-        if install_controller(self, score_consumer=default_score_consumer(self)) is not None:
+        if install_controller(self, score_consumer=default_score_consumer(self, reads_tokens_async=True)) is not None:
             self._probex_capture_flags = {}
             self._probex_steering = {}  # req id -> SteerRequest, steered requests only
             self._probex_layout = None  # built before the forward (steering or capture on)

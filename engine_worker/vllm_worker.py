@@ -2,8 +2,8 @@
 
 Both model runners (V1 in `vllm_v1_runner.py`, V2 in `vllm_v2_runner.py`) expose the
 loaded model as `runner.model` and the engine configuration as `runner.vllm_config`;
-that is all this module reads from a runner, besides V1's `use_async_scheduling` switch
-and the async output both runners' `sample_tokens` return (`scores_with_sampled_tokens`).
+that is all this module reads from a runner, besides the async output both runners'
+`sample_tokens` return (`scores_with_sampled_tokens`).
 Everything a runner does differently — how a step's rows map to requests, where the
 forward is — stays in its own adapter.
 """
@@ -81,19 +81,21 @@ def install_controller(runner, score_consumer: str = "thread") -> TapController 
     return controller
 
 
-def default_score_consumer(runner) -> str:
+def default_score_consumer(runner, reads_tokens_async: bool) -> str:
     """Who consumes each step's scores unless PROBEX_SCORE_CONSUMER says otherwise: the
-    engine thread where vLLM reads a step's sampled tokens there through an async output
-    (one GPU; runner V2 always, runner V1 with async scheduling, vLLM's default on CUDA;
-    measured on the H200 with V2 against the transfer thread, docs/benchmarks.md sessions
-    8 and 9), otherwise the transfer thread. With tensor parallelism vLLM reads the tokens
-    on its own output-copy thread, a path not yet run on a GPU with the engine consumer:
-    the transfer thread there, as measured at TP=2. The CPU backend schedules
-    synchronously (no async output): the transfer thread."""
+    engine thread where vLLM reads a step's sampled tokens there, through the async output
+    `sample_tokens` returns (`reads_tokens_async`, the adapter's to say: runner V2 always,
+    runner V1 with async scheduling, vLLM's default on CUDA; the engine consumer was
+    measured on the H200 with V2 against the transfer thread, docs/benchmarks.md sessions 8
+    and 9), in a single-process engine on one GPU; otherwise the transfer thread. With more
+    than one GPU, or workers in their own processes, vLLM reads the tokens on a worker's
+    output-copy thread, a path not yet run on a GPU with the engine consumer: the transfer
+    thread there, as measured at TP=2. The CPU backend schedules synchronously: the
+    transfer thread."""
     parallel = getattr(runner.vllm_config, "parallel_config", None)
-    one_gpu = getattr(parallel, "tensor_parallel_size", 1) == 1
-    # Runner V1 says whether it schedules asynchronously; V2 has no such switch and always does.
-    return "engine" if one_gpu and getattr(runner, "use_async_scheduling", True) else "thread"
+    world_size = getattr(parallel, "world_size", getattr(parallel, "tensor_parallel_size", 1))
+    in_process = getattr(parallel, "distributed_executor_backend", None) in (None, "uni")
+    return "engine" if reads_tokens_async and world_size == 1 and in_process else "thread"
 
 
 def scores_with_sampled_tokens(sample_tokens):
@@ -104,12 +106,13 @@ def scores_with_sampled_tokens(sample_tokens):
 
     @functools.wraps(sample_tokens)
     def wrapper(self, *args, **kwargs):
-        output = sample_tokens(self, *args, **kwargs)
         controller = controller_of(self)
+        # The step this output samples was the last one handed over (at its forward's launch).
+        this_step = controller.scores_step_mark() if controller is not None else None
+        output = sample_tokens(self, *args, **kwargs)
         if controller is None or not controller.consumes_on_engine_thread or not hasattr(output, "get_output"):
             return output  # the transfer thread consumes (PROBEX_SCORE_CONSUMER=thread), or no async output
         read_tokens = output.get_output
-        this_step = controller.scores_step_mark()  # this output's step was the last one handed over
 
         def scores_then_tokens():
             # Drop the instance attribute first: it holds this closure, which holds the bound

@@ -47,7 +47,7 @@ path's. ``tap-engine-consumer`` and ``tap-thread-consumer`` are the tap with
 thread, where vLLM reads the sampled tokens; with tensor parallelism a transfer thread does), to compare the two in one run. ``tap-slow-hook`` (diagnostic) is the tap
 with the engine thread spinning 100 µs more per step: whether TPOT grows by that much tells
 whether engine-thread time is on the step's critical path. ``tap-scores-after-tokens``
-(diagnostic) is the tap with runner V2's engine consumer reading a step's tokens before
+(diagnostic) is the tap with the engine consumer reading a step's tokens before
 consuming its scores (``PROBEX_SCORES_AHEAD_OF_TOKENS=0``, the order before session 9).
 ``tap-side-copies`` (diagnostic) puts the score copies on a side stream
 (``PROBEX_COPY_STREAM=side``), off the device's path from forward to sampling.
@@ -147,12 +147,12 @@ TOGGLE_KIND = "tap-toggle"
 TOGGLE_ADMIN_TOKEN = secrets.token_hex(16)  # this run's servers only, on 127.0.0.1
 # Worker settings a set-up kind stands for (on top of --worker-env), measured against `tap` in
 # the same run. Who consumes each step's scores once its copies land: the engine thread
-# (runner V2's default) or the transfer thread (runner V1's); engine_worker/score_transfer.py.
+# (the default on one GPU) or the transfer thread; engine_worker/score_transfer.py.
 KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": {ENV_SCORE_CONSUMER: "engine"},
                    "tap-thread-consumer": {ENV_SCORE_CONSUMER: "thread"},
                    # Diagnostic: is engine-thread time on the step's critical path? (tap_config.py)
                    "tap-slow-hook": {ENV_HOOK_SPIN_US: str(SLOW_HOOK_SPIN_US)},
-                   # Diagnostic: the V2 engine consumer's order before session 9 (tap_config.py)
+                   # Diagnostic: the engine consumer's order before session 9 (tap_config.py)
                    "tap-scores-after-tokens": {ENV_SCORES_AHEAD: "0"},
                    # The score copies on a side stream, off the path from forward to sampling
                    "tap-side-copies": {ENV_COPY_STREAM: "side"},
@@ -2529,7 +2529,8 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=None, help="seconds per server start")
     parser.add_argument("--save-itl", action="store_true", help="keep every request's ITL list in the JSON")
     parser.add_argument("--reanalyze", type=Path, nargs="+", default=None, metavar="JSON",
-                        help="re-print the tables (and --png) from saved bench_engine.json files, merged; no engine")
+                        help="re-print the tables (and --png) from saved bench_engine.json files (or .json.gz), "
+                             "merged; no engine")
     parser.add_argument("--png", type=Path, default=None, help="chart path (default OUT/bench_engine_tpot.png)")
     parser.add_argument("--merged-json", type=Path, default=None, help="with --reanalyze: write the merged JSON here")
 

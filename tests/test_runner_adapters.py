@@ -298,11 +298,17 @@ def test_the_engine_consumes_where_vllm_reads_the_tokens_on_it_through_an_async_
         return SimpleNamespace(vllm_config=SimpleNamespace(
             parallel_config=SimpleNamespace(tensor_parallel_size=tp)), **switch)
 
-    assert default_score_consumer(runner(1)) == "engine"  # V2: no switch
-    assert default_score_consumer(runner(2)) == "thread"
-    assert default_score_consumer(runner(1, use_async_scheduling=True)) == "engine"  # V1 on CUDA
-    assert default_score_consumer(runner(1, use_async_scheduling=False)) == "thread"  # V1 on the CPU
-    assert default_score_consumer(runner(2, use_async_scheduling=True)) == "thread"
+    assert default_score_consumer(runner(1), reads_tokens_async=True) == "engine"
+    assert default_score_consumer(runner(2), reads_tokens_async=True) == "thread"
+    assert default_score_consumer(runner(1), reads_tokens_async=False) == "thread"  # V1 on the CPU
+
+    def engine(world_size, backend):
+        parallel = SimpleNamespace(tensor_parallel_size=1, world_size=world_size, distributed_executor_backend=backend)
+        return SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel))
+
+    assert default_score_consumer(engine(1, "uni"), reads_tokens_async=True) == "engine"
+    assert default_score_consumer(engine(2, "uni"), reads_tokens_async=True) == "thread"  # pipeline parallel
+    assert default_score_consumer(engine(1, "mp"), reads_tokens_async=True) == "thread"  # a worker process
 
 
 def test_v1_adapter_wraps_the_runners_sample_tokens_with_the_shared_consumer():
@@ -320,9 +326,79 @@ def test_v1_adapter_wraps_the_runners_sample_tokens_with_the_shared_consumer():
         "from engine_worker.vllm_worker import scores_with_sampled_tokens\n"
         "ours = scores_with_sampled_tokens(print).__code__\n"
         "outer = GPUModelRunner.sample_tokens\n"
-        "print(outer.__code__ is ours, outer.__wrapped__.__code__ is ours,\n"
+        "print('wrapped:', outer.__code__ is ours, outer.__wrapped__.__code__ is ours,\n"
         "      CPUModelRunner.sample_tokens is outer)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-3:] == ["True", "False", "True"]
+    marked = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("wrapped:")]
+    assert marked == [["True", "False", "True"]], done.stdout[-2000:]
+
+
+class FakeV1Runner:
+    """V1's call order with async scheduling: execute_model runs the forward through
+    `_model_forward` (real steps carry a scheduler output), `sample_tokens` returns an async
+    output, and the engine core launches the next step before it reads this one's tokens."""
+
+    def __init__(self, controller) -> None:
+        self.controller_to_install = controller
+        self.use_async_scheduling = True
+        self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+        self.input_batch = None
+        self._probex_capture_flags, self._probex_steering = {}, {}
+
+    def load_model(self):
+        setattr(self, CONTROLLER_ATTR, self.controller_to_install)
+
+    def execute_model(self, scheduler_output):
+        sched = scheduler_output.num_scheduled_tokens
+        if sched:
+            ids = list(sched)
+            self.input_batch = SimpleNamespace(
+                num_reqs=len(ids), req_ids=ids,
+                num_computed_tokens_cpu=np.array([scheduler_output.computed[r] for r in ids]),
+                num_prompt_tokens=np.array([7] * len(ids)))
+            self._model_forward()
+        return None
+
+    def _model_forward(self):
+        return "hidden states"
+
+    def sample_tokens(self, grammar_output=None):
+        calls = self.controller_to_install.calls
+        return SimpleNamespace(get_output=lambda: calls.append(("tokens read",)) or "runner output")
+
+
+def test_v1_adapter_consumes_each_steps_scores_where_the_engine_reads_its_tokens(monkeypatch):
+    """Runner V1 with the engine consumer, through the adapter's real step hooks: the step
+    handed over at a forward's launch is the one consumed when that step's tokens are read,
+    even after the next step was launched; a step that ran no forward hands nothing over."""
+    from engine_worker import vllm_v1_runner as v1
+
+    class Controller(RecordingController):
+        consumes_on_engine_thread = True
+
+        def after_forward(self, layout, finished, num_rows=None):
+            super().after_forward(layout, finished, num_rows)
+            self.submitted += 1
+
+    cls = type("WrappedFakeV1Runner", (FakeV1Runner,), {})
+    cls.execute_model = v1._remember_scheduler_output(FakeV1Runner.execute_model)
+    cls._model_forward = v1._tapped_forward(FakeV1Runner._model_forward)
+    cls.sample_tokens = scores_with_sampled_tokens(FakeV1Runner.sample_tokens)
+    controller = Controller()
+    controller.needs_layout_before_forward = False  # scores only: the layout is read after the launch
+    runner = cls(controller)
+    runner.load_model()
+    runner.execute_model(sched(scheduled={"a": 7}, computed={"a": 0}))
+    first = runner.sample_tokens()
+    runner.execute_model(sched(scheduled={"a": 1}, computed={"a": 7}))  # launched before step 1's tokens are read
+    second = runner.sample_tokens()
+    assert first.get_output() == "runner output" and second.get_output() == "runner output"
+    assert controller.calls == [("after", ["a"], []), ("after", ["a"], []),
+                                ("consume through", 1), ("tokens read",), ("consume landed",),
+                                ("consume through", 2), ("tokens read",), ("consume landed",)]
+    assert controller.after_layouts == [([7], [0], [7]), ([1], [7], [7])]
+    controller.calls.clear()
+    runner.execute_model(sched(finished={"a"}))  # nothing scheduled: no forward, the request ended
+    assert controller.calls == [("idle", ["a"])] and controller.submitted == 2
