@@ -1334,13 +1334,16 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   save_itl: bool, probe_layers: dict[str, int] | None = None,
                   steer: SteerBench | None = None, staggered: bool = True, length_spread: float = 0.0,
                   cancelled: Callable[[], bool] = lambda: False, idle_ttft_requests: int = 0,
-                  idle_ttft_pause_s: float = 0.1, profile_requests: int = 0, toggle_pairs: int = 2) -> None:
+                  idle_ttft_pause_s: float = 0.1, profile_requests: int = 0, toggle_pairs: int = 2,
+                  idle_ttft_pairs: int | None = None) -> None:
     """`cancelled`: polled around every phase; once true, the phase in progress is dropped
     (its server was stopped under it) and SetupCancelled is raised. `toggle_pairs` (tap-toggle
     only): each concurrency's measured phase is followed by phases with the tap paused and
     running again (`toggle_order`), that many of each in all (`record["toggle"]`; fresh
     prompts per phase, so the prefix cache serves none). `idle_ttft_requests`:
-    after the concurrency phases, that many requests one at a time (`run_idle_ttft`).
+    after the concurrency phases, that many requests one at a time (`run_idle_ttft`);
+    `idle_ttft_pairs` (tap-toggle; default as many): then that many pairs of requests, the tap
+    running for one of each pair and paused for the other (`record["idle_ttft_toggle"]`).
     `profile_requests`: after those, that many requests one at a time under vLLM's torch
     profiler, whose trace (under the plan's `trace_dir`) is summarised into `record["profile"]`."""
     import httpx
@@ -1451,8 +1454,10 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         say(f"  {plan.label:9} idle TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  mean {entry['ttft_ms']['mean']:8.2f} ms"
             f"  ({len(results)} requests one at a time, {idle_ttft_pause_s} s apart)  failed {entry['failed']}",
             *(["            " + delivery_line(entry["delivery"])] if entry.get("delivery") else []))
-    if idle_ttft_requests and plan.kind == TOGGLE_KIND:
-        prompts = random_prompts(2 * idle_ttft_requests, input_len, seed * 1_000_003 + TOGGLE_IDLE_SEED)
+    if idle_ttft_pairs is None:
+        idle_ttft_pairs = idle_ttft_requests
+    if idle_ttft_pairs and plan.kind == TOGGLE_KIND:
+        prompts = random_prompts(2 * idle_ttft_pairs, input_len, seed * 1_000_003 + TOGGLE_IDLE_SEED)
         before = server_counters(server.url, worker)
         results = asyncio.run(run_idle_ttft(server.url, model, prompts, idle_ttft_pause_s, expect, xargs,
                                             paused_for=idle_toggle_paused))
@@ -1669,6 +1674,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          "warmup_requests": {str(c): n for c, n in warmup.items()},
                          "arrivals": args.arrivals, "output_len_spread": args.output_len_spread,
                          "idle_ttft_requests": args.idle_ttft_requests, "idle_ttft_pause_s": args.idle_ttft_pause_s,
+                         "idle_ttft_pairs": args.idle_ttft_requests if args.idle_ttft_pairs is None else args.idle_ttft_pairs,
                          "profile_requests": args.profile_requests, "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
             "engine_args": engine_args,
             "client": {"http": "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx",
@@ -1732,7 +1738,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                               {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered",
                               length_spread=args.output_len_spread, cancelled=stopping.is_set,
                               idle_ttft_requests=args.idle_ttft_requests, idle_ttft_pause_s=args.idle_ttft_pause_s,
-                              profile_requests=args.profile_requests, toggle_pairs=args.toggle_pairs)
+                              profile_requests=args.profile_requests, toggle_pairs=args.toggle_pairs,
+                              idle_ttft_pairs=args.idle_ttft_pairs)
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
                 if stopping.is_set():
                     record["error"] = "interrupted"
@@ -2505,6 +2512,10 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "device's busy and idle time per step from its trace (OUT/profile/<set-up>)")
     parser.add_argument("--toggle-pairs", type=int, default=2, metavar="N",
                         help="tap-toggle: phases with the tap running and paused per concurrency, N of each")
+    parser.add_argument("--idle-ttft-pairs", type=int, default=None, metavar="N",
+                        help="tap-toggle: after the idle-TTFT requests, N pairs of neighbouring requests to the idle "
+                             "engine, the tap running for one and paused for the other (default: as many pairs as "
+                             "--idle-ttft-requests; 0 skips them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runner", choices=sorted(RUNNERS), default="default",
                         help=f"{RUNNER_ENV}: unset (default) / 0 (v1) / 1 (v2)")

@@ -663,7 +663,8 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     test_engine_steering."""
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--setups",
-                           "plain,tap-toggle,eager", "--profile-requests", "1", "--out", str(out)],
+                           "plain,tap-toggle,eager", "--profile-requests", "1", "--idle-ttft-pairs", "3",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=1500)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
@@ -744,13 +745,15 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
             else:
                 assert phase["scores"]["coverage"] == 1.0, (c, phase["scores"])
     assert set(result["toggle_overhead_pct"]) == {"1", "2"} and "The tap within one start" in proc.stdout
-    # and at an idle engine, request by request: two pairs, each one running and one paused
+    # and at an idle engine, request by request: three pairs (--idle-ttft-pairs; two idle
+    # requests before them), each one running and one paused, ABBA
     toggled = tap["idle_ttft_toggle"]
-    assert toggled["paused"] == [False, True, True, False] and toggled["failed"] == 0, toggled
+    assert toggled["paused"] == [False, True, True, False, False, True] and toggled["failed"] == 0, toggled
     assert toggled["running_without_scores"] == 0 and toggled["paused_with_scores"] == 0, toggled
-    assert toggled["scores"]["coverage"] == 1.0 and toggled["scores"]["requests"] == 2, toggled["scores"]
+    assert toggled["scores"]["coverage"] == 1.0 and toggled["scores"]["requests"] == 3, toggled["scores"]
     assert all(math.isfinite(v) and v > 0 for v in toggled["per_request_ttft_ms"]), toggled
-    assert result["idle_ttft_toggle"]["all_starts"]["pairs"] == 2
+    assert result["idle_ttft_toggle"]["all_starts"]["pairs"] == 3
+    assert result["workload"]["idle_ttft_pairs"] == 3 and result["workload"]["idle_ttft_requests"] == 2
     assert "TTFT at an idle engine with the tap running over paused, request by request" in proc.stdout
     assert "| set-up | concurrency |" in proc.stdout
     if importlib.util.find_spec("matplotlib"):
