@@ -790,10 +790,15 @@ def toggled_pairs(ttft_ms: Sequence[float], paused: Sequence[bool]) -> list[tupl
     return pairs
 
 
+PAIRED_TTFT_HALF_WIDTH_PCT = 0.5  # the interval a TTFT <= +1% claim needs around a point near +0.5%
+
+
 def paired_ttft_overhead(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]:
     """TTFT with the tap running over paused from (running, paused) pairs of neighbouring
     requests, in percent: the mean difference over the paused mean, with a 95% interval from
-    the pairs' differences (Student's t); pairs with a failed request are left out."""
+    the pairs' differences (Student's t); pairs with a failed request are left out. Also the
+    differences' scatter (SD, percent of the paused mean) and how many pairs like these a 95%
+    interval of ±PAIRED_TTFT_HALF_WIDTH_PCT would take: what a run aiming at the TTFT goal needs."""
     kept = [(r, p) for r, p in pairs if math.isfinite(r) and math.isfinite(p)]
     out: dict[str, Any] = {"pairs": len(kept)}
     if len(kept) < 2:
@@ -808,6 +813,9 @@ def paired_ttft_overhead(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]
     out.update(running_mean_ms=float(running.mean()), paused_mean_ms=base, difference_mean_ms=mean,
                pct=mean / base * 100.0, ci95_pct=[(mean - t * se) / base * 100.0, (mean + t * se) / base * 100.0],
                median_difference_pct=float(np.median(differences / paused)) * 100.0)
+    sd_pct = float(differences.std(ddof=1)) / base * 100.0
+    out.update(difference_sd_pct=sd_pct,
+               pairs_for_half_width=math.ceil((1.96 * sd_pct / PAIRED_TTFT_HALF_WIDTH_PCT) ** 2))
     return out
 
 
@@ -2274,6 +2282,10 @@ def markdown_tables(result: dict[str, Any]) -> str:
         if over:
             lines.append(f"\nOver the {over['starts']} starts' own figures: {_pct2(over['pct'])} "
                          f"(95% interval {_pct2(over['ci95_pct'][0])} … {_pct2(over['ci95_pct'][1])}).")
+        if pooled.get("difference_sd_pct") is not None:
+            lines.append(f"\nThe pairs' differences scatter by {pooled['difference_sd_pct']:.1f}% of the paused mean "
+                         f"(SD): a 95% interval of ±{PAIRED_TTFT_HALF_WIDTH_PCT}% would take about "
+                         f"{pooled['pairs_for_half_width']} pairs (--idle-ttft-pairs, over the starts).")
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
     if spread:
         on_gpus = " (side by side, repeats ran on different GPUs: this includes the GPUs' difference)" \

@@ -996,6 +996,11 @@ def test_idle_requests_alternate_the_tap_abba_and_pair_neighbours():
     assert result["ci95_pct"][0] == pytest.approx(result["pct"]) == pytest.approx(result["ci95_pct"][1])
     noisy = be.paired_ttft_overhead([(10.0, 11.0), (11.0, 10.0), (10.5, 10.0), (10.0, 10.5)])
     assert noisy["ci95_pct"][0] < 0 < noisy["ci95_pct"][1]
+    # differences -1, +1, +0.5, -0.5 ms: SD 0.913 ms, 8.7% of the paused mean 10.375 ms; a ±0.5%
+    # interval needs (1.96 x 8.8 / 0.5)^2 pairs, a tight series far fewer
+    assert noisy["difference_sd_pct"] == pytest.approx(0.9129 / 10.375 * 100, rel=1e-3)
+    assert noisy["pairs_for_half_width"] == math.ceil((1.96 * noisy["difference_sd_pct"] / 0.5) ** 2)
+    assert noisy["pairs_for_half_width"] > 1000 > result["pairs_for_half_width"]
     assert be.paired_ttft_overhead([(1.0, 1.0)]) == {"pairs": 1}
     # each pair is read by its own states, whichever came first; two requests of one state are refused
     assert be.toggled_pairs([11.0, 10.0, 20.0, 22.0], [False, True, True, False]) == [(11.0, 10.0), (22.0, 20.0)]
