@@ -365,8 +365,9 @@ class FakeV1Runner:
         return "hidden states"
 
     def sample_tokens(self, grammar_output=None):
-        calls = self.controller_to_install.calls
-        return SimpleNamespace(get_output=lambda: calls.append(("tokens read",)) or "runner output")
+        controller = self.controller_to_install
+        controller.submitted += 1  # as if sampling handed a step over: the mark must be taken before
+        return SimpleNamespace(get_output=lambda: controller.calls.append(("tokens read",)) or "runner output")
 
 
 def test_v1_adapter_consumes_each_steps_scores_where_the_engine_reads_its_tokens(monkeypatch):
@@ -382,7 +383,11 @@ def test_v1_adapter_consumes_each_steps_scores_where_the_engine_reads_its_tokens
             super().after_forward(layout, finished, num_rows)
             self.submitted += 1
 
+    asked = []
+    monkeypatch.setattr(v1, "install_controller",
+                        lambda runner, **kwargs: (asked.append(kwargs), getattr(runner, CONTROLLER_ATTR))[1])
     cls = type("WrappedFakeV1Runner", (FakeV1Runner,), {})
+    cls.load_model = v1._after_load_model(FakeV1Runner.load_model)
     cls.execute_model = v1._remember_scheduler_output(FakeV1Runner.execute_model)
     cls._model_forward = v1._tapped_forward(FakeV1Runner._model_forward)
     cls.sample_tokens = scores_with_sampled_tokens(FakeV1Runner.sample_tokens)
@@ -390,15 +395,20 @@ def test_v1_adapter_consumes_each_steps_scores_where_the_engine_reads_its_tokens
     controller.needs_layout_before_forward = False  # scores only: the layout is read after the launch
     runner = cls(controller)
     runner.load_model()
+    synchronous = cls(Controller())
+    synchronous.use_async_scheduling = False  # as on the CPU backend
+    synchronous.load_model()
+    assert asked == [{"score_consumer": "engine"}, {"score_consumer": "thread"}]
     runner.execute_model(sched(scheduled={"a": 7}, computed={"a": 0}))
     first = runner.sample_tokens()
     runner.execute_model(sched(scheduled={"a": 1}, computed={"a": 7}))  # launched before step 1's tokens are read
     second = runner.sample_tokens()
     assert first.get_output() == "runner output" and second.get_output() == "runner output"
+    # each sampling also bumped the step count (after the forwards' 1 and 3): the marks are 1 and 3
     assert controller.calls == [("after", ["a"], []), ("after", ["a"], []),
                                 ("consume through", 1), ("tokens read",), ("consume landed",),
-                                ("consume through", 2), ("tokens read",), ("consume landed",)]
+                                ("consume through", 3), ("tokens read",), ("consume landed",)]
     assert controller.after_layouts == [([7], [0], [7]), ([1], [7], [7])]
     controller.calls.clear()
     runner.execute_model(sched(finished={"a"}))  # nothing scheduled: no forward, the request ended
-    assert controller.calls == [("idle", ["a"])] and controller.submitted == 2
+    assert controller.calls == [("idle", ["a"])] and controller.submitted == 4
