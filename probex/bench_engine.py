@@ -1967,20 +1967,32 @@ def toggled_idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any
 def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """tap-toggle: per concurrency, the tap running over the tap paused within each start (the
     mean of that start's running phases over the mean of its paused ones), for
-    `OVERHEAD_METRICS`; then the mean over starts, each start's TPOT p50 figure kept."""
+    `OVERHEAD_METRICS`; then the mean over starts, each start's TPOT p50 figure kept. Also
+    vLLM's own ITL mean (`vllm_itl_mean`, where every phase has it): taken in the engine's
+    output path before any chunk is written, it tells a cost in the engine from one in the
+    API server's relay."""
     per_c: dict[str, list[dict[str, float]]] = {}
     for s in setups:
         for c, phases in (s.get("toggle") or {}).items():
             running = [p for p in phases if not p["paused"]]
             paused = [p for p in phases if p["paused"]]
             if running and paused:
-                per_c.setdefault(c, []).append({
-                    name: overhead_pct(float(np.mean([_metric(p, path) for p in running])),
-                                       float(np.mean([_metric(p, path) for p in paused])))
-                    for name, path in OVERHEAD_METRICS.items()})
-    return {c: {"starts": len(starts), **{name: float(np.mean([x[name] for x in starts])) for name in OVERHEAD_METRICS},
-                "tpot_p50_per_start": [x["tpot_p50"] for x in starts]}
-            for c, starts in sorted(per_c.items(), key=lambda kv: int(kv[0]))}
+                start = {name: overhead_pct(float(np.mean([_metric(p, path) for p in running])),
+                                            float(np.mean([_metric(p, path) for p in paused])))
+                         for name, path in OVERHEAD_METRICS.items()}
+                engine_itl = [(p.get("server") or {}).get("itl_mean_ms") for p in phases]
+                if all(isinstance(v, (int, float)) and v > 0 for v in engine_itl):
+                    start["vllm_itl_mean"] = overhead_pct(
+                        float(np.mean([p["server"]["itl_mean_ms"] for p in running])),
+                        float(np.mean([p["server"]["itl_mean_ms"] for p in paused])))
+                per_c.setdefault(c, []).append(start)
+    out = {}
+    for c, starts in sorted(per_c.items(), key=lambda kv: int(kv[0])):
+        out[c] = {"starts": len(starts), **{name: float(np.mean([x[name] for x in starts])) for name in OVERHEAD_METRICS},
+                  "tpot_p50_per_start": [x["tpot_p50"] for x in starts]}
+        if all("vllm_itl_mean" in x for x in starts):
+            out[c]["vllm_itl_mean"] = float(np.mean([x["vllm_itl_mean"] for x in starts]))
+    return out
 
 
 def _ratio_interval(values: np.ndarray, base: np.ndarray) -> dict[str, float]:
@@ -2276,12 +2288,15 @@ def markdown_tables(result: dict[str, Any]) -> str:
     toggled = result.get("toggle_overhead_pct") or {}
     if toggled:
         lines += ["", "The tap within one start (tap-toggle: phases with the tap running and paused alternate on "
-                  "the same server), running over paused, percent; for tokens/s negative means slower:", "",
-                  "| concurrency | starts | TPOT p50 | TPOT mean | ITL p50 | TTFT p50 | output tok/s | TPOT p50 by start |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "the same server), running over paused, percent; for tokens/s negative means slower; vLLM's "
+                  "ITL mean is the engine's own, before the API server relays a chunk:", "",
+                  "| concurrency | starts | TPOT p50 | TPOT mean | ITL p50 | vLLM ITL mean | TTFT p50 | output tok/s "
+                  "| TPOT p50 by start |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for c, o in toggled.items():
+            engine_itl = _pct(o["vllm_itl_mean"]) if "vllm_itl_mean" in o else "—"
             lines.append(f"| {c} | {o['starts']} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | {_pct(o['itl_p50'])} | "
-                         f"{_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} | "
+                         f"{engine_itl} | {_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} | "
                          + ", ".join(_pct(v) for v in o["tpot_p50_per_start"]) + " |")
     idle_toggled = result.get("idle_ttft_toggle") or {}
     if idle_toggled.get("all_starts", {}).get("pct") is not None:

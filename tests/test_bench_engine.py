@@ -980,6 +980,19 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert result["tpot_p50"] == pytest.approx((first + 0.5) / 2)
     table = be.markdown_tables({"setups": starts, "workload": {}, **be.analyze(starts)})
     assert f"| 1 | 2 | {be._pct((first + 0.5) / 2)} |" in table and "The tap within one start" in table
+    # no phase carried vLLM's own ITL: no engine-side column value
+    assert "vllm_itl_mean" not in result and "| — |" in table
+    # with it in every phase: the engine's ITL running over paused, per start then over starts
+    # (start 1 running 5.0 / 5.2 against paused 5.0 / 5.0: +2%; start 2 equal: 0%)
+    for start, (running_itl, paused_itl) in zip(starts, (([5.0, 5.2], [5.0, 5.0]), ([4.0, 4.0], [4.0, 4.0]))):
+        phases = start["toggle"]["1"]
+        for phase, value in zip([p for p in phases if not p["paused"]], running_itl):
+            phase["server"] = {"itl_mean_ms": value}
+        for phase, value in zip([p for p in phases if p["paused"]], paused_itl):
+            phase["server"] = {"itl_mean_ms": value}
+    assert be.toggle_overhead(starts)["1"]["vllm_itl_mean"] == pytest.approx((2.0 + 0.0) / 2)
+    del starts[1]["toggle"]["1"][2]["server"]  # one start without it: no mean over starts
+    assert "vllm_itl_mean" not in be.toggle_overhead(starts)["1"]
     starts[0]["toggle"]["1"][1]["responses_with_probex_field"] = 3
     starts[0]["toggle"]["1"][2]["scores"] = {"coverage": 0.5, "scored_tokens": 1, "generated_tokens": 2,
                                              "requests_with_all_prompt_scores": 1, "requests": 1}
