@@ -735,6 +735,7 @@ IDLE_TTFT_SEED = 999_983  # the idle-TTFT prompts' seed offset: no concurrency p
 PROFILE_SEED = 999_979  # the profiled requests' prompts
 TOGGLE_SEED = 499_979  # tap-toggle's later phases' prompts (offset by concurrency and phase)
 TOGGLE_IDLE_SEED = 749_993  # tap-toggle's idle requests with the tap paused and running in turn
+TOGGLE_IDLE_LEAD_IN = 1  # ... after this many left out (`run_idle_ttft`'s lead_in says why)
 PROFILE_TOKENS = 64  # per profiled request: decode steps dominate its trace
 
 
@@ -819,14 +820,14 @@ def paired_ttft_overhead(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]
     differences = running - paused
     base = float(paused.mean())
     mean = float(differences.mean())
-    se = float(differences.std(ddof=1)) / math.sqrt(len(kept))
-    df = len(kept) - 1
-    t = _t_975(df)
+    sd = float(differences.std(ddof=1))
+    se = sd / math.sqrt(len(kept))
+    t = _t_975(len(kept) - 1)
+    sd_pct = sd / base * 100.0
     out.update(running_mean_ms=float(running.mean()), paused_mean_ms=base, difference_mean_ms=mean,
                pct=mean / base * 100.0, ci95_pct=[(mean - t * se) / base * 100.0, (mean + t * se) / base * 100.0],
-               median_difference_pct=float(np.median(differences / paused)) * 100.0)
-    sd_pct = float(differences.std(ddof=1)) / base * 100.0
-    out.update(difference_sd_pct=sd_pct,
+               median_difference_pct=float(np.median(differences / paused)) * 100.0,
+               difference_sd_pct=sd_pct,
                pairs_for_half_width=math.ceil((1.96 * sd_pct / PAIRED_TTFT_HALF_WIDTH_PCT) ** 2))
     return out
 
@@ -1477,11 +1478,12 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     if idle_ttft_pairs is None:
         idle_ttft_pairs = idle_ttft_requests
     if idle_ttft_pairs and plan.kind == TOGGLE_KIND:
-        prompts = random_prompts(2 * idle_ttft_pairs + 1, input_len, seed * 1_000_003 + TOGGLE_IDLE_SEED)
+        prompts = random_prompts(2 * idle_ttft_pairs + TOGGLE_IDLE_LEAD_IN, input_len,
+                                 seed * 1_000_003 + TOGGLE_IDLE_SEED)
         before = server_counters(server.url, worker)
         started = time.perf_counter()
         results = asyncio.run(run_idle_ttft(server.url, model, prompts, idle_ttft_pause_s, expect, xargs,
-                                            paused_for=idle_toggle_paused, lead_in=1))
+                                            paused_for=idle_toggle_paused, lead_in=TOGGLE_IDLE_LEAD_IN))
         wall = time.perf_counter() - started
         toggled = [(idle_toggle_paused(number), r) for number, r in enumerate(results)]
         if cancelled():
@@ -1489,7 +1491,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         ttft_ms = [r.ttft_s * 1e3 if r.ok else math.nan for _, r in toggled]
         paused_flags = [paused for paused, _ in toggled]
         pairs = toggled_pairs(ttft_ms, paused_flags)
-        entry = {"requests": len(toggled), "lead_in_requests": 1, "wall_s": wall,
+        entry = {"requests": len(toggled), "lead_in_requests": TOGGLE_IDLE_LEAD_IN, "wall_s": wall,
                  "failed": sum(not r.ok for _, r in toggled),
                  "errors": sorted({r.error for _, r in toggled if r.error})[:5],
                  "paused": paused_flags, "per_request_ttft_ms": ttft_ms,
@@ -1964,6 +1966,9 @@ def toggled_idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any
     return summary
 
 
+VLLM_ITL_MEAN = ("server", "itl_mean_ms")  # vLLM's own ITL mean over a phase, from its /metrics
+
+
 def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """tap-toggle: per concurrency, the tap running over the tap paused within each start (the
     mean of that start's running phases over the mean of its paused ones), for
@@ -1980,11 +1985,9 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
                 start = {name: overhead_pct(float(np.mean([_metric(p, path) for p in running])),
                                             float(np.mean([_metric(p, path) for p in paused])))
                          for name, path in OVERHEAD_METRICS.items()}
-                engine_itl = [(p.get("server") or {}).get("itl_mean_ms") for p in phases]
-                if all(isinstance(v, (int, float)) and v > 0 for v in engine_itl):
-                    start["vllm_itl_mean"] = overhead_pct(
-                        float(np.mean([p["server"]["itl_mean_ms"] for p in running])),
-                        float(np.mean([p["server"]["itl_mean_ms"] for p in paused])))
+                if all(_metric(p, VLLM_ITL_MEAN) > 0 for p in phases):  # False for NaN: a phase without it
+                    start["vllm_itl_mean"] = overhead_pct(float(np.mean([_metric(p, VLLM_ITL_MEAN) for p in running])),
+                                                          float(np.mean([_metric(p, VLLM_ITL_MEAN) for p in paused])))
                 per_c.setdefault(c, []).append(start)
     out = {}
     for c, starts in sorted(per_c.items(), key=lambda kv: int(kv[0])):
