@@ -1988,6 +1988,8 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
                 if all(_metric(p, VLLM_ITL_MEAN) > 0 for p in phases):  # False for NaN: a phase without it
                     start["vllm_itl_mean"] = overhead_pct(float(np.mean([_metric(p, VLLM_ITL_MEAN) for p in running])),
                                                           float(np.mean([_metric(p, VLLM_ITL_MEAN) for p in paused])))
+                for name, read in API_SERVER_LOAD.items():
+                    start[name] = {"running": [read(p) for p in running], "paused": [read(p) for p in paused]}
                 per_c.setdefault(c, []).append(start)
     out = {}
     for c, starts in sorted(per_c.items(), key=lambda kv: int(kv[0])):
@@ -1995,7 +1997,27 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
                   "tpot_p50_per_start": [x["tpot_p50"] for x in starts]}
         if all("vllm_itl_mean" in x for x in starts):
             out[c]["vllm_itl_mean"] = float(np.mean([x["vllm_itl_mean"] for x in starts]))
+        # Every phase's reading, not a mean: at 64 streams they swing with how far behind the
+        # loop fell, and the range is what tells the tap's share from that swing.
+        out[c]["api_server"] = {name: {state: [v for x in starts for v in x[name][state]]
+                                       for state in ("running", "paused")} for name in API_SERVER_LOAD}
     return out
+
+
+def api_server_main_thread_cores(entry: dict[str, Any]) -> float:
+    """How busy the API server's event loop was over a phase: the main thread of the server's
+    process that is not vLLM's engine core (`group_cpu_cores`; of several, such as a resource
+    tracker's, the busiest), NaN where the phase has none."""
+    rows = [r for r in entry.get("server_cpu") or [] if not str(r.get("name", "")).startswith("VLLM")]
+    return max(float(r["main_thread"]) for r in rows) if rows else math.nan
+
+
+# Per phase, the signs of the API server falling behind the engine, which at 64 streams set
+# TTFT: vLLM merging a request's tokens into one chunk, and its event loop's thread near a core.
+API_SERVER_LOAD: dict[str, Callable[[dict[str, Any]], float]] = {
+    "tokens_per_chunk": lambda entry: _metric(entry, ("tokens_per_chunk",)),
+    "main_thread_cores": api_server_main_thread_cores,
+}
 
 
 def _ratio_interval(values: np.ndarray, base: np.ndarray) -> dict[str, float]:
@@ -2301,6 +2323,17 @@ def markdown_tables(result: dict[str, Any]) -> str:
             lines.append(f"| {c} | {o['starts']} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | {_pct(o['itl_p50'])} | "
                          f"{engine_itl} | {_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} | "
                          + ", ".join(_pct(v) for v in o["tpot_p50_per_start"]) + " |")
+        loads = {c: o["api_server"] for c, o in toggled.items() if "api_server" in o}
+        if loads:
+            lines += ["", "The API server in the same phases, every phase's reading (tap running; paused): tokens per "
+                      "chunk (over 1, vLLM merged tokens as its event loop fell behind the engine) and its main "
+                      "thread's busy share of a core:", "",
+                      "| concurrency | tokens/chunk, running | tokens/chunk, paused | main thread, running "
+                      "| main thread, paused |", "|---:|---|---|---|---|"]
+            for c, load in loads.items():
+                cells = [", ".join(f"{v:.2f}" for v in load[name][state])
+                         for name in ("tokens_per_chunk", "main_thread_cores") for state in ("running", "paused")]
+                lines.append(f"| {c} | " + " | ".join(cells) + " |")
     idle_toggled = result.get("idle_ttft_toggle") or {}
     if idle_toggled.get("all_starts", {}).get("pct") is not None:
         lines += ["", "TTFT at an idle engine with the tap running over paused, request by request (tap-toggle: "

@@ -993,6 +993,20 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert be.toggle_overhead(starts)["1"]["vllm_itl_mean"] == pytest.approx((2.0 + 0.0) / 2)
     del starts[1]["toggle"]["1"][2]["server"]  # one start without it: no mean over starts
     assert "vllm_itl_mean" not in be.toggle_overhead(starts)["1"]
+    # the API server's load, every phase's reading by state: tokens per chunk, and the event
+    # loop's thread (the busiest main thread of a process that is not vLLM's engine core)
+    for number, phase in enumerate(starts[0]["toggle"]["1"]):
+        phase["tokens_per_chunk"] = 2.0 if not phase["paused"] else 1.25
+        phase["server_cpu"] = [{"name": "python3", "main_thread": 0.6 + number / 100},
+                               {"name": "python3", "main_thread": 0.01},
+                               {"name": "VLLM::EngineCore", "main_thread": 0.9}]
+    load = be.toggle_overhead(starts)["1"]["api_server"]
+    assert load["tokens_per_chunk"]["running"][:2] == [2.0, 2.0] and load["tokens_per_chunk"]["paused"][:2] == [1.25, 1.25]
+    assert load["main_thread_cores"]["running"][:2] == pytest.approx([0.60, 0.62])  # phases R, P, R, P here
+    assert load["main_thread_cores"]["paused"][:2] == pytest.approx([0.61, 0.63])
+    assert all(math.isnan(v) for v in load["main_thread_cores"]["running"][2:])  # start 2 recorded none
+    table = be.markdown_tables({"setups": starts, "workload": {}, **be.analyze(starts)})
+    assert "| 1 | 2.00, 2.00, nan, nan | 1.25, 1.25, nan, nan | 0.60, 0.62, nan, nan | 0.61, 0.63, nan, nan |" in table
     starts[0]["toggle"]["1"][1]["responses_with_probex_field"] = 3
     starts[0]["toggle"]["1"][2]["scores"] = {"coverage": 0.5, "scored_tokens": 1, "generated_tokens": 2,
                                              "requests_with_all_prompt_scores": 1, "requests": 1}
