@@ -144,6 +144,10 @@ SLOW_HOOK_SPIN_US = 100  # tap-slow-hook's extra engine-thread time per step: 2%
 # paused and running again follow on the same start (`toggle_order`), so the tap's cost
 # is read from one start, whose TPOT holds to ~0.1%, not across starts that differ by ~1%.
 TOGGLE_KIND = "tap-toggle"
+# Which state those phases begin with (--toggle-first). A start's first phase at a
+# concurrency follows its warm-up; alternating the state it is in between starts keeps
+# whatever that position adds off one state's account.
+TOGGLE_FIRST = ("alternate", "running", "paused")
 TOGGLE_ADMIN_TOKEN = secrets.token_hex(16)  # this run's servers only, on 127.0.0.1
 # Worker settings a set-up kind stands for (on top of --worker-env), measured against `tap` in
 # the same run. Who consumes each step's scores once its copies land: the engine thread
@@ -891,16 +895,21 @@ class SetupPlan:
     port: int
     score_consumer: str | None = None  # what the worker should report; None: not a worker, or unknown
     trace_dir: Path | None = None  # where vLLM's torch profiler writes (--profile-requests)
+    toggle_first_paused: bool = False  # tap-toggle: each concurrency's phases begin with the tap paused
 
 
 def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path], engine_args: Sequence[str],
                 runner: str, steer_dir: Path | None = None,
                 worker_env: dict[str, str] | None = None, gpus: Sequence[str] = (),
-                profile_dir: Path | None = None) -> list[SetupPlan]:
+                profile_dir: Path | None = None, toggle_first: str = "alternate") -> list[SetupPlan]:
     """`worker_env`: extra environment for the `probex worker` set-ups only (ProbeX's own
     PROBEX_* settings, to compare them in separate runs). `gpus`: see `assign_gpus`.
     `profile_dir`: every server gets vLLM's torch profiler, writing under
-    `profile_dir/<label>` (`--profile-requests`)."""
+    `profile_dir/<label>` (`--profile-requests`). `toggle_first`: which state tap-toggle's
+    phases begin with at each concurrency, "running", "paused" or "alternate" (the first
+    tap-toggle start running, the second paused, and so on)."""
+    if toggle_first not in TOGGLE_FIRST:
+        raise ValueError(f"toggle_first must be one of {', '.join(TOGGLE_FIRST)}, got {toggle_first!r}")
     counts = {k: kinds.count(k) for k in set(kinds)}
     seen: dict[str, int] = {}
     plans = []
@@ -943,7 +952,9 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             argv += ["--profiler-config", json.dumps(profiler_config(trace_dir))]
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = placement[len(plans)]
-        plans.append(SetupPlan(label, kind, argv, env, port, consumer, trace_dir))
+        first_paused = kind == TOGGLE_KIND and (toggle_first == "paused"
+                                                or (toggle_first == "alternate" and seen[kind] % 2 == 0))
+        plans.append(SetupPlan(label, kind, argv, env, port, consumer, trace_dir, first_paused))
     return plans
 
 
@@ -1359,8 +1370,9 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   idle_ttft_pairs: int | None = None) -> None:
     """`cancelled`: polled around every phase; once true, the phase in progress is dropped
     (its server was stopped under it) and SetupCancelled is raised. `toggle_pairs` (tap-toggle
-    only): each concurrency's measured phase is followed by phases with the tap paused and
-    running again (`toggle_order`), that many of each in all (`record["toggle"]`; fresh
+    only): at each concurrency, phases with the tap running and paused (`toggle_order`,
+    beginning paused where `plan.toggle_first_paused`), that many of each in all
+    (`record["toggle"]`; the first running one is also the set-up's `results` phase; fresh
     prompts per phase, so the prefix cache serves none). `idle_ttft_requests`:
     after the concurrency phases, that many requests one at a time (`run_idle_ttft`);
     `idle_ttft_pairs` (tap-toggle; default as many): then that many pairs of requests, the tap
@@ -1390,12 +1402,15 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     if xargs:
         record["request_xargs"] = xargs
     expect = probe_names if worker and plan.kind not in UNDELIVERED_KINDS else None
+    order = toggle_order(toggle_pairs, plan.toggle_first_paused) if plan.kind == TOGGLE_KIND else []
     for c in concurrencies:
         if cancelled():
             raise SetupCancelled(f"before concurrency {c}")
         # Same prompts for every set-up; warm-up prompts differ from measured ones so the
         # prefix cache never serves a measured prompt.
         warm = random_prompts(warmup[c], input_len, seed * 1_000_003 + c * 2 + 1)
+        if order:
+            set_tap_paused(server.url, order[0])  # the warm-up runs in its first phase's state
         # Staggered runs warm up at full length: the warm-up's request duration sets the spread
         # (one client has nothing to spread).
         spreads = staggered and c > 1
@@ -1417,6 +1432,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                                          time.monotonic() - phase_began)
             entry = summarize(results, wall, cpu, expected_tokens=output_len)
             entry["server_cpu"] = server_cpu
+            entry["server_pid"] = server.proc.pid  # the API server's process (`probex worker` execs vLLM's)
             entry["arrival_spread_s"] = round(spread, 4)
             if spreads and spread == 0:  # no warm-up request succeeded: the clients started together
                 entry["arrivals_not_spread"] = True
@@ -1441,18 +1457,24 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             say(*lines)
             return entry
 
-        record["results"][str(c)] = measured_phase(seed * 1_000_003 + c * 2, False, plan.label)
-        save()
-        if plan.kind == TOGGLE_KIND:
-            phases = record.setdefault("toggle", {})[str(c)] = [{"paused": False, **record["results"][str(c)]}]
-            for number, paused in enumerate(toggle_order(toggle_pairs)[1:], 1):
-                set_tap_paused(server.url, paused)
+        if plan.kind != TOGGLE_KIND:
+            record["results"][str(c)] = measured_phase(seed * 1_000_003 + c * 2, False, plan.label)
+            save()
+            continue
+        phases = record.setdefault("toggle", {})[str(c)] = []
+        for number, paused in enumerate(order):
+            set_tap_paused(server.url, paused)
+            if not paused and str(c) not in record["results"]:
+                # The first phase with the tap running is the set-up's own (`results`), on the
+                # prompts every set-up gets, so it compares with plain's across starts.
+                entry = record["results"][str(c)] = measured_phase(seed * 1_000_003 + c * 2, False, plan.label)
+            else:
                 # Fresh prompts per phase: the prefix cache must serve none of a measured phase.
                 phase_seed = seed * 1_000_003 + TOGGLE_SEED + c * 1000 + number
-                phases.append({"paused": paused, **measured_phase(
-                    phase_seed, paused, f"{plan.label} {'paused' if paused else 'running'}")})
-                save()
-            set_tap_paused(server.url, False)
+                entry = measured_phase(phase_seed, paused, f"{plan.label} {'paused' if paused else 'running'}")
+            phases.append({"paused": paused, **entry})
+            save()
+        set_tap_paused(server.url, False)
     if idle_ttft_requests:
         # Same prompts in every set-up, so set-ups compare request by request.
         prompts = random_prompts(idle_ttft_requests, input_len, seed * 1_000_003 + IDLE_TTFT_SEED)
@@ -1526,13 +1548,14 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             f"{effect['max_abs_raw_diff_at_or_before_write']:.3g}")
 
 
-def toggle_order(pairs: int) -> list[bool]:
+def toggle_order(pairs: int, first_paused: bool = False) -> list[bool]:
     """tap-toggle's phases at one concurrency, paused or not: running, paused, paused, running,
     and again (ABBA), `pairs` of each; so neither state sits earlier in the run on average, and
-    a drift over the phases (clocks, heat) falls on both alike."""
+    a drift over the phases (clocks, heat) falls on both alike. `first_paused`: the same
+    beginning paused (paused, running, running, paused, ...)."""
     if pairs < 1:
         raise ValueError(f"--toggle-pairs must be at least 1, got {pairs}")
-    return ([False, True, True, False] * pairs)[: 2 * pairs]
+    return [paused != first_paused for paused in ([False, True, True, False] * pairs)[: 2 * pairs]]
 
 
 def set_tap_paused(url: str, paused: bool) -> None:
@@ -1700,7 +1723,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          "arrivals": args.arrivals, "output_len_spread": args.output_len_spread,
                          "idle_ttft_requests": args.idle_ttft_requests, "idle_ttft_pause_s": args.idle_ttft_pause_s,
                          "idle_ttft_pairs": args.idle_ttft_requests if args.idle_ttft_pairs is None else args.idle_ttft_pairs,
-                         "profile_requests": args.profile_requests, "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
+                         "profile_requests": args.profile_requests, "toggle_pairs": args.toggle_pairs,
+                         "toggle_first": args.toggle_first, "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
             "engine_args": engine_args,
             "client": {"http": "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx",
                        "json": "orjson" if _loads is not json.loads else "json"},
@@ -1723,7 +1747,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print(f"versions: {result['versions']}", flush=True)
         profile_dir = out / "profile" if args.profile_requests else None
         plans = plan_setups(kinds, model_dir, [p.path for p in probes], engine_args, args.runner,
-                            steer.path if steer is not None else None, worker_env, gpus, profile_dir)
+                            steer.path if steer is not None else None, worker_env, gpus, profile_dir,
+                            args.toggle_first)
         if gpus:
             unbalanced = unbalanced_kinds(kinds, [p.env_changes["CUDA_VISIBLE_DEVICES"] for p in plans], gpus)
             result["side_by_side_unbalanced_kinds"] = unbalanced
@@ -1969,14 +1994,39 @@ def toggled_idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any
 VLLM_ITL_MEAN = ("server", "itl_mean_ms")  # vLLM's own ITL mean over a phase, from its /metrics
 
 
+def api_server_main_thread_cores(entry: dict[str, Any]) -> float:
+    """How busy the API server's event loop was over a phase: the main thread of the server's
+    process (`server_pid`), or of vLLM's API server processes where it runs several
+    ("VLLM::APIServer_N", the busiest); NaN where the phase has no reading. Phases saved
+    before `server_pid` was: the busiest process whose name does not start "VLLM" (vLLM
+    names its engine core "VLLM::EngineCore")."""
+    rows = entry.get("server_cpu") or []
+    pid = entry.get("server_pid")
+    if pid is not None:
+        rows = [r for r in rows if r.get("pid") == pid or str(r.get("name", "")).startswith("VLLM::APIServer")]
+    else:
+        rows = [r for r in rows if not str(r.get("name", "")).startswith("VLLM")]
+    return max(float(r["main_thread"]) for r in rows) if rows else math.nan
+
+
+# Per phase, the signs of the API server falling behind the engine, which can set TTFT at
+# high concurrency: vLLM merging a request's tokens into one chunk, and its event loop's
+# thread near a core.
+API_SERVER_LOAD: dict[str, Callable[[dict[str, Any]], float]] = {
+    "tokens_per_chunk": lambda entry: _metric(entry, ("tokens_per_chunk",)),
+    "main_thread_cores": api_server_main_thread_cores,
+}
+
+
 def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """tap-toggle: per concurrency, the tap running over the tap paused within each start (the
     mean of that start's running phases over the mean of its paused ones), for
     `OVERHEAD_METRICS`; then the mean over starts, each start's TPOT p50 figure kept. Also
     vLLM's own ITL mean (`vllm_itl_mean`, where every phase has it): taken in the engine's
     output path before any chunk is written, it tells a cost in the engine from one in the
-    API server's relay."""
-    per_c: dict[str, list[dict[str, float]]] = {}
+    API server's relay. And `api_server`: each start's phases' `API_SERVER_LOAD` readings,
+    running and paused, one list per start."""
+    per_c: dict[str, list[dict[str, Any]]] = {}
     for s in setups:
         for c, phases in (s.get("toggle") or {}).items():
             running = [p for p in phases if not p["paused"]]
@@ -1998,26 +2048,10 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
         if all("vllm_itl_mean" in x for x in starts):
             out[c]["vllm_itl_mean"] = float(np.mean([x["vllm_itl_mean"] for x in starts]))
         # Every phase's reading, not a mean: at 64 streams they swing with how far behind the
-        # loop fell, and the range is what tells the tap's share from that swing.
-        out[c]["api_server"] = {name: {state: [v for x in starts for v in x[name][state]]
-                                       for state in ("running", "paused")} for name in API_SERVER_LOAD}
+        # loop fell, and the spread is what a difference between the states must stand out of.
+        out[c]["api_server"] = {name: {state: [x[name][state] for x in starts] for state in ("running", "paused")}
+                                for name in API_SERVER_LOAD}
     return out
-
-
-def api_server_main_thread_cores(entry: dict[str, Any]) -> float:
-    """How busy the API server's event loop was over a phase: the main thread of the server's
-    process that is not vLLM's engine core (`group_cpu_cores`; of several, such as a resource
-    tracker's, the busiest), NaN where the phase has none."""
-    rows = [r for r in entry.get("server_cpu") or [] if not str(r.get("name", "")).startswith("VLLM")]
-    return max(float(r["main_thread"]) for r in rows) if rows else math.nan
-
-
-# Per phase, the signs of the API server falling behind the engine, which at 64 streams set
-# TTFT: vLLM merging a request's tokens into one chunk, and its event loop's thread near a core.
-API_SERVER_LOAD: dict[str, Callable[[dict[str, Any]], float]] = {
-    "tokens_per_chunk": lambda entry: _metric(entry, ("tokens_per_chunk",)),
-    "main_thread_cores": api_server_main_thread_cores,
-}
 
 
 def _ratio_interval(values: np.ndarray, base: np.ndarray) -> dict[str, float]:
@@ -2323,17 +2357,16 @@ def markdown_tables(result: dict[str, Any]) -> str:
             lines.append(f"| {c} | {o['starts']} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | {_pct(o['itl_p50'])} | "
                          f"{engine_itl} | {_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} | "
                          + ", ".join(_pct(v) for v in o["tpot_p50_per_start"]) + " |")
-        loads = {c: o["api_server"] for c, o in toggled.items() if "api_server" in o}
-        if loads:
-            lines += ["", "The API server in the same phases, every phase's reading (tap running; paused): tokens per "
-                      "chunk (over 1, vLLM merged tokens as its event loop fell behind the engine) and its main "
-                      "thread's busy share of a core:", "",
-                      "| concurrency | tokens/chunk, running | tokens/chunk, paused | main thread, running "
-                      "| main thread, paused |", "|---:|---|---|---|---|"]
-            for c, load in loads.items():
-                cells = [", ".join(f"{v:.2f}" for v in load[name][state])
-                         for name in ("tokens_per_chunk", "main_thread_cores") for state in ("running", "paused")]
-                lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines += ["", "The API server in the same phases, every phase's reading, starts apart by \";\": tokens per "
+                  "chunk (over 1, vLLM merged tokens as its event loop fell behind the engine) and its event "
+                  "loop's thread, busy share of a core:", "",
+                  "| concurrency | tokens/chunk, running | tokens/chunk, paused | event loop, running "
+                  "| event loop, paused |", "|---:|---|---|---|---|"]
+        for c, o in toggled.items():
+            cells = ["; ".join(", ".join(f"{v:.2f}" if math.isfinite(v) else "n/a" for v in start)
+                               for start in o["api_server"][name][state])
+                     for name in API_SERVER_LOAD for state in ("running", "paused")]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
     idle_toggled = result.get("idle_ttft_toggle") or {}
     if idle_toggled.get("all_starts", {}).get("pct") is not None:
         lines += ["", "TTFT at an idle engine with the tap running over paused, request by request (tap-toggle: "
@@ -2596,6 +2629,10 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "device's busy and idle time per step from its trace (OUT/profile/<set-up>)")
     parser.add_argument("--toggle-pairs", type=int, default=2, metavar="N",
                         help="tap-toggle: phases with the tap running and paused per concurrency, N of each")
+    parser.add_argument("--toggle-first", choices=TOGGLE_FIRST, default="alternate",
+                        help="tap-toggle: the state each concurrency's phases begin with; alternate (default): the "
+                             "first tap-toggle start running, the second paused, and so on (the runs of sessions "
+                             "13-15 began running)")
     parser.add_argument("--idle-ttft-pairs", type=int, default=None, metavar="N",
                         help="tap-toggle: after the idle-TTFT requests, N pairs of neighbouring requests to the idle "
                              "engine, the tap running for one and paused for the other (default: as many pairs as "

@@ -664,6 +664,7 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--setups",
                            "plain,tap-toggle,eager", "--profile-requests", "1", "--idle-ttft-pairs", "3",
+                           "--toggle-first", "paused",
                            "--out", str(out)],
                           capture_output=True, text=True, timeout=1500)
     tail = (proc.stdout + proc.stderr)[-4000:]
@@ -734,10 +735,14 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     assert "enforce_eager=True" in (out / "eager.log").read_text()
     for kind in ("tap-toggle_vs_plain", "eager_vs_plain"):
         assert set(result["overhead_pct"][kind]) == {"1", "2"}
-    # tap-toggle: at each concurrency the tap ran, was paused and ran again on one server;
-    # paused, its responses were stock vLLM's; running again, every token was scored again
+    # tap-toggle: at each concurrency the tap was paused, ran, ran and was paused again on one
+    # server (--toggle-first paused); paused, its responses were stock vLLM's; running again,
+    # every token was scored again; its first running phase is the set-up's own, on the
+    # prompts plain got
+    assert result["workload"]["toggle_first"] == "paused" and result["workload"]["toggle_pairs"] == 2
     for c, phases in tap["toggle"].items():
-        assert [p["paused"] for p in phases] == [False, True, True, False], c
+        assert [p["paused"] for p in phases] == [True, False, False, True], c
+        assert phases[1]["per_request"] == tap["results"][c]["per_request"], c
         for phase in phases:
             assert phase["failed"] == 0 and phase["output_tokens"] == phase["expected_output_tokens"], (c, phase)
             if phase["paused"]:
@@ -968,6 +973,18 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     # the order the bench runs them in: running and paused, ABBA, so neither sits earlier on average
     assert be.toggle_order(2) == [False, True, True, False] and be.toggle_order(1) == [False, True]
     assert be.toggle_order(3) == [False, True, True, False, False, True]
+    assert be.toggle_order(2, first_paused=True) == [True, False, False, True]
+    # which starts begin paused: by default every second tap-toggle start, so the position after
+    # the warm-up falls on both states
+    def first_paused(kinds, **kw):
+        return [(p.label, p.toggle_first_paused) for p in be.plan_setups(kinds, tmp_path, [tmp_path / "p"], [], "v2", **kw)]
+    kinds = ["tap-toggle", "plain", "tap-toggle", "tap-toggle"]
+    assert first_paused(kinds) == [("tap-toggle#1", False), ("plain", False), ("tap-toggle#2", True),
+                                   ("tap-toggle#3", False)]
+    assert [f for _, f in first_paused(kinds, toggle_first="paused")] == [True, False, True, True]
+    assert [f for _, f in first_paused(kinds, toggle_first="running")] == [False, False, False, False]
+    with pytest.raises(ValueError, match="toggle_first must be one of"):
+        be.plan_setups(kinds, tmp_path, [], [], "v2", toggle_first="first")
     with pytest.raises(ValueError, match="at least 1"):
         be.toggle_order(0)
     from probex.cli import main
@@ -993,20 +1010,30 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert be.toggle_overhead(starts)["1"]["vllm_itl_mean"] == pytest.approx((2.0 + 0.0) / 2)
     del starts[1]["toggle"]["1"][2]["server"]  # one start without it: no mean over starts
     assert "vllm_itl_mean" not in be.toggle_overhead(starts)["1"]
-    # the API server's load, every phase's reading by state: tokens per chunk, and the event
-    # loop's thread (the busiest main thread of a process that is not vLLM's engine core)
+    # the API server's load, every phase's reading by state and start: tokens per chunk, and
+    # its event loop's thread (the server's own process, by pid; vLLM's engine core and a
+    # helper left out)
     for number, phase in enumerate(starts[0]["toggle"]["1"]):
         phase["tokens_per_chunk"] = 2.0 if not phase["paused"] else 1.25
-        phase["server_cpu"] = [{"name": "python3", "main_thread": 0.6 + number / 100},
-                               {"name": "python3", "main_thread": 0.01},
-                               {"name": "VLLM::EngineCore", "main_thread": 0.9}]
+        phase["server_pid"] = 10
+        phase["server_cpu"] = [{"pid": 9, "name": "python3", "main_thread": 0.7},
+                               {"pid": 10, "name": "python3", "main_thread": 0.6 + number / 100},
+                               {"pid": 11, "name": "VLLM::EngineCore", "main_thread": 0.9}]
     load = be.toggle_overhead(starts)["1"]["api_server"]
-    assert load["tokens_per_chunk"]["running"][:2] == [2.0, 2.0] and load["tokens_per_chunk"]["paused"][:2] == [1.25, 1.25]
-    assert load["main_thread_cores"]["running"][:2] == pytest.approx([0.60, 0.62])  # phases R, P, R, P here
-    assert load["main_thread_cores"]["paused"][:2] == pytest.approx([0.61, 0.63])
-    assert all(math.isnan(v) for v in load["main_thread_cores"]["running"][2:])  # start 2 recorded none
+    assert load["tokens_per_chunk"]["running"][0] == [2.0, 2.0] and load["tokens_per_chunk"]["paused"][0] == [1.25, 1.25]
+    assert load["main_thread_cores"]["running"][0] == pytest.approx([0.60, 0.62])  # phases R, P, R, P here
+    assert load["main_thread_cores"]["paused"][0] == pytest.approx([0.61, 0.63])
+    assert all(math.isnan(v) for v in load["main_thread_cores"]["running"][1])  # start 2 recorded none
     table = be.markdown_tables({"setups": starts, "workload": {}, **be.analyze(starts)})
-    assert "| 1 | 2.00, 2.00, nan, nan | 1.25, 1.25, nan, nan | 0.60, 0.62, nan, nan | 0.61, 0.63, nan, nan |" in table
+    assert "| 1 | 2.00, 2.00; n/a, n/a | 1.25, 1.25; n/a, n/a | 0.60, 0.62; n/a, n/a | 0.61, 0.63; n/a, n/a |" in table
+    # several API server processes (vLLM's --api-server-count): the busiest of them
+    phase = starts[0]["toggle"]["1"][0]
+    phase["server_cpu"] += [{"pid": 12, "name": "VLLM::APIServer_0", "main_thread": 0.3},
+                            {"pid": 13, "name": "VLLM::APIServer_1", "main_thread": 0.65}]
+    assert be.api_server_main_thread_cores(phase) == pytest.approx(0.65)
+    # a phase saved before the pid was: the busiest process that is not vLLM's engine core
+    del phase["server_pid"]
+    assert be.api_server_main_thread_cores(phase) == pytest.approx(0.7)
     starts[0]["toggle"]["1"][1]["responses_with_probex_field"] = 3
     starts[0]["toggle"]["1"][2]["scores"] = {"coverage": 0.5, "scored_tokens": 1, "generated_tokens": 2,
                                              "requests_with_all_prompt_scores": 1, "requests": 1}
