@@ -54,9 +54,10 @@ consuming its scores (``PROBEX_SCORES_AHEAD_OF_TOKENS=0``, the order before sess
 ``tap-buffers-in-model`` (diagnostic) allocates the tap's buffers while the model is built,
 between its layers' weights (``PROBEX_TAP_BUFFERS=in-model``, the placement before session
 11), instead of after the weights are loaded. ``tap-toggle`` is the tap measured within one
-start: after each concurrency's phase, the tap is paused (``PUT /probex/tap``: its kernels
-return at once, nothing is copied or delivered, requests are served unmonitored) and run
-again, in the order running, paused, paused, running (``--toggle-pairs`` phases of each in
+start: at each concurrency, phases with the tap running and paused (``PUT /probex/tap``:
+its kernels return at once, nothing is copied or delivered, requests are served
+unmonitored), in the order running, paused, paused, running, or beginning paused in every
+second tap-toggle start of a run (``--toggle-first``; ``--toggle-pairs`` phases of each in
 all, fresh prompts each); the
 running phases over the paused ones say what the tap costs without the start-to-start spread
 (~1% TPOT) that plain against tap carries, and plain against the paused phases holds only
@@ -140,13 +141,13 @@ UNDELIVERED_KINDS = ("tap-op-only",)
 # Set-ups that deliver scores like `tap` with one thing changed: each is also compared with `tap`.
 TAP_VARIANT_KINDS = tuple(kind for kind in WORKER_KINDS if kind != "tap" and kind not in UNDELIVERED_KINDS)
 SLOW_HOOK_SPIN_US = 100  # tap-slow-hook's extra engine-thread time per step: 2% of a 5 ms step
-# tap-toggle: after each concurrency's measured phase (the tap running), phases with the tap
-# paused and running again follow on the same start (`toggle_order`), so the tap's cost
-# is read from one start, whose TPOT holds to ~0.1%, not across starts that differ by ~1%.
+# tap-toggle: at each concurrency, phases with the tap running and paused alternate on the
+# same start (`toggle_order`), so the tap's cost is read from one start, whose TPOT holds
+# to ~0.1%, not across starts that differ by ~1%.
 TOGGLE_KIND = "tap-toggle"
 # Which state those phases begin with (--toggle-first). A start's first phase at a
-# concurrency follows its warm-up; alternating the state it is in between starts keeps
-# whatever that position adds off one state's account.
+# concurrency follows its warm-up; alternating the state it is in between the starts of a
+# run keeps whatever that position adds off one state's account.
 TOGGLE_FIRST = ("alternate", "running", "paused")
 TOGGLE_ADMIN_TOKEN = secrets.token_hex(16)  # this run's servers only, on 127.0.0.1
 # Worker settings a set-up kind stands for (on top of --worker-env), measured against `tap` in
@@ -737,7 +738,7 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
 IDLE_TTFT_TOKENS = 2
 IDLE_TTFT_SEED = 999_983  # the idle-TTFT prompts' seed offset: no concurrency phase uses it
 PROFILE_SEED = 999_979  # the profiled requests' prompts
-TOGGLE_SEED = 499_979  # tap-toggle's later phases' prompts (offset by concurrency and phase)
+TOGGLE_SEED = 499_979  # tap-toggle's phases' prompts but its own (`toggle_phase_seed`)
 TOGGLE_IDLE_SEED = 749_993  # tap-toggle's idle requests with the tap paused and running in turn
 TOGGLE_IDLE_LEAD_IN = 1  # ... after this many left out (`run_idle_ttft`'s lead_in says why)
 PROFILE_TOKENS = 64  # per profiled request: decode steps dominate its trace
@@ -1409,8 +1410,6 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         # Same prompts for every set-up; warm-up prompts differ from measured ones so the
         # prefix cache never serves a measured prompt.
         warm = random_prompts(warmup[c], input_len, seed * 1_000_003 + c * 2 + 1)
-        if order:
-            set_tap_paused(server.url, order[0])  # the warm-up runs in its first phase's state
         # Staggered runs warm up at full length: the warm-up's request duration sets the spread
         # (one client has nothing to spread).
         spreads = staggered and c > 1
@@ -1462,16 +1461,12 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             save()
             continue
         phases = record.setdefault("toggle", {})[str(c)] = []
-        for number, paused in enumerate(order):
+        for paused, phase_seed, own in toggle_phase_plan(order, seed * 1_000_003 + c * 2, seed, c):
             set_tap_paused(server.url, paused)
-            if not paused and str(c) not in record["results"]:
-                # The first phase with the tap running is the set-up's own (`results`), on the
-                # prompts every set-up gets, so it compares with plain's across starts.
-                entry = record["results"][str(c)] = measured_phase(seed * 1_000_003 + c * 2, False, plan.label)
-            else:
-                # Fresh prompts per phase: the prefix cache must serve none of a measured phase.
-                phase_seed = seed * 1_000_003 + TOGGLE_SEED + c * 1000 + number
-                entry = measured_phase(phase_seed, paused, f"{plan.label} {'paused' if paused else 'running'}")
+            label = plan.label if own else f"{plan.label} {'paused' if paused else 'running'}"
+            entry = measured_phase(phase_seed, paused, label)
+            if own:
+                record["results"][str(c)] = entry
             phases.append({"paused": paused, **entry})
             save()
         set_tap_paused(server.url, False)
@@ -1556,6 +1551,22 @@ def toggle_order(pairs: int, first_paused: bool = False) -> list[bool]:
     if pairs < 1:
         raise ValueError(f"--toggle-pairs must be at least 1, got {pairs}")
     return [paused != first_paused for paused in ([False, True, True, False] * pairs)[: 2 * pairs]]
+
+
+def toggle_phase_plan(order: Sequence[bool], own_seed: int, seed: int, concurrency: int) -> list[tuple[bool, int, bool]]:
+    """tap-toggle's phases at one concurrency: (paused, prompt seed, whether it is the set-up's
+    own phase) for each state of `order`. The first phase with the tap running is the set-up's
+    own (`results`), on `own_seed`'s prompts, which every set-up gets; the others get fresh
+    prompts each, so the prefix cache serves none of a measured phase."""
+    plan, own_taken = [], False
+    for number, paused in enumerate(order):
+        if not paused and not own_taken:
+            plan.append((paused, own_seed, True))
+            own_taken = True
+        else:
+            sequence = np.random.SeedSequence([seed, TOGGLE_SEED, concurrency, number])
+            plan.append((paused, int(sequence.generate_state(1, dtype=np.uint64)[0]), False))
+    return plan
 
 
 def set_tap_paused(url: str, paused: bool) -> None:
@@ -1769,6 +1780,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                       "checks": {}, "results": {}}
             if plan.score_consumer:
                 record["checks"]["probex_score_consumer_expected"] = plan.score_consumer
+            if plan.kind == TOGGLE_KIND:
+                record["toggle_first_paused"] = plan.toggle_first_paused
             if gpus:
                 record["gpu"] = plan.env_changes["CUDA_VISIBLE_DEVICES"]
             with save_lock:
@@ -1997,7 +2010,7 @@ VLLM_ITL_MEAN = ("server", "itl_mean_ms")  # vLLM's own ITL mean over a phase, f
 def api_server_main_thread_cores(entry: dict[str, Any]) -> float:
     """How busy the API server's event loop was over a phase: the main thread of the server's
     process (`server_pid`), or of vLLM's API server processes where it runs several
-    ("VLLM::APIServer_N", the busiest); NaN where the phase has no reading. Phases saved
+    ("VLLM::APIServer_N", cut to "VLLM::APIServer" in /proc; the busiest); NaN where the phase has no reading. Phases saved
     before `server_pid` was: the busiest process whose name does not start "VLLM" (vLLM
     names its engine core "VLLM::EngineCore")."""
     rows = entry.get("server_cpu") or []
@@ -2016,6 +2029,14 @@ API_SERVER_LOAD: dict[str, Callable[[dict[str, Any]], float]] = {
     "tokens_per_chunk": lambda entry: _metric(entry, ("tokens_per_chunk",)),
     "main_thread_cores": api_server_main_thread_cores,
 }
+
+
+def toggle_began_paused(setup: dict[str, Any]) -> bool:
+    """Whether a tap-toggle start's phases began with the tap paused (`--toggle-first`); runs
+    saved before the record said so began running."""
+    if "toggle_first_paused" in setup:
+        return bool(setup["toggle_first_paused"])
+    return any(phases and phases[0]["paused"] for phases in (setup.get("toggle") or {}).values())
 
 
 def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -2186,7 +2207,10 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
         for c, entry in s.get("results", {}).items():
             problems += phase_problems(f"{label} c={c}", s["kind"], entry)
         for c, phases in (s.get("toggle") or {}).items():
-            for number, phase in enumerate(phases[1:], 2):  # the first is results[c]
+            own = next((i for i, phase in enumerate(phases) if not phase["paused"]), None)  # results[c]
+            for number, phase in enumerate(phases, 1):
+                if number - 1 == own:
+                    continue  # checked above, as results[c]
                 state = "paused" if phase["paused"] else "running"
                 # Paused, the worker answers as stock vLLM does: no probex field at all.
                 problems += phase_problems(f"{label} c={c} phase {number} ({state})",
@@ -2367,6 +2391,16 @@ def markdown_tables(result: dict[str, Any]) -> str:
                                for start in o["api_server"][name][state])
                      for name in API_SERVER_LOAD for state in ("running", "paused")]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        began = [(s["label"], toggle_began_paused(s)) for s in result.get("setups", [])
+                 if any({p["paused"] for p in phases} == {True, False} for phases in (s.get("toggle") or {}).values())]
+        lines += ["", "tap-toggle's starts, in the order of the lists above: " + ", ".join(
+            f"{label} (began {'paused' if paused else 'running'})" for label, paused in began) + "."]
+        if any(paused for _, paused in began):
+            lines.append("A start that began paused has its second phase as the set-up's own, the one compared "
+                         "with plain across starts; plain's is its first after the warm-up.")
+        if len(began) > 1 and 2 * sum(paused for _, paused in began) != len(began):
+            lines.append("Unequal numbers of starts began running and paused: the first phase after the warm-up "
+                         "falls more on one state.")
     idle_toggled = result.get("idle_ttft_toggle") or {}
     if idle_toggled.get("all_starts", {}).get("pct") is not None:
         lines += ["", "TTFT at an idle engine with the tap running over paused, request by request (tap-toggle: "
@@ -2631,8 +2665,8 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tap-toggle: phases with the tap running and paused per concurrency, N of each")
     parser.add_argument("--toggle-first", choices=TOGGLE_FIRST, default="alternate",
                         help="tap-toggle: the state each concurrency's phases begin with; alternate (default): the "
-                             "first tap-toggle start running, the second paused, and so on (the runs of sessions "
-                             "13-15 began running)")
+                             "run's first tap-toggle start running, its second paused, and so on (the runs of "
+                             "sessions 13-15 began running)")
     parser.add_argument("--idle-ttft-pairs", type=int, default=None, metavar="N",
                         help="tap-toggle: after the idle-TTFT requests, N pairs of neighbouring requests to the idle "
                              "engine, the tap running for one and paused for the other (default: as many pairs as "

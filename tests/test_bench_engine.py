@@ -657,7 +657,7 @@ def test_merge_relabels_and_reanalyze_cli(tmp_path, capsys):
 @pytest.mark.engine
 def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     """One run, three servers: plain, the tap (switched off and on between phases: tap-toggle,
-    whose first phase at each concurrency is the tap's) and eager. The steering set-ups are
+    here beginning paused at each concurrency) and eager. The steering set-ups are
     left out here to keep the suite's time (a server start is minutes on a 2-core machine):
     their plans and analysis are tested above, the steering op on the engine in
     test_engine_steering."""
@@ -737,12 +737,12 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
         assert set(result["overhead_pct"][kind]) == {"1", "2"}
     # tap-toggle: at each concurrency the tap was paused, ran, ran and was paused again on one
     # server (--toggle-first paused); paused, its responses were stock vLLM's; running again,
-    # every token was scored again; its first running phase is the set-up's own, on the
-    # prompts plain got
+    # every token was scored again; its first running phase is the set-up's own (results)
     assert result["workload"]["toggle_first"] == "paused" and result["workload"]["toggle_pairs"] == 2
+    assert tap["toggle_first_paused"] is True and "tap-toggle (began paused)" in proc.stdout
     for c, phases in tap["toggle"].items():
         assert [p["paused"] for p in phases] == [True, False, False, True], c
-        assert phases[1]["per_request"] == tap["results"][c]["per_request"], c
+        assert phases[1] == {"paused": False, **tap["results"][c]}, c
         for phase in phases:
             assert phase["failed"] == 0 and phase["output_tokens"] == phase["expected_output_tokens"], (c, phase)
             if phase["paused"]:
@@ -985,6 +985,19 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert [f for _, f in first_paused(kinds, toggle_first="running")] == [False, False, False, False]
     with pytest.raises(ValueError, match="toggle_first must be one of"):
         be.plan_setups(kinds, tmp_path, [], [], "v2", toggle_first="first")
+    # each phase's prompts: the first running phase is the set-up's own, on the prompts every
+    # set-up gets (own seed); every other phase fresh ones, in both orders and at any pairs
+    for pairs in (1, 2, 3):
+        for first in (False, True):
+            plan = be.toggle_phase_plan(be.toggle_order(pairs, first), own_seed=17, seed=0, concurrency=8)
+            assert [paused for paused, _, _ in plan] == be.toggle_order(pairs, first)
+            assert [own for _, _, own in plan] == [number == int(first) for number in range(2 * pairs)]
+            assert plan[int(first)][1] == 17
+            seeds = [phase_seed for _, phase_seed, _ in plan]
+            assert len(set(seeds)) == len(seeds), (pairs, first, seeds)
+    # and apart from other concurrencies' and the bench's fixed seed offsets
+    other = {s for c in (1, 8, 64, 500) for _, s, own in be.toggle_phase_plan(be.toggle_order(3), 17, 0, c) if not own}
+    assert len(other) == 4 * 5 and not other & {be.IDLE_TTFT_SEED, be.PROFILE_SEED, be.TOGGLE_IDLE_SEED}
     with pytest.raises(ValueError, match="at least 1"):
         be.toggle_order(0)
     from probex.cli import main
@@ -1028,8 +1041,8 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert "| 1 | 2.00, 2.00; n/a, n/a | 1.25, 1.25; n/a, n/a | 0.60, 0.62; n/a, n/a | 0.61, 0.63; n/a, n/a |" in table
     # several API server processes (vLLM's --api-server-count): the busiest of them
     phase = starts[0]["toggle"]["1"][0]
-    phase["server_cpu"] += [{"pid": 12, "name": "VLLM::APIServer_0", "main_thread": 0.3},
-                            {"pid": 13, "name": "VLLM::APIServer_1", "main_thread": 0.65}]
+    phase["server_cpu"] += [{"pid": 12, "name": "VLLM::APIServer", "main_thread": 0.3},  # /proc cuts names to 15
+                            {"pid": 13, "name": "VLLM::APIServer", "main_thread": 0.65}]
     assert be.api_server_main_thread_cores(phase) == pytest.approx(0.65)
     # a phase saved before the pid was: the busiest process that is not vLLM's engine core
     del phase["server_pid"]
@@ -1040,6 +1053,20 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     problems = be.find_problems(starts)
     assert any("tap-toggle#1 c=1 phase 2 (paused): responses carry a probex field" in p for p in problems)
     assert any("tap-toggle#1 c=1 phase 3 (running): SCORES NOT FULLY DELIVERED" in p for p in problems)
+    # a start that began paused: its first phase is checked as stock vLLM's, its second (the
+    # set-up's own, results) once, as results
+    began_paused = toggled("tap-toggle#3", [4.02, 4.02], [4.0, 4.0])
+    running, paused = ([p for p in began_paused["toggle"]["1"] if p["paused"] is state] for state in (False, True))
+    began_paused["toggle"]["1"] = [paused[0], running[0], running[1], paused[1]]
+    began_paused["toggle"]["1"][0]["responses_with_probex_field"] = 5
+    began_paused["results"]["1"]["failed"] = running[0]["failed"] = 2
+    assert be.toggle_began_paused(began_paused) and not be.toggle_began_paused(starts[1])
+    problems = be.find_problems([began_paused])
+    assert any("tap-toggle#3 c=1 phase 1 (paused): responses carry a probex field" in p for p in problems), problems
+    assert sum("2 failed requests" in p for p in problems) == 1 and "tap-toggle#3 c=1: 2 failed" in " ".join(problems)
+    table = be.markdown_tables({"setups": [starts[0], began_paused], "workload": {}, **be.analyze([starts[0], began_paused])})
+    assert "tap-toggle#1 (began running), tap-toggle#3 (began paused)." in table
+    assert "has its second phase as the set-up's own" in table and "Unequal numbers" not in table
     (plan,) = be.plan_setups(["tap-toggle"], tmp_path, [tmp_path / "p"], [], "default")
     assert plan.env_changes["PROBEX_ADMIN_TOKEN"] == be.TOGGLE_ADMIN_TOKEN and len(be.TOGGLE_ADMIN_TOKEN) == 32
 
