@@ -1635,8 +1635,12 @@ def record_snapshot(record: dict[str, Any]) -> dict[str, Any]:
     With set-ups side by side, one lane saves while another adds keys to its own record, and
     iterating a dict that grows raises. The copies are each one C call (atomic under the
     GIL); deeper values need no copy because they are built whole before they are stored
-    (a phase's entry, a check's value) and never changed after."""
-    return {**record, "checks": dict(record.get("checks", {})), "results": dict(record.get("results", {}))}
+    (a phase's entry, a check's value) and never changed after; tap-toggle's lists of phases
+    grow by one entry at a time, so they are copied too."""
+    snapshot = {**record, "checks": dict(record.get("checks", {})), "results": dict(record.get("results", {}))}
+    if "toggle" in record:
+        snapshot["toggle"] = {c: list(phases) for c, phases in dict(record["toggle"]).items()}
+    return snapshot
 
 
 _say_lock = threading.Lock()

@@ -1069,6 +1069,11 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert "has its second phase as the set-up's own" in table and "Unequal numbers" not in table
     (plan,) = be.plan_setups(["tap-toggle"], tmp_path, [tmp_path / "p"], [], "default")
     assert plan.env_changes["PROBEX_ADMIN_TOKEN"] == be.TOGGLE_ADMIN_TOKEN and len(be.TOGGLE_ADMIN_TOKEN) == 32
+    # a save from another lane (--gpus) copies the growing parts: what its lane adds later is not in it
+    snapshot = be.record_snapshot(began_paused)
+    began_paused["toggle"]["8"] = []
+    began_paused["toggle"]["1"].append({"paused": True})
+    assert set(snapshot["toggle"]) == {"1"} and len(snapshot["toggle"]["1"]) == 4
 
 
 def test_the_chart_has_a_colour_and_a_name_for_every_set_up_kind(tmp_path):
