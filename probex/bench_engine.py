@@ -738,7 +738,7 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
 IDLE_TTFT_TOKENS = 2
 IDLE_TTFT_SEED = 999_983  # the idle-TTFT prompts' seed offset: no concurrency phase uses it
 PROFILE_SEED = 999_979  # the profiled requests' prompts
-TOGGLE_SEED = 499_979  # tap-toggle's phases' prompts but its own (`toggle_phase_seed`)
+TOGGLE_SEED = 499_979  # tap-toggle's phases' prompts but its own (`toggle_phase_plan`)
 TOGGLE_IDLE_SEED = 749_993  # tap-toggle's idle requests with the tap paused and running in turn
 TOGGLE_IDLE_LEAD_IN = 1  # ... after this many left out (`run_idle_ttft`'s lead_in says why)
 PROFILE_TOKENS = 64  # per profiled request: decode steps dominate its trace
@@ -2014,9 +2014,9 @@ VLLM_ITL_MEAN = ("server", "itl_mean_ms")  # vLLM's own ITL mean over a phase, f
 def api_server_main_thread_cores(entry: dict[str, Any]) -> float:
     """How busy the API server's event loop was over a phase: the main thread of the server's
     process (`server_pid`), or of vLLM's API server processes where it runs several
-    ("VLLM::APIServer_N", cut to "VLLM::APIServer" in /proc; the busiest); NaN where the phase has no reading. Phases saved
-    before `server_pid` was: the busiest process whose name does not start "VLLM" (vLLM
-    names its engine core "VLLM::EngineCore")."""
+    ("VLLM::APIServer_N", cut to "VLLM::APIServer" in /proc; the busiest); NaN where the
+    phase has no reading. Phases saved before `server_pid` was: the busiest process whose
+    name does not start "VLLM" (vLLM names its engine core "VLLM::EngineCore")."""
     rows = entry.get("server_cpu") or []
     pid = entry.get("server_pid")
     if pid is not None:
@@ -2043,6 +2043,18 @@ def toggle_began_paused(setup: dict[str, Any]) -> bool:
     return any(phases and phases[0]["paused"] for phases in (setup.get("toggle") or {}).values())
 
 
+def toggled_phases(setup: dict[str, Any]) -> list[tuple[str, list[dict], list[dict]]]:
+    """A tap-toggle start's (concurrency, running phases, paused phases), where it measured
+    both states (a start stopped early may have one only)."""
+    out = []
+    for c, phases in (setup.get("toggle") or {}).items():
+        running = [p for p in phases if not p["paused"]]
+        paused = [p for p in phases if p["paused"]]
+        if running and paused:
+            out.append((c, running, paused))
+    return out
+
+
 def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """tap-toggle: per concurrency, the tap running over the tap paused within each start (the
     mean of that start's running phases over the mean of its paused ones), for
@@ -2053,19 +2065,16 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
     running and paused, one list per start."""
     per_c: dict[str, list[dict[str, Any]]] = {}
     for s in setups:
-        for c, phases in (s.get("toggle") or {}).items():
-            running = [p for p in phases if not p["paused"]]
-            paused = [p for p in phases if p["paused"]]
-            if running and paused:
-                start = {name: overhead_pct(float(np.mean([_metric(p, path) for p in running])),
-                                            float(np.mean([_metric(p, path) for p in paused])))
-                         for name, path in OVERHEAD_METRICS.items()}
-                if all(_metric(p, VLLM_ITL_MEAN) > 0 for p in phases):  # False for NaN: a phase without it
-                    start["vllm_itl_mean"] = overhead_pct(float(np.mean([_metric(p, VLLM_ITL_MEAN) for p in running])),
-                                                          float(np.mean([_metric(p, VLLM_ITL_MEAN) for p in paused])))
-                for name, read in API_SERVER_LOAD.items():
-                    start[name] = {"running": [read(p) for p in running], "paused": [read(p) for p in paused]}
-                per_c.setdefault(c, []).append(start)
+        for c, running, paused in toggled_phases(s):
+            start = {name: overhead_pct(float(np.mean([_metric(p, path) for p in running])),
+                                        float(np.mean([_metric(p, path) for p in paused])))
+                     for name, path in OVERHEAD_METRICS.items()}
+            if all(_metric(p, VLLM_ITL_MEAN) > 0 for p in running + paused):  # False for NaN: a phase without it
+                start["vllm_itl_mean"] = overhead_pct(float(np.mean([_metric(p, VLLM_ITL_MEAN) for p in running])),
+                                                      float(np.mean([_metric(p, VLLM_ITL_MEAN) for p in paused])))
+            for name, read in API_SERVER_LOAD.items():
+                start[name] = {"running": [read(p) for p in running], "paused": [read(p) for p in paused]}
+            per_c.setdefault(c, []).append(start)
     out = {}
     for c, starts in sorted(per_c.items(), key=lambda kv: int(kv[0])):
         out[c] = {"starts": len(starts), **{name: float(np.mean([x[name] for x in starts])) for name in OVERHEAD_METRICS},
@@ -2395,8 +2404,7 @@ def markdown_tables(result: dict[str, Any]) -> str:
                                for start in o["api_server"][name][state])
                      for name in API_SERVER_LOAD for state in ("running", "paused")]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
-        began = [(s["label"], toggle_began_paused(s)) for s in result.get("setups", [])
-                 if any({p["paused"] for p in phases} == {True, False} for phases in (s.get("toggle") or {}).values())]
+        began = [(s["label"], toggle_began_paused(s)) for s in result.get("setups", []) if toggled_phases(s)]
         lines += ["", "tap-toggle's starts, in the order of the lists above: " + ", ".join(
             f"{label} (began {'paused' if paused else 'running'})" for label, paused in began) + "."]
         if any(paused for _, paused in began):
