@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -282,6 +283,20 @@ def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
 # sharing the GIL with it) runs as little Python per step as it can.
 
 
+# Control messages, published by the worker to every API server process beside the steps:
+# the tap paused or running again, a probe set or steering vectors swapped in (so each
+# process's cached listings are dropped, whichever process took the swap).
+CONTROL = "control"
+
+
+def paused_message(paused: bool) -> dict:
+    return {CONTROL: "paused", "paused": bool(paused)}
+
+
+def swapped_message(what: str) -> dict:
+    return {CONTROL: "swapped", "what": what}
+
+
 def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finished: list[str]) -> dict:
     """One step for the wire: ids as a list, the per-request counts and the scores as raw bytes."""
     return {
@@ -305,7 +320,9 @@ class StepReader:
         self.book = ScoreBook()
         self._tables: dict[int, ProbeTable] = {}
 
-    def read(self, message: dict) -> StepEvents:
+    def read(self, message: dict, owns: Callable[[str], bool] | None = None) -> StepEvents:
+        """`owns`: with several API server processes, whether a request is this process's; the
+        others' rows and ends are left out before any book is touched. None: every request."""
         table = self._table(message["v"], message["probes"])
         step = message["step"]
         layout = StepLayout(
@@ -315,8 +332,12 @@ class StepReader:
             num_prompt=np.frombuffer(step["prompt"], dtype=np.int64),
         )
         raw = np.frombuffer(message["raw"], dtype=np.float32).reshape(layout.num_rows, len(table.slots))
+        finished = message.get("finished", ())
+        if owns is not None:
+            layout, raw = _owned_rows(layout, raw, owns)
+            finished = [req for req in finished if owns(req)]
         events = self.book.record_step(layout, table, raw)
-        events.finished = self.book.finish(message.get("finished", ()))
+        events.finished = self.book.finish(finished)
         return events
 
     def _table(self, version: int, described: list[list]) -> ProbeTable:
@@ -328,3 +349,15 @@ class StepReader:
                           for column, (name, read, slope, intercept, layer) in enumerate(described))
             table = self._tables[version] = ProbeTable(version=version, slots=slots)
         return table
+
+
+def _owned_rows(layout: StepLayout, raw: np.ndarray, owns: Callable[[str], bool]) -> tuple[StepLayout, np.ndarray]:
+    """The step's requests that `owns` accepts, and their rows (each request's rows are
+    contiguous, `num_scheduled` of them, in request order)."""
+    mine = np.fromiter((owns(req) for req in layout.req_ids), dtype=bool, count=len(layout.req_ids))
+    if mine.all():
+        return layout, raw
+    kept = StepLayout(req_ids=[req for req, keep in zip(layout.req_ids, mine.tolist()) if keep],
+                      num_scheduled=layout.num_scheduled[mine], num_computed=layout.num_computed[mine],
+                      num_prompt=layout.num_prompt[mine])
+    return kept, raw[np.repeat(mine, layout.num_scheduled)]

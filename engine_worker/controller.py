@@ -25,7 +25,8 @@ import numpy as np
 
 from probes.artifact import ProbeArtifact, ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import SteeringVector, check_vector_set, load_vector
-from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout, gather_scores, step_message
+from engine_worker.bookkeeping import (ProbeTable, ScoreBook, StepLayout, gather_scores, paused_message, step_message,
+                                        swapped_message)
 from engine_worker.score_transfer import ScoreTransfer, StagedStep
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
@@ -138,6 +139,7 @@ class TapController:
             slots += [ProbeSlot(p.name, layer, i, p.read.value, p.slope, p.intercept) for i, p in enumerate(here)]
         self.probes = probes
         self.table = ProbeTable(version=self.table.version + 1, slots=tuple(slots))
+        self._announce(swapped_message("probes"))
         log.info("probex: loaded probe set v%d: %s", self.table.version, ", ".join(self.table.names) or "(empty)")
         return self.table
 
@@ -159,7 +161,14 @@ class TapController:
         for tap in self.taps.values():
             tap.set_paused(paused)
         self.paused = bool(paused)
+        self._announce(paused_message(self.paused))
         log.info("probex: tap %s", "paused" if self.paused else "running")
+
+    def _announce(self, message: dict) -> None:
+        """A control message to every API server process (delivery.py), from a delivering rank:
+        the one that took the request knows already, any others learn it here."""
+        if self.publish is not None:
+            self.publish(message)
 
     def listing(self) -> dict:
         return {
@@ -216,6 +225,7 @@ class TapController:
             slots.update({v.name: VectorSlot(v.name, layer, i, v.digest) for i, v in enumerate(here)})
         self.vectors, self.vector_slots = vectors, slots
         self.vector_version += 1
+        self._announce(swapped_message("steering"))
         log.info("probex: loaded steering vectors v%d: %s", self.vector_version, ", ".join(slots) or "(empty)")
         return self.steering_listing()
 

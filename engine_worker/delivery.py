@@ -1,10 +1,15 @@
-"""Score events from the worker process to the API-server process, and the hub there.
+"""Score events from the worker process to the API-server processes, and the hub in each.
 
-The worker (rank 0) pushes one small msgpack message per step over ZMQ PUSH/PULL. The
-API server's `ScoreHub` keeps, per request, what has arrived and wakes whoever is
-waiting to attach scores to a response or stream chunk. Requests are keyed by their
-external id: the engine appends "-<8 hex>" to the id the API server chose, and we strip
-that suffix so the middleware can ask by the id it put in `X-Request-Id`.
+The worker (rank 0) publishes one small msgpack message per step over ZMQ PUB/SUB, and a
+control message when the tap is paused or run again and when probes or steering vectors
+are swapped. Every API server process (one, or `--api-server-count N`) subscribes; its
+`ScoreHub` keeps, per request, what has arrived and wakes whoever is waiting to attach
+scores to a response or stream chunk. Requests are keyed by their external id: the engine
+appends "-<8 hex>" to the id the API server chose, and we strip that suffix so the
+middleware can ask by the id it put in `X-Request-Id`. With several API server processes
+each one's middleware starts its ids with its own tag (`owner_tag`), and its hub books
+only the rows of those: each process relays its own requests' chunks, so the relay's work
+is shared out as vLLM shares out its own.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import asyncio
 import gc
 import logging
 import re
+import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgspec
@@ -21,7 +28,7 @@ import numpy as np
 import zmq
 
 from engine_worker import responses
-from engine_worker.bookkeeping import StepReader
+from engine_worker.bookkeeping import CONTROL, StepReader
 from probes.scoring import calibrate_array
 
 log = logging.getLogger("probex.delivery")
@@ -34,25 +41,39 @@ def external_request_id(engine_request_id: str) -> str:
 
 
 class ScorePublisher:
-    """Worker side: fire-and-forget PUSH; never blocks the engine loop."""
+    """Worker side: fire-and-forget PUB to every API server process; never blocks the engine loop.
+
+    The worker binds, the hubs connect: one address however many API server processes
+    there are. `XPUB_NODROP` makes a full queue an error here (counted) instead of a silent
+    drop inside ZMQ. Steps are published by the score consumer's thread and control
+    messages by the engine thread between steps; a ZMQ socket is not thread-safe, so sends
+    take a lock (uncontended nearly always: a fraction of a microsecond)."""
 
     def __init__(self, address: str, high_water_mark: int = 100_000) -> None:
         self._ctx = zmq.Context.instance()
-        self._socket = self._ctx.socket(zmq.PUSH)
+        self._socket = self._ctx.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
+        self._socket.setsockopt(zmq.XPUB_NODROP, 1)
         self._socket.setsockopt(zmq.LINGER, 1000)
-        self._socket.connect(address)
+        self._socket.bind(address)
         self._encoder = msgspec.msgpack.Encoder()
+        self._lock = threading.Lock()
         self.dropped_messages = 0
 
     def publish(self, message: dict) -> None:
-        try:
-            self._socket.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            # The API server is gone or far behind; counting beats stalling generation.
-            self.dropped_messages += 1
-            if self.dropped_messages in (1, 10, 100) or self.dropped_messages % 1000 == 0:
-                log.warning("probex: %d score messages dropped (API server not draining)", self.dropped_messages)
+        with self._lock:
+            try:
+                self._socket.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                # An API server is gone or far behind; counting beats stalling generation.
+                self.dropped_messages += 1
+                if self.dropped_messages in (1, 10, 100) or self.dropped_messages % 1000 == 0:
+                    log.warning("probex: %d score messages dropped (API server not draining)", self.dropped_messages)
+
+
+def owner_tag() -> str:
+    """A random tag for one API server process: the first 8 hex digits of each request id it gives out."""
+    return uuid.uuid4().hex[:8]
 
 
 @dataclass
@@ -137,9 +158,15 @@ class _ProbeSet:
 class ScoreHub:
     """API-server side: receives score messages and answers "are request X's scores here yet?"."""
 
-    def __init__(self, address: str, retention_s: float = 300.0) -> None:
+    def __init__(self, address: str, retention_s: float = 300.0, owner: str | None = None) -> None:
+        """`owner`: where several API server processes share the worker, this process's tag
+        (`owner_tag`); the hub then books only rows whose request id carries it. None: every row."""
         self.address = address
         self.retention_s = retention_s
+        self.owner = owner
+        self._owner_marker = f"-probex-{owner}"
+        # Bumped by each swap control message: the middleware's cached listings are older than it.
+        self.swaps = 0
         self._requests: dict[str, RequestScores] = {}
         self._tables: dict[int, _ProbeSet] = {}
         self._task: asyncio.Task | None = None
@@ -175,9 +202,10 @@ class ScoreHub:
         import zmq.asyncio
 
         ctx = zmq.asyncio.Context.instance()
-        self._socket = ctx.socket(zmq.PULL)
+        self._socket = ctx.socket(zmq.SUB)
         self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.bind(self.address)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(self.address)  # the worker binds: one address for every API server process
         self._task = asyncio.get_running_loop().create_task(self._receive_forever())
 
     async def _receive_forever(self) -> None:
@@ -199,11 +227,13 @@ class ScoreHub:
         books here into prompt summaries, sampled-token scores and request ends."""
         started = time.perf_counter()
         self.messages_received += 1
+        if CONTROL in message:
+            return self._control(message)
         version = message["v"]
         table = self._tables.get(version)
         if table is None:
             table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
-        events = self._steps.read(message)
+        events = self._steps.read(message, self._owned if self.owner is not None else None)
         probes = table.probes
         if len(self._external_ids) > 100_000:  # ids are never reused: forgetting them all is safe
             self._external_ids.clear()
@@ -241,6 +271,22 @@ class ScoreHub:
         self.intake["steps"].add(elapsed)
         if events.prompt:
             self.intake["prompt_steps"].add(elapsed)
+
+    def _owned(self, engine_request_id: str) -> bool:
+        """Was this request given its id by this process (several API server processes)?
+        Its ids read "<chatcmpl|cmpl>-probex-<owner><24 hex>..." (middleware.inspect_request)."""
+        return self._owner_marker in engine_request_id
+
+    def _control(self, message: dict) -> None:
+        """The tap paused or running again, or a swap, announced to every API server process:
+        the process that took the request knew already, the others learn it here."""
+        kind = message[CONTROL]
+        if kind == "paused":
+            self.set_paused(bool(message["paused"]))
+        elif kind == "swapped":
+            self.swaps += 1
+        else:
+            log.warning("probex: unknown control message %r", kind)
 
     def _external_id(self, engine_request_id: str) -> str:
         key = self._external_ids.get(engine_request_id)

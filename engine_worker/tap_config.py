@@ -31,6 +31,9 @@ RUN_FIELDS_FROM = "run_fields_from"
 # The admin routes' bearer token (live probe and vector swaps, pausing the tap); read by the
 # API server's middleware, set by `probex worker --admin-token`.
 ENV_ADMIN_TOKEN = "PROBEX_ADMIN_TOKEN"
+# vLLM's --api-server-count as the worker's launcher started it: with several API server
+# processes, each tags its requests' ids and relays only their scores (middleware.py).
+ENV_API_SERVER_COUNT = "PROBEX_API_SERVER_COUNT"
 # Diagnostic: "off" keeps the op in the graphs but never copies out or delivers its scores, so a
 # benchmark can tell the op's device time from the host path's cost (set-up "tap-op-only").
 ENV_DELIVERY = "PROBEX_DELIVERY"

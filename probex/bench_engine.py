@@ -117,7 +117,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY,  # torch-free
+from engine_worker.launch import api_server_count, vllm_server_entry  # torch-free, as is tap_config
+from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY,
                                       ENV_HOOK_SPIN_US, ENV_SCORE_CONSUMER, ENV_SCORES_AHEAD, ENV_TAP_BUFFERS)
 
 from probex.processes import free_port
@@ -941,9 +942,9 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             consumer = env.get(ENV_SCORE_CONSUMER) or default_score_consumer(runner, engine_args)
         else:
             # The module `probex worker` execs, with the same interpreter flags and server count.
-            argv = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
-                    "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-                    "--api-server-count", "1", *engine_args]
+            argv = [sys.executable, "-W", "ignore::DeprecationWarning",
+                    *vllm_server_entry(model_dir, api_server_count(engine_args)),
+                    "--host", "127.0.0.1", "--port", str(port), *engine_args]
             if kind == "eager":
                 argv.append("--enforce-eager")
             env["VLLM_PLUGINS"] = NO_PLUGINS
@@ -1231,13 +1232,46 @@ def steering_effect(url: str, model: str, input_len: int, seed: int, probe_layer
     }
 
 
-def probex_health(url: str) -> dict[str, Any] | None:
+def probex_health(url: str, tries_per_process: int = 20) -> dict[str, Any] | None:
+    """/probex/health, from every API server process where the worker runs several (each
+    request on a new connection, which the kernel gives to one of them), merged."""
     import httpx
 
+    seen: dict[Any, dict[str, Any]] = {}
     try:
-        return httpx.get(url + "/probex/health", timeout=30).json()
+        first = httpx.get(url + "/probex/health", timeout=30).json()
+        processes = int((first.get("api_server") or {}).get("count", 1))
+        seen[(first.get("api_server") or {}).get("pid")] = first
+        for _ in range(tries_per_process * processes):
+            if len(seen) >= processes:
+                break
+            health = httpx.get(url + "/probex/health", timeout=30).json()
+            seen[(health.get("api_server") or {}).get("pid")] = health
     except Exception:  # diagnostics only: a benchmark must not fail over them
         return None
+    return merge_process_health(list(seen.values()))
+
+
+def merge_process_health(healths: list[dict[str, Any]]) -> dict[str, Any]:
+    """One /probex/health from those of several API server processes: the worker's own parts
+    (transfer, engine thread, probes) as the first gave them; each process's relay counters
+    (its event loop's work, its waits for scores, the messages it took in) summed, their
+    longest the longest of any; `api_server.processes` how many answered."""
+    merged = dict(healths[0])
+    if len(healths) == 1:
+        return merged
+    for key in ("score_loop_time", "score_waits"):
+        parts: dict[str, dict[str, float]] = {}
+        for health in healths:
+            for kind, stats in (health.get(key) or {}).items():
+                into = parts.setdefault(kind, {})
+                for name, value in stats.items():
+                    into[name] = max(into.get(name, value), value) if name.startswith("max") else into.get(name, 0) + value
+        merged[key] = parts
+    merged["score_messages_received"] = sum(h.get("score_messages_received", 0) for h in healths)
+    merged["api_server"] = {**(healths[0].get("api_server") or {}), "processes": len(healths),
+                            "pids": [(h.get("api_server") or {}).get("pid") for h in healths]}
+    return merged
 
 
 def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
@@ -2035,6 +2069,19 @@ API_SERVER_LOAD: dict[str, Callable[[dict[str, Any]], float]] = {
 }
 
 
+# Per phase, vLLM's own TTFT split by its request-stage histograms (see ttft_split_summary):
+# where a tap-toggle start's TTFT under load goes with the tap running and paused.
+TTFT_PARTS = ("ttft", "queue", "prefill")
+
+
+def phase_ttft_split(entry: dict[str, Any]) -> dict[str, float]:
+    """One phase's vLLM TTFT mean, queue, prefill and the rest (`api`: the API server's side and
+    the trips between the processes), ms; NaN where the phase has no server figures."""
+    split = {part: _metric(entry, ("server", f"{part}_mean_ms")) for part in TTFT_PARTS}
+    split["api"] = split["ttft"] - split["queue"] - split["prefill"]
+    return split
+
+
 def toggle_began_paused(setup: dict[str, Any]) -> bool:
     """Whether a tap-toggle start's phases began with the tap paused (`--toggle-first`); runs
     saved before the record said so began running."""
@@ -2074,17 +2121,31 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
                                                       float(np.mean([_metric(p, VLLM_ITL_MEAN) for p in paused])))
             for name, read in API_SERVER_LOAD.items():
                 start[name] = {"running": [read(p) for p in running], "paused": [read(p) for p in paused]}
+            start["ttft_p50_ms"] = {state: [_metric(p, ("ttft_ms", "p50")) for p in phases]
+                                    for state, phases in (("running", running), ("paused", paused))}
+            start["vllm_ttft_split"] = {state: [phase_ttft_split(p) for p in phases]
+                                        for state, phases in (("running", running), ("paused", paused))}
             per_c.setdefault(c, []).append(start)
     out = {}
     for c, starts in sorted(per_c.items(), key=lambda kv: int(kv[0])):
         out[c] = {"starts": len(starts), **{name: float(np.mean([x[name] for x in starts])) for name in OVERHEAD_METRICS},
-                  "tpot_p50_per_start": [x["tpot_p50"] for x in starts]}
+                  "tpot_p50_per_start": [x["tpot_p50"] for x in starts],
+                  "ttft_p50_per_start": [x["ttft_p50"] for x in starts]}
         if all("vllm_itl_mean" in x for x in starts):
             out[c]["vllm_itl_mean"] = float(np.mean([x["vllm_itl_mean"] for x in starts]))
         # Every phase's reading, not a mean: at 64 streams they swing with how far behind the
         # loop fell, and the spread is what a difference between the states must stand out of.
         out[c]["api_server"] = {name: {state: [x[name][state] for x in starts] for state in ("running", "paused")}
                                 for name in API_SERVER_LOAD}
+        out[c]["ttft_p50_ms"] = {state: [x["ttft_p50_ms"][state] for x in starts] for state in ("running", "paused")}
+        # Means over every phase of the state, all starts together; none where a phase lacks the figures.
+        split = {}
+        for state in ("running", "paused"):
+            phases = [phase for x in starts for phase in x["vllm_ttft_split"][state]]
+            if all(math.isfinite(v) for phase in phases for v in phase.values()):
+                split[state] = {part: float(np.mean([phase[part] for phase in phases])) for part in (*TTFT_PARTS, "api")}
+        if len(split) == 2:
+            out[c]["vllm_ttft_split"] = split
     return out
 
 
@@ -2387,13 +2448,14 @@ def markdown_tables(result: dict[str, Any]) -> str:
                   "the same server), running over paused, percent; for tokens/s negative means slower; vLLM's "
                   "ITL mean is the engine's own, before the API server relays a chunk:", "",
                   "| concurrency | starts | TPOT p50 | TPOT mean | ITL p50 | vLLM ITL mean | TTFT p50 | output tok/s "
-                  "| TPOT p50 by start |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| TPOT p50 by start | TTFT p50 by start |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
         for c, o in toggled.items():
             engine_itl = _pct(o["vllm_itl_mean"]) if "vllm_itl_mean" in o else "—"
             lines.append(f"| {c} | {o['starts']} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | {_pct(o['itl_p50'])} | "
                          f"{engine_itl} | {_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} | "
-                         + ", ".join(_pct(v) for v in o["tpot_p50_per_start"]) + " |")
+                         + ", ".join(_pct(v) for v in o["tpot_p50_per_start"]) + " | "
+                         + ", ".join(_pct(v) for v in o.get("ttft_p50_per_start", [])) + " |")
         lines += ["", "The API server in the same phases, every phase's reading, starts apart by \";\": tokens per "
                   "chunk (over 1, vLLM merged tokens as its event loop fell behind the engine) and its event "
                   "loop's thread, busy share of a core:", "",
@@ -2403,6 +2465,21 @@ def markdown_tables(result: dict[str, Any]) -> str:
             cells = ["; ".join(", ".join(f"{v:.2f}" if math.isfinite(v) else "n/a" for v in start)
                                for start in o["api_server"][name][state])
                      for name in API_SERVER_LOAD for state in ("running", "paused")]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines += ["", "TTFT in the same phases: each phase's TTFT p50 at the client (starts apart by \";\"), and "
+                  "vLLM's own TTFT split by its stage histograms, means over the phases, running / paused (ms; "
+                  "queue: waiting to be scheduled, prefill: scheduled to the first token's output in the engine, "
+                  "API + trips: the rest):", "",
+                  "| concurrency | TTFT p50, running | TTFT p50, paused | vLLM TTFT | queue | prefill | API + trips |",
+                  "|---:|---|---|---:|---:|---:|---:|"]
+        for c, o in toggled.items():
+            if "ttft_p50_ms" not in o:  # a result analysed before this table existed
+                continue
+            cells = ["; ".join(", ".join(f"{v:.0f}" if math.isfinite(v) else "n/a" for v in start)
+                               for start in o["ttft_p50_ms"][state]) for state in ("running", "paused")]
+            split = o.get("vllm_ttft_split")
+            cells += ([f"{split['running'][part]:.1f} / {split['paused'][part]:.1f}" for part in (*TTFT_PARTS, "api")]
+                      if split else ["n/a"] * 4)
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         began = [(s["label"], toggle_began_paused(s)) for s in result.get("setups", []) if toggled_phases(s)]
         lines += ["", "tap-toggle's starts, in the order of the lists above: " + ", ".join(

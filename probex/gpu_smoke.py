@@ -270,6 +270,18 @@ def compare(first: list[dict], second: list[dict]) -> dict:
             "aggregates_skipped_for_coverage": skipped_aggregates, **worst, **residual_cosines(first, second)}
 
 
+def reanalyzed_comparisons(saved: dict) -> dict:
+    """A saved run's comparisons recomputed from its responses. The residual cosines need the
+    captured activations, which are not stored: those are taken from the run's own comparisons."""
+    comparisons = all_comparisons(saved["responses"])
+    for pair, comparison in comparisons.items():
+        recorded = saved.get("comparisons", {}).get(pair, {})
+        for key in ("residual_cos_last_token_min", "residual_cos_any_token_min"):
+            if key not in comparison and key in recorded:
+                comparison[key] = recorded[key]
+    return comparisons
+
+
 FIRST_RUN_PAIRS = ("graphs_vs_compiled_no_graphs", "graphs_vs_eager", "compiled_no_graphs_vs_eager")
 
 
@@ -302,7 +314,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.reanalyze:
         saved = json.loads(args.reanalyze.read_text())
-        report(saved, all_comparisons(saved["responses"]))
+        report(saved, reanalyzed_comparisons(saved))
         return
     if not (args.skeleton and args.out):
         parser.error("--skeleton and --out are required unless --reanalyze is given")

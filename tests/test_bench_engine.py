@@ -167,6 +167,11 @@ def test_plans_same_launcher_and_plugin_switch(tmp_path):
     assert tap.argv[2:4] == ["probex.cli", "worker"] and f"--probe={tmp_path / 'p1'}" in tap.argv
     assert all(p.argv[-2:] == ["--load-format", "dummy"] for p in (plain, tap))
     assert be.plan_setups(["plain"], tmp_path, [], [], "default")[0].env_changes["VLLM_USE_V2_MODEL_RUNNER"] is None
+    # several API server processes for every set-up (--extra-arg="--api-server-count 2"): plain
+    # and eager start them as the worker does, through vLLM's `serve`
+    scaled = be.plan_setups(["plain", "tap"], tmp_path, [tmp_path / "p1"], ["--api-server-count", "2"], "v2")
+    assert scaled[0].argv[3:6] == ["-m", "engine_worker.vllm_serve", str(tmp_path)]
+    assert scaled[0].argv[-2:] == ["--api-server-count", "2"] and scaled[1].argv[-2:] == ["--api-server-count", "2"]
     with pytest.raises(SystemExit):
         be.parse_setups("plain,hooks")
 
@@ -1008,6 +1013,8 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     first = (5.055 / 5.005 - 1) * 100
     assert result["starts"] == 2 and result["tpot_p50_per_start"] == pytest.approx([first, 0.5])
     assert result["tpot_p50"] == pytest.approx((first + 0.5) / 2)
+    assert len(result["ttft_p50_per_start"]) == 2
+    assert result["ttft_p50"] == pytest.approx(np.mean(result["ttft_p50_per_start"]))
     table = be.markdown_tables({"setups": starts, "workload": {}, **be.analyze(starts)})
     assert f"| 1 | 2 | {be._pct((first + 0.5) / 2)} |" in table and "The tap within one start" in table
     # no phase carried vLLM's own ITL: no engine-side column value
@@ -1039,6 +1046,22 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert all(math.isnan(v) for v in load["main_thread_cores"]["running"][1])  # start 2 recorded none
     table = be.markdown_tables({"setups": starts, "workload": {}, **be.analyze(starts)})
     assert "| 1 | 2.00, 2.00; n/a, n/a | 1.25, 1.25; n/a, n/a | 0.60, 0.62; n/a, n/a | 0.61, 0.63; n/a, n/a |" in table
+    # TTFT in the same phases: each phase's p50 by state and start, and vLLM's split, means over
+    # every phase of a state, all starts together (start 1's phases run R, P, R, P)
+    for phase, (ttft, queue, prefill) in zip(starts[0]["toggle"]["1"], ((300, 20, 130), (150, 5, 90),
+                                                                       (160, 5, 100), (200, 10, 90))):
+        phase["server"] = {"ttft_mean_ms": ttft, "queue_mean_ms": queue, "prefill_mean_ms": prefill}
+    assert be.phase_ttft_split(starts[0]["toggle"]["1"][0]) == {"ttft": 300, "queue": 20, "prefill": 130, "api": 150}
+    assert "vllm_ttft_split" not in be.toggle_overhead(starts)["1"]  # start 2's phases have no queue or prefill
+    for phase in starts[1]["toggle"]["1"]:
+        phase["server"] = {"ttft_mean_ms": 100.0, "queue_mean_ms": 0.0, "prefill_mean_ms": 60.0}
+    ttft = be.toggle_overhead(starts)["1"]
+    split = ttft["vllm_ttft_split"]
+    assert split["running"] == pytest.approx({"ttft": 165.0, "queue": 6.25, "prefill": 87.5, "api": 71.25})
+    assert split["paused"] == pytest.approx({"ttft": 137.5, "queue": 3.75, "prefill": 75.0, "api": 58.75})
+    assert ttft["ttft_p50_ms"]["running"][0] == [p["ttft_ms"]["p50"] for p in starts[0]["toggle"]["1"] if not p["paused"]]
+    table = be.markdown_tables({"setups": starts, "workload": {}, **be.analyze(starts)})
+    assert "| 165.0 / 137.5 | 6.2 / 3.8 | 87.5 / 75.0 | 71.2 / 58.8 |" in table
     # several API server processes (vLLM's --api-server-count): the busiest of them
     phase = starts[0]["toggle"]["1"][0]
     phase["server_cpu"] += [{"pid": 12, "name": "VLLM::APIServer", "main_thread": 0.3},  # /proc cuts names to 15
@@ -1116,3 +1139,21 @@ def test_idle_requests_alternate_the_tap_abba_and_pair_neighbours():
     assert [s["label"] for s in summary["per_start"]] == ["tap-toggle#1", "tap-toggle#2"]
     table = be.markdown_tables({"setups": setups, "workload": {}, **be.analyze(setups)})
     assert "| 2 | 4 | 11.00 | 10.00 | +10.00% |" in table
+
+
+def test_the_relay_counters_of_several_api_server_processes_are_summed():
+    """With --api-server-count N each process counts the requests it relayed: a phase's
+    delivery figures are those of all of them together; the worker's own parts come once."""
+    def health(pid, loop_count, loop_total, loop_max, calls, waited_s, messages):
+        return {"transfer": {"steps": 10}, "api_server": {"pid": pid, "count": 2},
+                "score_loop_time": {"chunks_spliced": {"count": loop_count, "total_s": loop_total, "max_s": loop_max}},
+                "score_waits": {"tokens": {"calls": calls, "waited": 1, "waited_s": waited_s, "max_s": waited_s}},
+                "score_messages_received": messages}
+
+    merged = be.merge_process_health([health(7, 100, 0.002, 0.0001, 50, 0.01, 30), health(8, 300, 0.004, 0.0003, 70, 0.02, 30)])
+    assert merged["score_loop_time"]["chunks_spliced"] == {"count": 400, "total_s": pytest.approx(0.006), "max_s": 0.0003}
+    assert merged["score_waits"]["tokens"] == {"calls": 120, "waited": 2, "waited_s": pytest.approx(0.03), "max_s": 0.02}
+    assert merged["score_messages_received"] == 60 and merged["transfer"] == {"steps": 10}
+    assert merged["api_server"]["processes"] == 2 and merged["api_server"]["pids"] == [7, 8]
+    single = health(7, 1, 0.1, 0.1, 1, 0.0, 1)
+    assert be.merge_process_health([single]) == single

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.bookkeeping import StepLayout, StepReader, step_message
+from engine_worker.bookkeeping import CONTROL, StepLayout, StepReader, step_message
 from engine_worker import controller as controller_module
 from engine_worker.controller import TapController
 from engine_worker.score_transfer import ScoreTransfer
@@ -41,6 +41,18 @@ def run_step(taps: dict[int, LayerTap], streams: dict[int, torch.Tensor]) -> Non
         tap(x, torch.zeros_like(x))
 
 
+class Published(list):
+    """What a controller published: its step messages, in order, and (`control`) its control
+    messages to every API server process (pauses, swaps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.control: list[dict] = []
+
+    def append(self, message: dict) -> None:
+        (self.control if CONTROL in message else super()).append(message)
+
+
 @pytest.fixture
 def setup(tmp_path):
     taps = {1: LayerTap(1, HIDDEN, capacity=2, max_rows=32), 3: LayerTap(3, HIDDEN, capacity=2, max_rows=32)}
@@ -48,7 +60,7 @@ def setup(tmp_path):
         make_probe(tmp_path, "first", 1, ReadPoint.LAST_PROMPT_TOKEN, 0),
         make_probe(tmp_path, "second", 3, ReadPoint.PROMPT_MEAN, 1),
     ]
-    published: list[dict] = []
+    published = Published()
     return taps, probes, published
 
 
@@ -128,7 +140,7 @@ def test_the_slow_hook_diagnostic_spins_the_engine_thread_after_each_step(setup,
 def test_scores_are_consumed_off_the_engine_thread(setup):
     taps, probes, published = setup
     threads = []
-    controller = TapController(taps, served(), lambda m: threads.append(threading.current_thread().name))
+    controller = TapController(taps, served(), lambda m: CONTROL in m or threads.append(threading.current_thread().name))
     assert not controller.consumes_on_engine_thread  # the default
     controller.load([str(p) for p in probes])
     run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
@@ -156,8 +168,8 @@ def test_with_the_engine_as_consumer_steps_are_published_in_order_on_the_engine_
     monkeypatch.setenv("PROBEX_SCORE_CONSUMER", "engine")
     taps, probes, published = setup
     threads = []
-    controller = TapController(taps, served(), lambda m: (threads.append(threading.current_thread().name),
-                                                         published.append(m)))
+    controller = TapController(taps, served(), lambda m: CONTROL in m or (threads.append(threading.current_thread().name),
+                                                                           published.append(m)))
     controller.load([str(p) for p in probes])
     assert controller.transfer.consumer == "engine" and controller.consumes_on_engine_thread
     controller.consume_landed_scores()  # nothing pending: nothing happens
@@ -207,7 +219,10 @@ def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup)
     taps, probes, published = setup
     controller = TapController(taps, served(), published.append, threaded=False)
     controller.load([str(p) for p in probes])
+    assert published.control == [{"control": "swapped", "what": "probes"}]
     controller.set_paused(True)
+    # every API server process hears of it, not only the one that asked
+    assert published.control[-1] == {"control": "paused", "paused": True}
     assert controller.listing()["paused"] and not controller.reads_scores
     assert all(int(t.paused[0]) == 1 for t in taps.values())
     before = {l: t.scores.clone() for l, t in taps.items()}
@@ -220,6 +235,7 @@ def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup)
     (ended,) = published
     assert ended["step"]["req"] == [] and ended["finished"] == ["a"]
     controller.set_paused(False)
+    assert published.control[-1] == {"control": "paused", "paused": False}
     streams = {l: torch.randn(2, HIDDEN) for l in taps}
     run_step(taps, streams)
     controller.after_forward(StepLayout(["b"], np.array([2]), np.array([0]), np.array([2])))
@@ -236,6 +252,7 @@ def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup)
     with pytest.raises(ValueError, match="steering gates read its scores"):
         steering.set_paused(True)
     assert not steering.paused and all(int(t.paused[0]) == 0 for t in taps.values())
+    assert published.control[-1] == {"control": "paused", "paused": False}  # a refused pause announces nothing
 
 
 def test_a_capture_is_never_written_in_part_around_a_pause(tmp_path):

