@@ -289,12 +289,16 @@ def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
 CONTROL = "control"
 
 
-def paused_message(paused: bool) -> dict:
-    return {CONTROL: "paused", "paused": bool(paused)}
+def paused_message(paused: bool, sequence: int) -> dict:
+    """`sequence`: the worker's count of pause changes, so a process applies none older than
+    what it has (the reply to its own request and the broadcast can cross others)."""
+    return {CONTROL: "paused", "paused": bool(paused), "sequence": int(sequence)}
 
 
-def swapped_message(what: str) -> dict:
-    return {CONTROL: "swapped", "what": what}
+def swapped_message(what: str, version: int, dirs: list[str] | None = None) -> dict:
+    """`what`: "probes" (`dirs` the new set's artifact directories, for the retention check)
+    or "steering"; `version` the new set's."""
+    return {CONTROL: "swapped", "what": what, "version": int(version), "dirs": list(dirs or [])}
 
 
 def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finished: list[str]) -> dict:

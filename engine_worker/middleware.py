@@ -27,6 +27,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Callable, NamedTuple
 
 import msgspec
@@ -195,8 +196,12 @@ class ProbexMiddleware:
         # this process's own (below) or another's (the worker's control message, ScoreHub.swaps)
         self._listings: tuple[dict, dict] | None = None
         self._listings_swaps = 0
-        self.retention = RetentionTracker(os.environ.get(ENV_MODEL_DIR))
+        self.retention = RetentionTracker(os.environ.get(ENV_MODEL_DIR), _shared_dir(address)
+                                          if self.api_server_count > 1 else None)
         self._retention_enabled = os.environ.get(ENV_RETENTION, "1") != "0"
+        self._retention_version = 0  # the probe set version whose retention was last scheduled
+        if self.hub is not None:
+            self.hub.on_probes_swapped = self._schedule_retention
         self._started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -204,8 +209,9 @@ class ProbexMiddleware:
             self.hub.start()
             if not self._started:
                 self._started = True
-                if self._retention_enabled and self.tap_config is not None:
-                    self.retention.schedule(list(self.tap_config.probe_dirs))
+                if self.tap_config is not None:
+                    # the worker loads the startup set as version 1 (TapController.load)
+                    self._schedule_retention(1, list(self.tap_config.probe_dirs))
         if scope["type"] != "http" or self.hub is None:
             return await self.app(scope, receive, send)
         path, method = scope["path"], scope["method"]
@@ -288,7 +294,7 @@ class ProbexMiddleware:
         async with self._swap_lock:
             result = _every_rank(await _engine_client(scope).collective_rpc("probex_set_paused", args=(paused,)))
             if result.get("ok"):
-                self.hub.set_paused(result["paused"])
+                self.hub.set_paused(result["paused"], result.get("sequence"))
         if not result.get("ok"):
             return await _send_json(send, 400, openai_error(result["error"], status=400, param="paused",
                                                             code="pause_refused"))
@@ -307,15 +313,24 @@ class ProbexMiddleware:
         return False
 
     async def _probes_route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        dirs = await self._artifact_route(scope, receive, send, _PROBE_SET)
-        if dirs is not None and self._retention_enabled:
+        swapped = await self._artifact_route(scope, receive, send, _PROBE_SET)
+        if swapped is not None:
+            self._schedule_retention(*swapped)
+
+    def _schedule_retention(self, version: int, dirs: list[str]) -> None:
+        """Retention for probe-set `version`, once per process: after this process's own swap
+        (the reply) or another's (the worker's control message), whichever comes first."""
+        if self._retention_enabled and version > self._retention_version:
+            self._retention_version = version
             self.retention.schedule(dirs)
 
     async def _steering_route(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._artifact_route(scope, receive, send, _STEERING_SET)
 
-    async def _artifact_route(self, scope: Scope, receive: Receive, send: Send, kind: "_ArtifactSet") -> list[str] | None:
-        """GET lists the loaded set; PUT (admin) replaces it on every worker. Returns the new dirs after a swap."""
+    async def _artifact_route(self, scope: Scope, receive: Receive, send: Send,
+                              kind: "_ArtifactSet") -> tuple[int, list[str]] | None:
+        """GET lists the loaded set; PUT (admin) replaces it on every worker. Returns the new
+        set's version and dirs after a swap."""
         method = scope["method"]
         if method not in ("GET", "PUT"):
             await _send_json(send, 405, openai_error(f"{method} not allowed on {kind.path}", status=405))
@@ -341,7 +356,7 @@ class ProbexMiddleware:
             await _send_json(send, 400, openai_error(result["error"], status=400, param=kind.body_key, code=kind.rejected_code))
             return None
         await _send_json(send, 200, result)
-        return dirs
+        return int(result.get("version", 0)), dirs
 
     async def _current_listings(self, scope: Scope) -> tuple[dict, dict]:
         listings = self._listings
@@ -350,7 +365,8 @@ class ProbexMiddleware:
             engine = _engine_client(scope)
             steering = (await engine.collective_rpc("probex_list_steering"))[0]
             probes = (await engine.collective_rpc("probex_list_probes"))[0]
-            listings, self._listings, self._listings_swaps = (steering, probes), (steering, probes), swaps
+            listings = self._listings = (steering, probes)
+            self._listings_swaps = swaps
         return listings
 
     async def _health(self, scope: Scope, send: Send) -> None:
@@ -369,6 +385,14 @@ class ProbexMiddleware:
         return await _send_json(send, 200, listing)
 
 
+def _shared_dir(score_address: str | None) -> Path | None:
+    """A directory every API server process of one worker finds: beside the score socket
+    (launch.py names it anew for each start)."""
+    if not score_address or not score_address.startswith("ipc://"):
+        return None
+    return Path(score_address[len("ipc://"):] + ".shared")
+
+
 class RetentionTracker:
     """Relative calibration retention of the loaded probes, recomputed at startup and after each swap.
 
@@ -377,8 +401,11 @@ class RetentionTracker:
     older computation.
     """
 
-    def __init__(self, model_dir: str | None) -> None:
+    def __init__(self, model_dir: str | None, shared_dir: Path | None = None) -> None:
+        """`shared_dir`: where several API server processes share the worker, a directory they
+        all see: one of them computes each probe set's retention, the others read its result."""
         self.model_dir = model_dir
+        self.shared_dir = shared_dir
         self.values: dict[str, float | None] = {}
         self.status = "not computed"
         self._generation = 0
@@ -395,7 +422,11 @@ class RetentionTracker:
             from probes.retention import compute_retention
 
             try:
-                results = await asyncio.to_thread(compute_retention, self.model_dir, probe_dirs)
+                if self.shared_dir is None:
+                    results = await asyncio.to_thread(compute_retention, self.model_dir, probe_dirs)
+                else:
+                    results = await asyncio.to_thread(computed_once, self.shared_dir, self.model_dir, probe_dirs,
+                                                      compute_retention)
             except Exception as exc:  # no datasets offline, odd artifact...: say so, keep serving
                 if generation == self._generation:
                     self.status = f"unavailable: {type(exc).__name__}: {exc}"
@@ -407,6 +438,37 @@ class RetentionTracker:
                 log.info("probex: calibration retention %s", self.values)
 
         asyncio.get_running_loop().create_task(job())
+
+
+def computed_once(shared_dir: Path, model_dir: str, probe_dirs: list[str], compute: Callable[[str, list[str]], dict]) -> dict:
+    """`compute(model_dir, probe_dirs)`, run by one process of several for the same model and
+    probe files: the first takes a lock and writes the result into `shared_dir`, the others
+    wait for the lock and read it (HF forward passes over every retention set, and the model
+    in memory, once instead of once per API server process). Keyed by the probe files' paths,
+    sizes and times, so a probe rewritten in place is computed again."""
+    import fcntl
+    import hashlib
+
+    from probes.atomic_files import replacing
+
+    stats = [(d, f.name, f.stat().st_size, f.stat().st_mtime_ns)
+             for d in probe_dirs for f in sorted(Path(d).iterdir()) if f.is_file()]
+    key = hashlib.sha256(json.dumps([model_dir, stats]).encode()).hexdigest()[:24]
+    shared_dir.mkdir(parents=True, exist_ok=True)
+    result_path = shared_dir / f"retention-{key}.json"
+    with open(shared_dir / "retention.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not result_path.exists():
+            try:
+                outcome = {"results": compute(model_dir, probe_dirs)}
+            except Exception as exc:  # the others would only fail the same way, one after another
+                outcome = {"error": f"{type(exc).__name__}: {exc}"}
+            with replacing(result_path) as side:
+                side.write_text(json.dumps(outcome))
+        outcome = json.loads(result_path.read_text())
+    if "error" in outcome:
+        raise RuntimeError(outcome["error"])
+    return outcome["results"]
 
 
 class BodyRelay:

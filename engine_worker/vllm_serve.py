@@ -4,8 +4,7 @@ The `vllm` command looks up the installed "vllm" distribution's version, which t
 wheel does not provide, so the worker starts vLLM's server as a module. With one API server
 process that is `vllm.entrypoints.openai.api_server`; several (`--api-server-count N`) are
 started only by the `serve` subcommand (its `run_multi_api_server`), which this module runs
-through vLLM's own parser, validation and dispatch. The module paths of the two helpers
-moved between vLLM releases; both places are tried.
+through vLLM's own parser, validation and dispatch (the same modules in vLLM 0.25 and 0.32).
 """
 
 from __future__ import annotations
@@ -13,22 +12,11 @@ from __future__ import annotations
 import sys
 
 
-def _cli_helpers():
-    try:  # vLLM 0.32
-        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    except ImportError:  # vLLM 0.25
-        from vllm.entrypoints.utils import cli_env_setup
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:
-        from vllm.utils import FlexibleArgumentParser
-    return cli_env_setup, FlexibleArgumentParser
-
-
 def main(argv: list[str] | None = None) -> None:
     from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    cli_env_setup, FlexibleArgumentParser = _cli_helpers()
     cli_env_setup()
     parser = FlexibleArgumentParser(prog="probex-worker")
     serve = ServeSubcommand()

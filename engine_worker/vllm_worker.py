@@ -248,7 +248,7 @@ class ProbexWorkerExtension:
             controller.set_paused(bool(paused))
         except ValueError as exc:
             return {"ok": False, "error": str(exc), "paused": controller.paused}
-        return {"ok": True, "paused": controller.paused}
+        return {"ok": True, "paused": controller.paused, "sequence": controller.pause_changes}
 
     def probex_list_steering(self) -> dict:
         return self._probex_controller().steering_listing()

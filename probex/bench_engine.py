@@ -1255,8 +1255,9 @@ def probex_health(url: str, tries_per_process: int = 20) -> dict[str, Any] | Non
 def merge_process_health(healths: list[dict[str, Any]]) -> dict[str, Any]:
     """One /probex/health from those of several API server processes: the worker's own parts
     (transfer, engine thread, probes) as the first gave them; each process's relay counters
-    (its event loop's work, its waits for scores, the messages it took in) summed, their
-    longest the longest of any; `api_server.processes` how many answered."""
+    (its event loop's work, its waits for scores) summed, their longest the longest of any;
+    the step messages taken in, which every process receives, the most any took in;
+    `api_server.pids` which processes answered."""
     merged = dict(healths[0])
     if len(healths) == 1:
         return merged
@@ -1268,7 +1269,7 @@ def merge_process_health(healths: list[dict[str, Any]]) -> dict[str, Any]:
                 for name, value in stats.items():
                     into[name] = max(into.get(name, value), value) if name.startswith("max") else into.get(name, 0) + value
         merged[key] = parts
-    merged["score_messages_received"] = sum(h.get("score_messages_received", 0) for h in healths)
+    merged["score_messages_received"] = max(h.get("score_messages_received", 0) for h in healths)
     merged["api_server"] = {**(healths[0].get("api_server") or {}), "processes": len(healths),
                             "pids": [(h.get("api_server") or {}).get("pid") for h in healths]}
     return merged
@@ -1326,6 +1327,11 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
                 measured[f"{part}_mean_ms"] = (end[key] - start[key]) / engine_steps * 1e3
         if all(f"{part}_mean_ms" in measured for part in parts):
             measured["other_mean_ms"] = measured["hook_mean_ms"] - sum(measured[f"{p}_mean_ms"] for p in parts)
+    # The relay's counters below are summed over the API server processes that answered
+    # (merge_process_health): two snapshots that did not hear from the same ones say nothing.
+    if _answering_processes(before) != _answering_processes(after):
+        out["relay_processes_differ"] = True
+        return out
     # The API server's event-loop time for the hub's intake of step messages (those completing
     # a prompt apart) and the middleware's first chunks, per occurrence.
     l0, l1 = before.get("score_loop_time") or {}, after.get("score_loop_time") or {}
@@ -1349,6 +1355,11 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "max_ms_so_far": end["max_s"] * 1e3,
         }
     return out
+
+
+def _answering_processes(health: dict[str, Any]) -> set[Any]:
+    server = health.get("api_server") or {}
+    return set(server.get("pids") or [server.get("pid")])
 
 
 def server_counters(url: str, worker: bool) -> tuple[dict[str, tuple[float, float]], dict[str, Any] | None]:

@@ -1153,7 +1153,13 @@ def test_the_relay_counters_of_several_api_server_processes_are_summed():
     merged = be.merge_process_health([health(7, 100, 0.002, 0.0001, 50, 0.01, 30), health(8, 300, 0.004, 0.0003, 70, 0.02, 30)])
     assert merged["score_loop_time"]["chunks_spliced"] == {"count": 400, "total_s": pytest.approx(0.006), "max_s": 0.0003}
     assert merged["score_waits"]["tokens"] == {"calls": 120, "waited": 2, "waited_s": pytest.approx(0.03), "max_s": 0.02}
-    assert merged["score_messages_received"] == 60 and merged["transfer"] == {"steps": 10}
+    assert merged["score_messages_received"] == 30 and merged["transfer"] == {"steps": 10}  # each got every one
     assert merged["api_server"]["processes"] == 2 and merged["api_server"]["pids"] == [7, 8]
     single = health(7, 1, 0.1, 0.1, 1, 0.0, 1)
     assert be.merge_process_health([single]) == single
+    # a phase whose two snapshots heard from different processes: no relay figures from them
+    later = be.merge_process_health([health(7, 200, 0.004, 0.0001, 90, 0.02, 60), health(8, 500, 0.006, 0.0003, 99, 0.03, 60)])
+    delta = be.delivery_delta(merged, later)
+    assert delta["api_loop"]["chunks_spliced"]["count"] == 300 and delta["tokens_waits"]["chunks"] == 69
+    partial = be.delivery_delta(merged, be.merge_process_health([health(7, 200, 0.004, 0.0001, 90, 0.02, 60)]))
+    assert partial.get("relay_processes_differ") and "api_loop" not in partial and "tokens_waits" not in partial

@@ -219,10 +219,11 @@ def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup)
     taps, probes, published = setup
     controller = TapController(taps, served(), published.append, threaded=False)
     controller.load([str(p) for p in probes])
-    assert published.control == [{"control": "swapped", "what": "probes"}]
+    # every API server process hears of swaps (with what their retention check needs) and pauses
+    assert published.control == [{"control": "swapped", "what": "probes", "version": 1,
+                                   "dirs": [str(p) for p in probes]}]
     controller.set_paused(True)
-    # every API server process hears of it, not only the one that asked
-    assert published.control[-1] == {"control": "paused", "paused": True}
+    assert published.control[-1] == {"control": "paused", "paused": True, "sequence": 1}
     assert controller.listing()["paused"] and not controller.reads_scores
     assert all(int(t.paused[0]) == 1 for t in taps.values())
     before = {l: t.scores.clone() for l, t in taps.items()}
@@ -235,7 +236,7 @@ def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup)
     (ended,) = published
     assert ended["step"]["req"] == [] and ended["finished"] == ["a"]
     controller.set_paused(False)
-    assert published.control[-1] == {"control": "paused", "paused": False}
+    assert published.control[-1] == {"control": "paused", "paused": False, "sequence": 2}
     streams = {l: torch.randn(2, HIDDEN) for l in taps}
     run_step(taps, streams)
     controller.after_forward(StepLayout(["b"], np.array([2]), np.array([0]), np.array([2])))
@@ -252,7 +253,7 @@ def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup)
     with pytest.raises(ValueError, match="steering gates read its scores"):
         steering.set_paused(True)
     assert not steering.paused and all(int(t.paused[0]) == 0 for t in taps.values())
-    assert published.control[-1] == {"control": "paused", "paused": False}  # a refused pause announces nothing
+    assert published.control[-1]["sequence"] == 2  # a refused pause announces nothing
 
 
 def test_a_capture_is_never_written_in_part_around_a_pause(tmp_path):

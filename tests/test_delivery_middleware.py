@@ -614,6 +614,9 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
     async def scenario():
         address = f"ipc://{tempfile.mkdtemp()}/scores"
         hubs = {"mine": ScoreHub(address, owner=ours), "other": ScoreHub(address, owner=theirs)}
+        swapped_in = {name: [] for name in hubs}
+        for name, hub in hubs.items():
+            hub.on_probes_swapped = lambda version, dirs, name=name: swapped_in[name].append((version, dirs))
         publisher = ScorePublisher(address)
         for hub in hubs.values():
             hub.start()
@@ -627,18 +630,21 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
             layout = StepLayout([engine_ids["mine"], engine_ids["other"]], np.array([1, 1]), np.array([2, 3]),
                                 np.array([2, 3]))
             publisher.publish(step_message(table, layout, np.array([[0.25], [-5.0]], np.float32), [engine_ids["other"]]))
-            publisher.publish(swapped_message("probes"))
-            publisher.publish(paused_message(True))
+            publisher.publish(swapped_message("probes", 2, ["/probes/new"]))
+            publisher.publish(paused_message(True, 1))
             for _ in range(100):
                 if all(hub.messages_received == 4 for hub in hubs.values()):
                     break
                 await asyncio.sleep(0.02)
+            assert swapped_in == {"mine": [(2, ["/probes/new"])], "other": [(2, ["/probes/new"])]}
             return {name: (hub.messages_received, dict(hub._requests), hub.paused, hub.swaps, hub.open_prompt_books)
                     for name, hub in hubs.items()}
         finally:
+            publisher._socket.close(linger=0)
             for hub in hubs.values():
                 hub._task.cancel()
                 hub._socket.close()
+                hub.collections.detach()
 
     seen = asyncio.run(scenario())
     for name, key, books in (("mine", mine, 1), ("other", other, 0)):
@@ -652,3 +658,116 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
     assert mine_scores.tokens == {0: (pytest.approx(calibrate(1.5, 1.0, 0.0)),), 1: (pytest.approx(calibrate(0.25, 1.0, 0.0)),)}
     assert other_scores.tokens == {0: (pytest.approx(calibrate(-4.0, 1.0, 0.0)),), 1: (pytest.approx(calibrate(-5.0, 1.0, 0.0)),)}
     assert other_scores.finished and not mine_scores.finished
+    # batched completions' ids ("cmpl-<id>-<prompt index>-<8 hex>") are told apart the same way
+    hub = ScoreHub("inproc://unused", owner=ours)
+    completion = inspect_request("/v1/completions", {"prompt": ["a", "b"]}, owner=ours)
+    assert hub._owned(f"{completion.key(1)}-89abcdef") and not hub._owned(f"{other}-1-89abcdef")
+
+
+def test_a_pause_older_than_what_a_process_applied_is_ignored():
+    """Two processes switch the tap at once: each applies its own reply and the worker's
+    broadcasts in whatever order they arrive, and ends with the worker's last state."""
+    from engine_worker.bookkeeping import paused_message
+
+    hub = idle_hub()
+    hub.ingest(paused_message(True, 1))   # process A's pause, broadcast
+    hub.ingest(paused_message(False, 2))  # process B's resume, broadcast
+    hub.set_paused(True, 1)               # A's own reply, arriving late
+    assert hub.paused is False and hub.pauses == 1
+    hub.set_paused(True, 3)
+    assert hub.paused is True
+    hub.set_paused(False)  # no sequence (a reply from a worker that does not count): applied
+    assert hub.paused is False
+
+
+def test_several_api_server_processes_compute_a_probe_sets_retention_once(tmp_path):
+    """Retention needs HF forward passes over every retention set: one process of the worker
+    computes it, the others wait and read its result; a probe rewritten in place is computed
+    again, and a result only counts for the model and probe files it was computed on."""
+    import threading
+    import time as clock
+
+    from engine_worker.middleware import computed_once
+
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "probe.yaml").write_text("name: p\n")
+    calls = []
+
+    def compute(model_dir, probe_dirs):
+        calls.append(threading.current_thread().name)
+        clock.sleep(0.2)  # long enough for the other processes to be waiting on the lock
+        return {"p": {"retention": 0.9, "calls": len(calls)}}
+
+    shared = tmp_path / "shared"
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(computed_once(shared, "/m", [str(probe)], compute)),
+                                name=f"api-server-{i}") for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and results == [{"p": {"retention": 0.9, "calls": 1}}] * 3
+    (probe / "probe.yaml").write_text("name: p\nchanged: true\n")
+    assert computed_once(shared, "/m", [str(probe)], compute)["p"]["calls"] == 2
+    assert computed_once(shared, "/other-model", [str(probe)], compute)["p"]["calls"] == 3
+    assert computed_once(shared, "/m", [str(probe)], compute)["p"]["calls"] == 2  # still on file
+    # a computation that fails fails once: the others read the failure instead of repeating it
+    failures = []
+
+    def failing(model_dir, probe_dirs):
+        failures.append(1)
+        raise ValueError("no retention set offline")
+
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="ValueError: no retention set offline"):
+            computed_once(shared, "/third-model", [str(probe)], failing)
+    assert len(failures) == 1
+
+
+def test_listings_are_read_again_after_a_swap_another_api_server_process_took():
+    """The steering and probe listings a steered request is checked against are cached until a
+    swap: this process's own, or another's, which reaches this one as the worker's control
+    message (ScoreHub.swaps)."""
+    from engine_worker.bookkeeping import swapped_message
+
+    class ListingEngine:
+        def __init__(self):
+            self.calls = 0
+
+        async def collective_rpc(self, method, args=()):
+            self.calls += 1
+            return [{"method": method, "version": self.calls}]
+
+    hub = idle_hub()
+    middleware = ProbexMiddleware(RecordingApp(), hub=hub)
+    engine = ListingEngine()
+    scope = {"app": type("App", (), {"state": type("State", (), {"engine_client": engine})()})()}
+
+    async def listings():
+        return await middleware._current_listings(scope)
+
+    first = asyncio.run(listings())
+    assert asyncio.run(listings()) is first and engine.calls == 2  # cached: steering + probes, read once
+    middleware._retention_enabled = False  # a swap also schedules the retention check; not this test's
+    hub.ingest(swapped_message("probes", 2, ["/probes/new"]))
+    second = asyncio.run(listings())
+    assert second is not first and engine.calls == 4
+    assert asyncio.run(listings()) is second and engine.calls == 4
+
+
+def test_each_probe_set_swapped_in_gets_its_retention_check_once_in_every_process():
+    """A swap reaches a process as its own request's reply or as the worker's broadcast,
+    whichever comes first: the retention check is scheduled once per probe-set version."""
+    from engine_worker.bookkeeping import swapped_message
+
+    hub = idle_hub()
+    middleware = ProbexMiddleware(RecordingApp(), hub=hub)
+    scheduled = []
+    middleware.retention.schedule = scheduled.append
+    hub.ingest(swapped_message("probes", 2, ["/probes/a"]))  # another process's swap
+    middleware._schedule_retention(2, ["/probes/a"])         # or this one's reply, after it
+    hub.ingest(swapped_message("steering", 4))                # steering has no retention check
+    middleware._schedule_retention(3, ["/probes/b"])          # this process's next swap
+    hub.ingest(swapped_message("probes", 3, ["/probes/b"]))  # and its broadcast, after it
+    assert scheduled == [["/probes/a"], ["/probes/b"]] and hub.swaps == 3

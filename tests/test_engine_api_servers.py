@@ -8,6 +8,7 @@ asked of one process reaches the other.
 
 from __future__ import annotations
 
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -76,6 +77,15 @@ def test_requests_to_either_api_server_process_get_all_their_scores(worker):
     # the relay's work is shared: each process decorated chunks of requests it took
     relayed = [h["score_waits"]["prompt"]["calls"] for h in health.values()]
     assert sum(relayed) >= len(bodies) and min(relayed) > 0, relayed
+    # the probe set's retention, computed by one process and read by the other, reported by both
+    # (these test probes carry no retention reference: each is listed with None)
+    deadline = time.monotonic() + 300
+    while not all(h["retention_status"] == "ready" for h in health.values()):
+        assert time.monotonic() < deadline, {pid: h["retention_status"] for pid, h in health.items()}
+        time.sleep(2)
+        health = health_of_each_process(worker)
+    (first, second) = (h["retention"] for h in health.values())
+    assert first == second and set(first) == {"dir18", "max18", "mean24"}
     streamed = httpx.post(worker.url + "/v1/chat/completions", json=dict(body, stream=True), timeout=300)
     tokens = [c for c in streamed.text.split("\n\n") if c.startswith("data: {")]
     assert '"probex"' in tokens[1]

@@ -68,6 +68,13 @@ def test_an_api_server_count_that_is_not_a_whole_number_of_processes_is_refused(
     assert "number of API server processes" in result.stderr
 
 
+@pytest.mark.parametrize("passthrough", [["--data-parallel-size", "2"], ["-dp=4"], ["--data_parallel_size", "x"]])
+def test_data_parallel_engines_are_refused(passthrough):
+    """Each data-parallel engine would publish its scores on the one socket the worker has."""
+    result = run_worker("--layer", "3", *passthrough)
+    assert result.returncode != 0 and "refusing to start" in result.stderr and "one engine per worker" in result.stderr
+
+
 @pytest.mark.parametrize("passthrough, count", [([], 1), (["--api-server-count", "1"], 1), (["--api-server-count", "2"], 2),
                                                 (["--api-server-count=4"], 4), (["-asc", "2"], 2),
                                                 (["--api_server_count", "3"], 3)])
