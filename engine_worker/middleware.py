@@ -293,8 +293,9 @@ class ProbexMiddleware:
                                                             status=400, param="paused"))
         async with self._swap_lock:
             result = _every_rank(await _engine_client(scope).collective_rpc("probex_set_paused", args=(paused,)))
+            sequence = result.pop("sequence", None)  # between the worker and its API servers only
             if result.get("ok"):
-                self.hub.set_paused(result["paused"], result.get("sequence"))
+                self.hub.set_paused(result["paused"], sequence)
         if not result.get("ok"):
             return await _send_json(send, 400, openai_error(result["error"], status=400, param="paused",
                                                             code="pause_refused"))

@@ -497,7 +497,8 @@ class FakeEngineClient:
 
     async def collective_rpc(self, method, args=()):
         self.calls.append((method, args))
-        return [self.answer or {"ok": True, "paused": args[0]}]
+        # the worker counts its pause changes for its API server processes; clients never see it
+        return [dict(self.answer) if self.answer else {"ok": True, "paused": args[0], "sequence": len(self.calls)}]
 
 
 async def call_route(middleware, method, path, body=b"", headers=(), engine=None):
