@@ -1235,21 +1235,25 @@ def steering_effect(url: str, model: str, input_len: int, seed: int, probe_layer
 def probex_health(url: str, tries_per_process: int = 20) -> dict[str, Any] | None:
     """/probex/health, from every API server process where the worker runs several (each
     request on a new connection, which the kernel gives to one of them), merged."""
+    try:
+        return merge_process_health(list(health_by_process(url, tries_per_process).values()))
+    except Exception:  # diagnostics only: a benchmark must not fail over them
+        return None
+
+
+def health_by_process(url: str, tries_per_process: int = 20) -> dict[Any, dict[str, Any]]:
+    """/probex/health of each API server process, by pid: requests on new connections until
+    every process (the count the first answer gives) has answered or the tries run out."""
     import httpx
 
     seen: dict[Any, dict[str, Any]] = {}
-    try:
-        first = httpx.get(url + "/probex/health", timeout=30).json()
-        processes = int((first.get("api_server") or {}).get("count", 1))
-        seen[(first.get("api_server") or {}).get("pid")] = first
-        for _ in range(tries_per_process * processes):
-            if len(seen) >= processes:
-                break
-            health = httpx.get(url + "/probex/health", timeout=30).json()
-            seen[(health.get("api_server") or {}).get("pid")] = health
-    except Exception:  # diagnostics only: a benchmark must not fail over them
-        return None
-    return merge_process_health(list(seen.values()))
+    processes, tries = 1, 0
+    while len(seen) < processes and tries <= tries_per_process * processes:
+        health = httpx.get(url + "/probex/health", timeout=30).json()
+        server = health.get("api_server") or {}
+        seen[server.get("pid")] = health
+        processes, tries = int(server.get("count", 1)), tries + 1
+    return seen
 
 
 def merge_process_health(healths: list[dict[str, Any]]) -> dict[str, Any]:
@@ -2093,6 +2097,14 @@ def phase_ttft_split(entry: dict[str, Any]) -> dict[str, float]:
     return split
 
 
+def mean_ttft_split(entries: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """`phase_ttft_split` averaged over phases; None where any phase lacks the figures."""
+    splits = [phase_ttft_split(e) for e in entries]
+    if not splits or not all(math.isfinite(v) for split in splits for v in split.values()):
+        return None
+    return {part: float(np.mean([split[part] for split in splits])) for part in splits[0]}
+
+
 def toggle_began_paused(setup: dict[str, Any]) -> bool:
     """Whether a tap-toggle start's phases began with the tap paused (`--toggle-first`); runs
     saved before the record said so began running."""
@@ -2132,10 +2144,7 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
                                                       float(np.mean([_metric(p, VLLM_ITL_MEAN) for p in paused])))
             for name, read in API_SERVER_LOAD.items():
                 start[name] = {"running": [read(p) for p in running], "paused": [read(p) for p in paused]}
-            start["ttft_p50_ms"] = {state: [_metric(p, ("ttft_ms", "p50")) for p in phases]
-                                    for state, phases in (("running", running), ("paused", paused))}
-            start["vllm_ttft_split"] = {state: [phase_ttft_split(p) for p in phases]
-                                        for state, phases in (("running", running), ("paused", paused))}
+            start["phases"] = {"running": running, "paused": paused}
             per_c.setdefault(c, []).append(start)
     out = {}
     for c, starts in sorted(per_c.items(), key=lambda kv: int(kv[0])):
@@ -2148,14 +2157,11 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
         # loop fell, and the spread is what a difference between the states must stand out of.
         out[c]["api_server"] = {name: {state: [x[name][state] for x in starts] for state in ("running", "paused")}
                                 for name in API_SERVER_LOAD}
-        out[c]["ttft_p50_ms"] = {state: [x["ttft_p50_ms"][state] for x in starts] for state in ("running", "paused")}
+        out[c]["ttft_p50_ms"] = {state: [[_metric(p, OVERHEAD_METRICS["ttft_p50"]) for p in x["phases"][state]]
+                                         for x in starts] for state in ("running", "paused")}
         # Means over every phase of the state, all starts together; none where a phase lacks the figures.
-        split = {}
-        for state in ("running", "paused"):
-            phases = [phase for x in starts for phase in x["vllm_ttft_split"][state]]
-            if all(math.isfinite(v) for phase in phases for v in phase.values()):
-                split[state] = {part: float(np.mean([phase[part] for phase in phases])) for part in (*TTFT_PARTS, "api")}
-        if len(split) == 2:
+        split = {state: mean_ttft_split([p for x in starts for p in x["phases"][state]]) for state in ("running", "paused")}
+        if all(split.values()):
             out[c]["vllm_ttft_split"] = split
     return out
 
@@ -2227,13 +2233,9 @@ def ttft_split_summary(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, 
             if s.get("idle_ttft"):
                 phases.setdefault("idle", []).append(s["idle_ttft"])
         for phase, entries in phases.items():
-            parts = {part: [_metric(e, ("server", f"{part}_mean_ms")) for e in entries]
-                     for part in ("ttft", "queue", "prefill")}
-            if not all(math.isfinite(v) for values in parts.values() for v in values):
-                continue
-            split = {part: float(np.mean(values)) for part, values in parts.items()}
-            split["api"] = split["ttft"] - split["queue"] - split["prefill"]
-            out.setdefault(kind, {})[phase] = split
+            split = mean_ttft_split(entries)
+            if split is not None:
+                out.setdefault(kind, {})[phase] = split
     return out
 
 

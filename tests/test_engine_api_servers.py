@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from probex.bench_engine import health_by_process
 from tests.engine_harness import PROMPTS, Worker, chat_body, make_test_probes
 
 pytestmark = pytest.mark.engine
@@ -34,16 +35,10 @@ def worker(tmp_path_factory):
         yield w
 
 
-def health_of_each_process(worker, tries: int = 60) -> dict[int, dict]:
+def health_of_each_process(worker) -> dict[int, dict]:
     """/probex/health from every API server process: each request on a new connection, which
     the kernel hands to one of the processes listening on the port."""
-    seen: dict[int, dict] = {}
-    for _ in range(tries):
-        health = httpx.get(worker.url + "/probex/health", timeout=60).json()
-        seen[health["api_server"]["pid"]] = health
-        if len(seen) == API_SERVERS:
-            break
-    return seen
+    return health_by_process(worker.url, tries_per_process=30)
 
 
 def scored(response: dict, max_tokens: int) -> dict[str, list[float]]:
