@@ -21,9 +21,11 @@ shared with unsteered requests or differently steered ones.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -407,6 +409,10 @@ class RetentionTracker:
         all see: one of them computes each probe set's retention, the others read its result."""
         self.model_dir = model_dir
         self.shared_dir = shared_dir
+        if shared_dir is not None:
+            # Whichever process leaves first takes it along: the worker's start names a new one
+            # (launch.py), so nothing in it serves a later start.
+            atexit.register(shutil.rmtree, shared_dir, ignore_errors=True)
         self.values: dict[str, float | None] = {}
         self.status = "not computed"
         self._generation = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,11 +15,37 @@ from typing import Iterator
 import httpx
 
 
+# Ports below this never come from the kernel's ephemeral range on a default Linux (32768-60999).
+_LOWEST_PICKED_PORT = 20000
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (for a server about to start)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a server about to start).
+
+    Picked at random below the kernel's ephemeral range, not by binding port 0: a port the kernel
+    hands out is just as likely to be handed out again, before our server binds it, to the next
+    `bind(0)` or outgoing connection (vLLM's engine sockets, another test's worker), which made a
+    worker start fail with EADDRINUSE now and then when two started side by side.
+    """
+    low, _ = _ephemeral_port_range()
+    candidates = range(_LOWEST_PICKED_PORT, low) if low - _LOWEST_PICKED_PORT >= 1000 else range(1024, low)
+    for _ in range(200):
+        port = random.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port found in {candidates.start}-{candidates.stop - 1}")
 
 
 class WorkerExited(RuntimeError):

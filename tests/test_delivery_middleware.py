@@ -726,6 +726,21 @@ def test_several_api_server_processes_compute_a_probe_sets_retention_once(tmp_pa
     assert len(failures) == 1
 
 
+def test_the_shared_retention_directory_goes_when_its_process_exits(tmp_path):
+    """It lives beside the score socket in the temporary directory, one per worker start."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shared = tmp_path / "probex-scores-x.sock.shared"
+    code = (f"from pathlib import Path; from engine_worker.middleware import RetentionTracker, computed_once\n"
+            f"tracker = RetentionTracker(None, Path({str(shared)!r}))\n"
+            f"computed_once(tracker.shared_dir, '/m', [], lambda model, dirs: {{'p': {{'retention': 1.0}}}})\n"
+            f"assert any(Path({str(shared)!r}).iterdir())\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    assert not shared.exists()
+
+
 def test_listings_are_read_again_after_a_swap_another_api_server_process_took():
     """The steering and probe listings a steered request is checked against are cached until a
     swap: this process's own, or another's, which reaches this one as the worker's control

@@ -18,6 +18,30 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
+def test_free_port_stays_out_of_the_kernels_ephemeral_range():
+    # Ports the kernel hands to bind(0) and outgoing connections would race the server about to bind.
+    from probex.processes import _ephemeral_port_range
+
+    low, high = _ephemeral_port_range()
+    ports = {free_port() for _ in range(50)}
+    assert all(port < low or port > high for port in ports)
+    assert len(ports) > 1  # picked at random, so two side-by-side starts rarely pick the same one
+
+
+def test_free_port_skips_a_port_in_use(monkeypatch):
+    import random
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        free = free_port()
+        picks = iter([busy, busy, free])
+        monkeypatch.setattr(random, "choice", lambda seq: next(picks))
+        assert free_port() == free
+
+
 def test_logged_worker_waits_logs_and_stops(tmp_path):
     port = free_port()
     log = tmp_path / "w.log"
