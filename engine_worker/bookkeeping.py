@@ -287,6 +287,9 @@ def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
 # the tap paused or running again, a probe set or steering vectors swapped in (so each
 # process's cached listings are dropped, whichever process took the swap).
 CONTROL = "control"
+# The publisher's running count, stamped on every message it sends (delivery.ScorePublisher):
+# a receiver that finds one missing knows some scores will never come.
+SEQUENCE = "seq"
 
 
 def paused_message(paused: bool, sequence: int) -> dict:
@@ -299,6 +302,13 @@ def swapped_message(what: str, version: int, dirs: list[str] | None = None) -> d
     """`what`: "probes" (`dirs` the new set's artifact directories, for the retention check)
     or "steering"; `version` the new set's."""
     return {CONTROL: "swapped", "what": what, "version": int(version), "dirs": list(dirs or [])}
+
+
+def lost_message(finished: list[str]) -> dict:
+    """A step whose scores could not be sent (the worker failed to place them): receivers stop
+    waiting for the scores of the requests then in flight; `finished` are the requests that
+    ended with that step, which end all the same."""
+    return {CONTROL: "lost", "finished": list(finished)}
 
 
 def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finished: list[str]) -> dict:

@@ -25,8 +25,8 @@ import numpy as np
 
 from probes.artifact import ProbeArtifact, ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import SteeringVector, check_vector_set, load_vector
-from engine_worker.bookkeeping import (ProbeTable, ScoreBook, StepLayout, gather_scores, paused_message, step_message,
-                                        swapped_message)
+from engine_worker.bookkeeping import (ProbeTable, ScoreBook, StepLayout, gather_scores, lost_message, paused_message,
+                                       step_message, swapped_message)
 from engine_worker.score_transfer import ScoreTransfer, StagedStep
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
@@ -432,35 +432,35 @@ class TapController:
         as it is (`step_message`); the API server keeps the books. Only capture mode keeps
         books here too, to know when a captured prompt is complete."""
         layout, table, finished, capture_plan, captured = step.context
-        if not isinstance(layout, StepLayout):
-            layout = self._build_layout(layout, step.rows, table, finished)
-        raw = gather_scores(table, step.rows, step.scores())
-        if self.capture_dir is not None:
-            events = self.book.record_step(layout, table, raw)
-            if captured is not None:
-                self._collect_capture(layout, events, capture_plan, captured)
-            self.book.finish(finished)
-            for req_id in finished:
-                self._capture_requests.pop(req_id, None)
-        if self.publish is not None and (layout.req_ids or finished):
-            self.publish(step_message(table, layout, raw, list(finished)))
-
-    def _build_layout(self, build: Callable[[], StepLayout], rows: int, table: ProbeTable,
-                      finished: list[str]) -> StepLayout:
-        """A layout handed over as a function, built here, off the engine thread. If that fails
-        or disagrees with the rows copied, the step's scores cannot be placed; the requests
-        that ended with it are still announced, so nobody waits for them, and the step counts
-        as a consume error."""
         try:
-            layout = build()
-            if layout.num_rows != rows:
-                raise ValueError(f"the step's layout has {layout.num_rows} rows, {rows} were copied")
-            return layout
+            if not isinstance(layout, StepLayout):
+                layout = self._build_layout(layout, step.rows)
+            raw = gather_scores(table, step.rows, step.scores())
+            if self.capture_dir is not None:
+                events = self.book.record_step(layout, table, raw)
+                if captured is not None:
+                    self._collect_capture(layout, events, capture_plan, captured)
+                self.book.finish(finished)
+                for req_id in finished:
+                    self._capture_requests.pop(req_id, None)
+            if self.publish is not None and (layout.req_ids or finished):
+                self.publish(step_message(table, layout, raw, list(finished)))
         except Exception:
-            if self.publish is not None and finished:
-                self.publish(step_message(table, StepLayout.empty(), np.zeros((0, len(table.slots)), np.float32),
-                                          finished))
+            # The step's scores cannot be placed or sent. The API servers hear of it, so no
+            # response in flight waits out its score wait for them at every later chunk, and
+            # the requests that ended with the step end there too; it counts as a consume error.
+            if self.publish is not None:
+                self.publish(lost_message(list(finished)))
             raise
+
+    @staticmethod
+    def _build_layout(build: Callable[[], StepLayout], rows: int) -> StepLayout:
+        """A layout handed over as a function, built here, off the engine thread; one that
+        disagrees with the rows copied cannot place the step's scores."""
+        layout = build()
+        if layout.num_rows != rows:
+            raise ValueError(f"the step's layout has {layout.num_rows} rows, {rows} were copied")
+        return layout
 
     def _collect_capture(self, layout: StepLayout, events, capture_plan, captured: dict[int, np.ndarray]) -> None:
         prompt_len = dict(zip(layout.req_ids, layout.num_prompt.tolist()))

@@ -29,7 +29,7 @@ import numpy as np
 import zmq
 
 from engine_worker import responses
-from engine_worker.bookkeeping import CONTROL, StepReader
+from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader
 from probes.scoring import calibrate_array
 
 log = logging.getLogger("probex.delivery")
@@ -45,31 +45,30 @@ class ScorePublisher:
     """Worker side: fire-and-forget PUB to every API server process; never blocks the engine loop.
 
     The worker binds, the hubs connect: one address however many API server processes
-    there are. `XPUB_NODROP` makes a full queue an error here (counted) instead of a silent
-    drop inside ZMQ. Steps are published by the score consumer's thread and control
-    messages by the engine thread between steps; a ZMQ socket is not thread-safe, so sends
-    take a lock (uncontended nearly always: a fraction of a microsecond)."""
+    there are. Every message carries the next number of a running count (`SEQUENCE`): an
+    API server process so far behind that its queue is full loses messages there and only
+    there (ZMQ's PUB drops for that subscriber alone, where refusing the send would take
+    them from every process), and its hub finds the gap in the count, so its responses stop
+    waiting for scores that will not come (`ScoreHub.messages_lost`). Steps are published by
+    the score consumer's thread and control messages by the engine thread between steps; a
+    ZMQ socket is not thread-safe, so sends take a lock (uncontended nearly always: a
+    fraction of a microsecond), which also keeps the count in the order of the sends."""
 
     def __init__(self, address: str, high_water_mark: int = 100_000) -> None:
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
-        self._socket.setsockopt(zmq.XPUB_NODROP, 1)
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._socket.bind(address)
         self._encoder = msgspec.msgpack.Encoder()
         self._lock = threading.Lock()
-        self.dropped_messages = 0
+        self.sequence = 0
 
     def publish(self, message: dict) -> None:
         with self._lock:
-            try:
-                self._socket.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                # An API server is gone or far behind; counting beats stalling generation.
-                self.dropped_messages += 1
-                if self.dropped_messages in (1, 10, 100) or self.dropped_messages % 1000 == 0:
-                    log.warning("probex: %d score messages dropped (API server not draining)", self.dropped_messages)
+            self.sequence += 1
+            message[SEQUENCE] = self.sequence
+            self._socket.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
 
 
 def owner_tag() -> str:
@@ -193,6 +192,14 @@ class ScoreHub:
         self.paused = False
         self.pauses = 0
         self._pause_sequence = 0
+        # Scores lost on the way: messages missing from the worker's count (this process fell
+        # so far behind that its queue filled) and steps the worker could not send (it says so).
+        # Either way the tokens then in flight may never get theirs; `losses` counts the times,
+        # so a response can tell whether one happened since it began, as with pauses.
+        self.messages_lost = 0
+        self.steps_lost = 0
+        self.losses = 0
+        self._last_sequence: int | None = None
         # Called with (version, dirs) for each probe set swapped in, from any process: the
         # middleware schedules the retention check for it.
         self.on_probes_swapped: Callable[[int, list[str]], None] | None = None
@@ -232,6 +239,14 @@ class ScoreHub:
         books here into prompt summaries, sampled-token scores and request ends."""
         started = time.perf_counter()
         self.messages_received += 1
+        sequence = message.get(SEQUENCE)
+        if sequence is not None:
+            # The first message heard sets the count's start (a process that joins late was
+            # not sent the earlier ones); a count lower than the last is a new publisher.
+            last, self._last_sequence = self._last_sequence, sequence
+            if last is not None and sequence > last + 1:
+                self.messages_lost += sequence - last - 1
+                self._scores_lost(f"{sequence - last - 1} score messages lost (this API server process fell behind)")
         if CONTROL in message:
             return self._control(message)
         version = message["v"]
@@ -267,15 +282,33 @@ class ScoreHub:
                 state.touched = now
                 state.add_token(index, values, probes)
                 state.changed.set()
-        for req in events.finished:
-            state = self._requests.get(self._external_id(req))
-            if state is not None:
-                state.finished = True
-                state.changed.set()
+        self._mark_finished(events.finished)
         elapsed = time.perf_counter() - started
         self.intake["steps"].add(elapsed)
         if events.prompt:
             self.intake["prompt_steps"].add(elapsed)
+
+    def _mark_finished(self, engine_request_ids: list[str]) -> None:
+        for req in engine_request_ids:
+            state = self._requests.get(self._external_id(req))
+            if state is not None:
+                state.finished = True
+                state.changed.set()
+
+    def _scores_lost(self, what: str) -> None:
+        """Some scores will never come: every response waiting stops waiting (and those in
+        flight wait no more, `score_gaps`); what did come still goes out."""
+        self.losses += 1
+        for state in self._requests.values():
+            state.changed.set()
+        if self.losses in (1, 10, 100) or self.losses % 1000 == 0:
+            log.warning("probex: %s (%d times so far)", what, self.losses)
+
+    @property
+    def score_gaps(self) -> int:
+        """How many times scores stopped coming for tokens being generated: pauses and losses.
+        A response that began before one stops waiting for its scores (`_score_wait`)."""
+        return self.pauses + self.losses
 
     def _owned(self, engine_request_id: str) -> bool:
         """Was this request given its id by this process (several API server processes)?
@@ -292,6 +325,11 @@ class ScoreHub:
             self.swaps += 1
             if message.get("what") == "probes" and self.on_probes_swapped is not None:
                 self.on_probes_swapped(int(message["version"]), list(message.get("dirs") or []))
+        elif kind == "lost":
+            self.steps_lost += 1
+            finished = [req for req in message.get("finished", ()) if self.owner is None or self._owned(req)]
+            self._mark_finished(self._steps.book.finish(finished))
+            self._scores_lost("the worker could not send a step's scores")
         else:
             log.warning("probex: unknown control message %r", kind)
 
@@ -367,10 +405,11 @@ class ScoreHub:
         stats = self.waits["prompt" if prompt else "tokens"]
         start = time.monotonic()
         deadline = start + timeout
+        gaps = self.score_gaps
         try:
             while not state.has(prompt=prompt, tokens=tokens):
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.paused:
+                if remaining <= 0 or self.paused or self.score_gaps != gaps:
                     return False
                 state.changed.clear()
                 try:

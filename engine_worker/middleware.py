@@ -375,6 +375,8 @@ class ProbexMiddleware:
     async def _health(self, scope: Scope, send: Send) -> None:
         listing = (await _engine_client(scope).collective_rpc("probex_list_probes"))[0]
         listing["score_messages_received"] = self.hub.messages_received
+        listing["score_messages_lost"] = self.hub.messages_lost
+        listing["score_steps_lost"] = self.hub.steps_lost
         listing["score_waits"] = self.hub.wait_stats()
         listing["score_loop_time"] = self.hub.loop_time_stats()
         listing["open_prompt_books"] = self.hub.open_prompt_books
@@ -483,13 +485,13 @@ class BodyRelay:
 
     def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float) -> None:
         self.hub, self.call, self._send, self._wait_s = hub, call, send, wait_s
-        self._pauses_at_start = hub.pauses
+        self._gaps_at_start = hub.score_gaps
         self._start: dict | None = None
         self._chunks: list[bytes] = []
 
     @property
     def wait_s(self) -> float:
-        return _score_wait(self.hub, self._pauses_at_start, self._wait_s)
+        return _score_wait(self.hub, self._gaps_at_start, self._wait_s)
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -542,7 +544,7 @@ class StreamRelay:
 
     def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float, splice: bool = True) -> None:
         self.hub, self.call, self._send, self._wait_s, self.splice = hub, call, send, wait_s, splice
-        self._pauses_at_start = hub.pauses
+        self._gaps_at_start = hub.score_gaps
         self._is_sse = False
         self._pending = b""
         self._generated: dict[int, int] = {}
@@ -550,7 +552,7 @@ class StreamRelay:
 
     @property
     def wait_s(self) -> float:
-        return _score_wait(self.hub, self._pauses_at_start, self._wait_s)
+        return _score_wait(self.hub, self._gaps_at_start, self._wait_s)
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -803,11 +805,11 @@ async def _read_body(receive: Receive) -> bytes:
     return b"".join(parts)
 
 
-def _score_wait(hub: ScoreHub, pauses_at_start: int, wait_s: float) -> float:
-    """How long a response may wait for its scores: not at all once the tap has been paused
-    since the request came in (the tokens of the pause never get scores, and those after it
-    would wait for them)."""
-    return wait_s if hub.pauses == pauses_at_start else 0.0
+def _score_wait(hub: ScoreHub, gaps_at_start: int, wait_s: float) -> float:
+    """How long a response may wait for its scores: not at all once the tap has been paused or
+    scores were lost since the request came in (some of its tokens never get scores, and the
+    chunks after them would each wait for those)."""
+    return wait_s if hub.score_gaps == gaps_at_start else 0.0
 
 
 def _body_headers(scope: Scope, body: bytes, request_id: str | None = None) -> list[tuple[bytes, bytes]]:

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.bookkeeping import CONTROL, StepLayout, StepReader, step_message
+from engine_worker.bookkeeping import CONTROL, StepLayout, StepReader, lost_message, step_message
 from engine_worker import controller as controller_module
 from engine_worker.controller import TapController
+from engine_worker.delivery import ScoreHub
 from engine_worker.score_transfer import ScoreTransfer
 from engine_worker.tap import LayerTap
 from probes.artifact import ProbeArtifact, ReadPoint, ServedModel, save_probe
@@ -831,12 +832,34 @@ def test_a_layout_that_cannot_be_built_loses_its_scores_but_still_ends_its_reque
 
     controller.after_forward(build, ["a"], num_rows=2)
     assert controller.transfer.consume_errors == 1
-    (message,) = published
-    assert message["finished"] == ["a"] and message["step"]["req"] == []
-    reader = StepReader()  # the API server's side: a book opened earlier for "a" is closed by it
-    reader.read(step_message(controller.table, StepLayout(["a"], np.array([1]), np.array([0]), np.array([3])),
-                             np.zeros((1, 2), np.float32), []))
-    assert len(reader.book) == 1
-    assert reader.read(message).finished == ["a"] and len(reader.book) == 0
+    assert list(published) == [] and published.control[-1] == lost_message(["a"])  # after the load's swap
+    message = published.control[-1]
     with pytest.raises(TypeError, match="num_rows"):
         controller.after_forward(build, [])
+    # the API server's side: a book opened earlier for "a" is closed by it, the request ends,
+    # and the hub counts the loss (so responses in flight stop waiting)
+    hub = ScoreHub("inproc://unused")
+    key = "cmpl-probex-a"
+    hub.get(key)  # the relay of the request's response asks for it
+    hub.ingest(step_message(controller.table, StepLayout([f"{key}-0123abcd"], np.array([1]), np.array([0]),
+                                                         np.array([3])), np.zeros((1, 2), np.float32), []))
+    assert hub.open_prompt_books == 1
+    hub.ingest({**message, "finished": [f"{key}-0123abcd"]})
+    assert hub.open_prompt_books == 0 and hub.get(key).finished
+    assert hub.steps_lost == 1 and hub.losses == 1 and hub.score_gaps == 1
+
+
+def test_a_step_that_fails_after_its_layout_is_announced_as_lost(setup, monkeypatch):
+    """Any failure on a step's way out (gathering, capture books, encoding) is announced the same way."""
+    taps, probes, published = setup
+    controller = TapController(taps, served(), published.append, threaded=False)
+    controller.load([str(p) for p in probes])
+    run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
+
+    def failing_gather(*args):
+        raise MemoryError("no room for the step's scores")
+
+    monkeypatch.setattr(controller_module, "gather_scores", failing_gather)
+    controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])), ["b"], num_rows=2)
+    assert controller.transfer.consume_errors == 1
+    assert list(published) == [] and published.control[-1] == lost_message(["b"])

@@ -574,6 +574,67 @@ def test_streams_in_flight_stop_waiting_for_scores_when_the_tap_is_paused():
     assert first["probex"]["scores"] == {} and later["probex"]["scores"] == {}
 
 
+def test_a_gap_in_the_workers_count_ends_the_waits_of_streams_in_flight_only():
+    """A process whose queue filled loses messages there (ZMQ's PUB drops for one subscriber);
+    the missing numbers tell its hub, whose streams in flight then stop waiting for scores that
+    will not come (each later chunk would wait the full score wait), while what did come still
+    goes out; a stream that begins afterwards waits as usual."""
+    from engine_worker.bookkeeping import SEQUENCE
+    from engine_worker.middleware import MonitoredCall, StreamRelay
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    call = MonitoredCall(key_prefix="cmpl-probex-a", stream=True, wants_token_ids=False)
+
+    def step(sequence, scheduled, computed, raw):
+        layout = StepLayout([f"{call.key(0)}-0123abcd"], np.array([scheduled]), np.array([computed]), np.array([2]))
+        return {**step_message(table, layout, np.array(raw, np.float32), []), SEQUENCE: sequence}
+
+    def chunk(token):
+        return b'data: {"id":"x","choices":[{"index":0,"text":"a","token_ids":[%d]}]}' % token
+
+    async def go():
+        hub = idle_hub()
+        relay = StreamRelay(hub, call, None, 30.0)
+        hub.ingest(step(7, 2, 0, [[0.5], [1.5]]))  # the first heard: prompt + token 0 (7: joined late, no loss)
+        first = json.loads((await relay._decorate_event(chunk(5)))[6:])
+        waiting = asyncio.get_running_loop().create_task(relay._decorate_event(chunk(6)))  # token 1
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and hub.messages_lost == 0
+        started = asyncio.get_running_loop().time()
+        hub.ingest(step(10, 1, 3, [[2.5]]))  # token 2 arrives; 8 and 9 (token 1's step among them) never do
+        second = json.loads((await waiting)[6:])
+        third = json.loads((await relay._decorate_event(chunk(7)))[6:])  # token 2, in
+        fourth = json.loads((await relay._decorate_event(chunk(8)))[6:])  # token 3, not in: no wait
+        elapsed = asyncio.get_running_loop().time() - started
+        later = StreamRelay(hub, MonitoredCall(key_prefix="cmpl-probex-b", stream=True, wants_token_ids=False), None,
+                            30.0)
+        return first, second, third, fourth, elapsed, hub, later.wait_s, relay.wait_s
+
+    first, second, third, fourth, elapsed, hub, later_wait, in_flight_wait = asyncio.run(go())
+    assert elapsed < 5 and hub.messages_lost == 2 and hub.losses == 1 and hub.steps_lost == 0
+    assert first["probex"]["scores"]["p"]["generated"]["scores"] == [pytest.approx(calibrate(1.5, 1.0, 0.0))]
+    assert second["probex"]["scores"] == {} and fourth["probex"]["scores"] == {}  # tokens 1 and 3: none came
+    assert third["probex"]["scores"]["p"]["generated"] == {"offset": 2, "scores": [pytest.approx(calibrate(2.5, 1.0, 0.0))]}
+    assert in_flight_wait == 0.0 and later_wait == 30.0
+    hub.ingest(step(3, 1, 4, [[0.0]]))  # a lower number: a new publisher (worker restarted), no loss
+    assert hub.messages_lost == 2
+
+
+def test_the_publisher_numbers_its_messages_in_the_order_sent():
+    from engine_worker.bookkeeping import SEQUENCE, paused_message
+    from engine_worker.delivery import ScorePublisher
+
+    address = f"ipc://{tempfile.mkdtemp()}/scores"
+    publisher = ScorePublisher(address)
+    try:
+        messages = [paused_message(True, 1), paused_message(False, 2)]
+        for message in messages:
+            publisher.publish(message)
+        assert [m[SEQUENCE] for m in messages] == [1, 2] and publisher.sequence == 2
+    finally:
+        publisher._socket.close(linger=0)
+
+
 def test_the_hub_times_the_processs_garbage_collections_by_generation():
     async def started() -> ScoreHub:
         hub = ScoreHub(f"ipc://{tempfile.mkdtemp()}/scores")
