@@ -304,16 +304,19 @@ def swapped_message(what: str, version: int, dirs: list[str] | None = None) -> d
     return {CONTROL: "swapped", "what": what, "version": int(version), "dirs": list(dirs or [])}
 
 
-def lost_message(finished: list[str]) -> dict:
-    """A step whose scores could not be sent (the worker failed to place them): receivers stop
-    waiting for the scores of the requests then in flight; `finished` are the requests that
-    ended with that step, which end all the same."""
-    return {CONTROL: "lost", "finished": list(finished)}
+def lost_message(requests: list[str], finished: list[str]) -> dict:
+    """A step whose scores could not be sent: receivers stop waiting for scores of `requests`
+    (the step's, where its layout was built; the rest of a response's steps still come);
+    `finished`, the requests that ended with the step, end all the same."""
+    return {CONTROL: "lost", "requests": list(requests), "finished": list(finished)}
 
 
-def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finished: list[str]) -> dict:
-    """One step for the wire: ids as a list, the per-request counts and the scores as raw bytes."""
-    return {
+def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finished: list[str],
+                 pause: tuple[int, bool] | None = None) -> dict:
+    """One step for the wire: ids as a list, the per-request counts and the scores as raw bytes;
+    `pause`, the worker's (pause changes, paused) as it sends, so a receiver that lost a pause
+    control message is set right by the next step."""
+    message = {
         "v": table.version,
         "probes": table.describe(),
         "step": {
@@ -325,6 +328,9 @@ def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finishe
         "raw": np.ascontiguousarray(raw, dtype=np.float32).tobytes(),
         "finished": finished,
     }
+    if pause is not None:
+        message["pause"] = [int(pause[0]), bool(pause[1])]
+    return message
 
 
 class StepReader:

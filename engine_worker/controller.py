@@ -432,10 +432,16 @@ class TapController:
         as it is (`step_message`); the API server keeps the books. Only capture mode keeps
         books here too, to know when a captured prompt is complete."""
         layout, table, finished, capture_plan, captured = step.context
+        published = False
         try:
             if not isinstance(layout, StepLayout):
                 layout = self._build_layout(layout, step.rows)
             raw = gather_scores(table, step.rows, step.scores())
+            if self.publish is not None and (layout.req_ids or finished):
+                # Read in this order: the engine thread sets `paused` before counting the change.
+                pause = (self.pause_changes, self.paused)
+                self.publish(step_message(table, layout, raw, list(finished), pause))
+            published = True
             if self.capture_dir is not None:
                 events = self.book.record_step(layout, table, raw)
                 if captured is not None:
@@ -443,14 +449,14 @@ class TapController:
                 self.book.finish(finished)
                 for req_id in finished:
                     self._capture_requests.pop(req_id, None)
-            if self.publish is not None and (layout.req_ids or finished):
-                self.publish(step_message(table, layout, raw, list(finished)))
         except Exception:
-            # The step's scores cannot be placed or sent. The API servers hear of it, so no
-            # response in flight waits out its score wait for them at every later chunk, and
-            # the requests that ended with the step end there too; it counts as a consume error.
-            if self.publish is not None:
-                self.publish(lost_message(list(finished)))
+            # The step's scores could not be placed or sent (a capture file that cannot be
+            # written costs no scores: they went first). The API servers hear of it, so the
+            # step's requests stop waiting for scores, those that ended with it end, and it
+            # counts as a consume error.
+            if self.publish is not None and not published:
+                requests = layout.req_ids if isinstance(layout, StepLayout) else []
+                self.publish(lost_message(list(requests), list(finished)))
             raise
 
     @staticmethod

@@ -66,9 +66,10 @@ class ScorePublisher:
 
     def publish(self, message: dict) -> None:
         with self._lock:
+            message[SEQUENCE] = self.sequence + 1
+            frame = self._encoder.encode(message)  # a message that cannot be encoded takes no number
             self.sequence += 1
-            message[SEQUENCE] = self.sequence
-            self._socket.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
+            self._socket.send(frame, flags=zmq.NOBLOCK)
 
 
 def owner_tag() -> str:
@@ -118,6 +119,8 @@ class RequestScores:
     finished: bool = False
     touched: float = field(default_factory=time.monotonic)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    latest: int = -1  # the highest token index in
+    lost: bool = False  # the worker could not send a step of this request's: waits end at once
 
     def add_token(self, index: int, scores: tuple[float, ...], probes: ProbeColumns) -> None:
         """`scores`: calibrated, one per probe of `probes` (the set that scored this token)."""
@@ -130,6 +133,8 @@ class RequestScores:
             self.other_probes.pop(index, None)  # the token came again, scored by the first set
         while self.contiguous in self.tokens:
             self.contiguous += 1
+        if index > self.latest:
+            self.latest = index
 
     def probes_of(self, index: int) -> ProbeColumns | None:
         """The probe set that scored token `index` (None if it has not come in)."""
@@ -138,8 +143,15 @@ class RequestScores:
         return self.other_probes.get(index, self.token_probes) if self.other_probes else self.token_probes
 
     def has(self, *, prompt: bool, tokens: int) -> bool:
-        """The prompt summary (if asked) and tokens [0, tokens) are all in."""
-        return (self.prompt is not None or not prompt) and self.contiguous >= tokens
+        """The prompt summary (if asked) and tokens [0, tokens) are all in, or as far in as they
+        will ever be. Steps arrive in order and a prompt's summary comes with its first token,
+        so once a later token is in, an earlier one missing (and a summary missing) was lost
+        on the way or fell in a pause: waiting for it would only hold the chunk."""
+        if self.lost:
+            return True
+        if prompt and self.prompt is None and self.latest < 0:
+            return False
+        return self.contiguous >= tokens or self.latest >= tokens - 1
 
 
 class _ProbeSet:
@@ -246,9 +258,15 @@ class ScoreHub:
             last, self._last_sequence = self._last_sequence, sequence
             if last is not None and sequence > last + 1:
                 self.messages_lost += sequence - last - 1
+                # A swap may have been among them: listings are read again. A pause is set
+                # right by the next step (each carries the worker's pause state).
+                self.swaps += 1
                 self._scores_lost(f"{sequence - last - 1} score messages lost (this API server process fell behind)")
         if CONTROL in message:
             return self._control(message)
+        if "pause" in message:  # the worker's pause state: a lost pause message is made good here
+            sequence, paused = message["pause"]
+            self.set_paused(bool(paused), int(sequence))
         version = message["v"]
         table = self._tables.get(version)
         if table is None:
@@ -296,19 +314,13 @@ class ScoreHub:
                 state.changed.set()
 
     def _scores_lost(self, what: str) -> None:
-        """Some scores will never come: every response waiting stops waiting (and those in
-        flight wait no more, `score_gaps`); what did come still goes out."""
+        """Some scores will never come: every waiting response looks again (`RequestScores.has`
+        no longer waits for a token once a later one is in); what did come still goes out."""
         self.losses += 1
         for state in self._requests.values():
             state.changed.set()
         if self.losses in (1, 10, 100) or self.losses % 1000 == 0:
             log.warning("probex: %s (%d times so far)", what, self.losses)
-
-    @property
-    def score_gaps(self) -> int:
-        """How many times scores stopped coming for tokens being generated: pauses and losses.
-        A response that began before one stops waiting for its scores (`_score_wait`)."""
-        return self.pauses + self.losses
 
     def _owned(self, engine_request_id: str) -> bool:
         """Was this request given its id by this process (several API server processes)?
@@ -327,6 +339,9 @@ class ScoreHub:
                 self.on_probes_swapped(int(message["version"]), list(message.get("dirs") or []))
         elif kind == "lost":
             self.steps_lost += 1
+            mine = [req for req in message.get("requests", ()) if self.owner is None or self._owned(req)]
+            for req in mine:  # each waits no more for scores (a step of theirs never comes)
+                self._state(self._external_id(req)).lost = True
             finished = [req for req in message.get("finished", ()) if self.owner is None or self._owned(req)]
             self._mark_finished(self._steps.book.finish(finished))
             self._scores_lost("the worker could not send a step's scores")
@@ -405,11 +420,10 @@ class ScoreHub:
         stats = self.waits["prompt" if prompt else "tokens"]
         start = time.monotonic()
         deadline = start + timeout
-        gaps = self.score_gaps
         try:
             while not state.has(prompt=prompt, tokens=tokens):
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.paused or self.score_gaps != gaps:
+                if remaining <= 0 or self.paused:
                     return False
                 state.changed.clear()
                 try:

@@ -120,6 +120,11 @@ def inspect_request(path: str, body: Any, owner: str = "") -> MonitoredCall | No
         raise RequestRefused("beam search is not supported with ProbeX monitoring", param="use_beam_search")
     if path == "/v1/completions" and body.get("echo"):
         raise RequestRefused("echo is not supported with ProbeX monitoring", param="echo")
+    if body.get("include_reasoning") is False:
+        # vLLM then leaves out the token ids that say which tokens each chunk carries (where a
+        # reasoning or tool parser is on): the generated tokens' scores could not be placed.
+        raise RequestRefused("include_reasoning: false is not supported with ProbeX monitoring",
+                             param="include_reasoning")
 
     num_prompts = 1
     prompt = body.get("prompt")
@@ -485,13 +490,13 @@ class BodyRelay:
 
     def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float) -> None:
         self.hub, self.call, self._send, self._wait_s = hub, call, send, wait_s
-        self._gaps_at_start = hub.score_gaps
+        self._pauses_at_start = hub.pauses
         self._start: dict | None = None
         self._chunks: list[bytes] = []
 
     @property
     def wait_s(self) -> float:
-        return _score_wait(self.hub, self._gaps_at_start, self._wait_s)
+        return _score_wait(self.hub, self._pauses_at_start, self._wait_s)
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -544,7 +549,7 @@ class StreamRelay:
 
     def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float, splice: bool = True) -> None:
         self.hub, self.call, self._send, self._wait_s, self.splice = hub, call, send, wait_s, splice
-        self._gaps_at_start = hub.score_gaps
+        self._pauses_at_start = hub.pauses
         self._is_sse = False
         self._pending = b""
         self._generated: dict[int, int] = {}
@@ -552,7 +557,7 @@ class StreamRelay:
 
     @property
     def wait_s(self) -> float:
-        return _score_wait(self.hub, self._gaps_at_start, self._wait_s)
+        return _score_wait(self.hub, self._pauses_at_start, self._wait_s)
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -805,11 +810,11 @@ async def _read_body(receive: Receive) -> bytes:
     return b"".join(parts)
 
 
-def _score_wait(hub: ScoreHub, gaps_at_start: int, wait_s: float) -> float:
-    """How long a response may wait for its scores: not at all once the tap has been paused or
-    scores were lost since the request came in (some of its tokens never get scores, and the
-    chunks after them would each wait for those)."""
-    return wait_s if hub.score_gaps == gaps_at_start else 0.0
+def _score_wait(hub: ScoreHub, pauses_at_start: int, wait_s: float) -> float:
+    """How long a response may wait for its scores: not at all once the tap has been paused
+    since the request came in (the tokens of the pause never get scores, and those after it
+    would wait for them)."""
+    return wait_s if hub.pauses == pauses_at_start else 0.0
 
 
 def _body_headers(scope: Scope, body: bytes, request_id: str | None = None) -> list[tuple[bytes, bytes]]:

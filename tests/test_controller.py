@@ -832,7 +832,7 @@ def test_a_layout_that_cannot_be_built_loses_its_scores_but_still_ends_its_reque
 
     controller.after_forward(build, ["a"], num_rows=2)
     assert controller.transfer.consume_errors == 1
-    assert list(published) == [] and published.control[-1] == lost_message(["a"])  # after the load's swap
+    assert list(published) == [] and published.control[-1] == lost_message([], ["a"])  # after the load's swap
     message = published.control[-1]
     with pytest.raises(TypeError, match="num_rows"):
         controller.after_forward(build, [])
@@ -846,7 +846,20 @@ def test_a_layout_that_cannot_be_built_loses_its_scores_but_still_ends_its_reque
     assert hub.open_prompt_books == 1
     hub.ingest({**message, "finished": [f"{key}-0123abcd"]})
     assert hub.open_prompt_books == 0 and hub.get(key).finished
-    assert hub.steps_lost == 1 and hub.losses == 1 and hub.score_gaps == 1
+    assert hub.steps_lost == 1 and hub.losses == 1
+    hub.ingest(lost_message([f"{key}-0123abcd"], []))  # a step whose layout was built names its requests
+    assert hub.get(key).lost and hub.get(key).has(prompt=True, tokens=5)  # which wait for nothing more
+
+
+def test_each_step_carries_the_workers_pause_state(setup):
+    taps, probes, published = setup
+    controller = TapController(taps, served(), published.append, threaded=False)
+    controller.load([str(p) for p in probes])
+    run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
+    controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])), [], num_rows=2)
+    controller.set_paused(True)
+    controller.after_forward(StepLayout.empty(), ["a"], num_rows=0)
+    assert [m["pause"] for m in published] == [[0, False], [1, True]]
 
 
 def test_a_step_that_fails_after_its_layout_is_announced_as_lost(setup, monkeypatch):
@@ -862,4 +875,4 @@ def test_a_step_that_fails_after_its_layout_is_announced_as_lost(setup, monkeypa
     monkeypatch.setattr(controller_module, "gather_scores", failing_gather)
     controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])), ["b"], num_rows=2)
     assert controller.transfer.consume_errors == 1
-    assert list(published) == [] and published.control[-1] == lost_message(["b"])
+    assert list(published) == [] and published.control[-1] == lost_message(["a"], ["b"])

@@ -34,6 +34,8 @@ def test_engine_suffix_is_stripped():
         ({"vllm_xargs": "x"}, "vllm_xargs must be an object"),
         ({"n": 2}, "n=2"),
         ({"use_beam_search": True}, "beam search"),
+        # vLLM would leave out the token ids each chunk's scores are placed by
+        ({"include_reasoning": False}, "include_reasoning: false"),
     ],
 )
 def test_bad_probex_requests_are_refused(body, message):
@@ -574,11 +576,11 @@ def test_streams_in_flight_stop_waiting_for_scores_when_the_tap_is_paused():
     assert first["probex"]["scores"] == {} and later["probex"]["scores"] == {}
 
 
-def test_a_gap_in_the_workers_count_ends_the_waits_of_streams_in_flight_only():
+def test_a_gap_in_the_workers_count_is_counted_and_no_chunk_waits_for_a_lost_token():
     """A process whose queue filled loses messages there (ZMQ's PUB drops for one subscriber);
-    the missing numbers tell its hub, whose streams in flight then stop waiting for scores that
-    will not come (each later chunk would wait the full score wait), while what did come still
-    goes out; a stream that begins afterwards waits as usual."""
+    the missing numbers tell its hub. A chunk whose token was in a lost step goes out once a
+    later token is in (steps come in order, so the missing one never will), instead of each
+    later chunk waiting the full score wait; tokens still to come are waited for as usual."""
     from engine_worker.bookkeeping import SEQUENCE
     from engine_worker.middleware import MonitoredCall, StreamRelay
 
@@ -604,20 +606,44 @@ def test_a_gap_in_the_workers_count_ends_the_waits_of_streams_in_flight_only():
         hub.ingest(step(10, 1, 3, [[2.5]]))  # token 2 arrives; 8 and 9 (token 1's step among them) never do
         second = json.loads((await waiting)[6:])
         third = json.loads((await relay._decorate_event(chunk(7)))[6:])  # token 2, in
-        fourth = json.loads((await relay._decorate_event(chunk(8)))[6:])  # token 3, not in: no wait
+        waiting = asyncio.get_running_loop().create_task(relay._decorate_event(chunk(8)))  # token 3, to come
+        await asyncio.sleep(0.05)
+        held = not waiting.done()
+        hub.ingest(step(11, 1, 4, [[-1.0]]))
+        fourth = json.loads((await waiting)[6:])
         elapsed = asyncio.get_running_loop().time() - started
-        later = StreamRelay(hub, MonitoredCall(key_prefix="cmpl-probex-b", stream=True, wants_token_ids=False), None,
-                            30.0)
-        return first, second, third, fourth, elapsed, hub, later.wait_s, relay.wait_s
+        return first, second, third, fourth, held, elapsed, hub
 
-    first, second, third, fourth, elapsed, hub, later_wait, in_flight_wait = asyncio.run(go())
-    assert elapsed < 5 and hub.messages_lost == 2 and hub.losses == 1 and hub.steps_lost == 0
+    first, second, third, fourth, held, elapsed, hub = asyncio.run(go())
+    assert elapsed < 5 and hub.messages_lost == 2 and hub.losses == 1 and hub.steps_lost == 0 and hub.swaps == 1
     assert first["probex"]["scores"]["p"]["generated"]["scores"] == [pytest.approx(calibrate(1.5, 1.0, 0.0))]
-    assert second["probex"]["scores"] == {} and fourth["probex"]["scores"] == {}  # tokens 1 and 3: none came
+    assert second["probex"]["scores"] == {}  # token 1: never came
     assert third["probex"]["scores"]["p"]["generated"] == {"offset": 2, "scores": [pytest.approx(calibrate(2.5, 1.0, 0.0))]}
-    assert in_flight_wait == 0.0 and later_wait == 30.0
+    assert held and fourth["probex"]["scores"]["p"]["generated"] == {"offset": 3, "scores": [pytest.approx(calibrate(-1.0, 1.0, 0.0))]}
     hub.ingest(step(3, 1, 4, [[0.0]]))  # a lower number: a new publisher (worker restarted), no loss
     assert hub.messages_lost == 2
+
+
+def test_a_lost_pause_message_is_made_good_by_the_next_step():
+    """Each step carries the worker's pause state: a process that lost the pause (or the
+    resume) message takes it from the step after, instead of waiting for scores that will not
+    come, or relaying unmonitored, until the tap is switched again."""
+    from engine_worker.bookkeeping import SEQUENCE
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    hub = idle_hub()
+    hub.ingest({**step_message(table, StepLayout.empty(), np.zeros((0, 1), np.float32), ["x-0123abcd"], (0, False)),
+                SEQUENCE: 1})
+    # seq 2, the pause message, lost; the paused worker's next step announces a request's end
+    hub.ingest({**step_message(table, StepLayout.empty(), np.zeros((0, 1), np.float32), ["y-0123abcd"], (1, True)),
+                SEQUENCE: 3})
+    assert hub.paused and hub.pauses == 1 and hub.messages_lost == 1
+    hub.ingest({**step_message(table, StepLayout.empty(), np.zeros((0, 1), np.float32), ["z-0123abcd"], (1, True)),
+                SEQUENCE: 4})
+    assert hub.pauses == 1  # the same state again changes nothing
+    hub.ingest({**step_message(table, StepLayout.empty(), np.zeros((0, 1), np.float32), ["w-0123abcd"], (2, False)),
+                SEQUENCE: 6})
+    assert not hub.paused and hub.messages_lost == 2
 
 
 def test_the_publisher_numbers_its_messages_in_the_order_sent():
