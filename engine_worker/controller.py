@@ -437,21 +437,28 @@ class TapController:
             if not isinstance(layout, StepLayout):
                 layout = self._build_layout(layout, step.rows)
             raw = gather_scores(table, step.rows, step.scores())
+            capture_failure = None
+            if self.capture_dir is not None:
+                # Before the step goes out: a captured request's files are written by the time
+                # its response ends. A capture that fails costs no scores.
+                try:
+                    events = self.book.record_step(layout, table, raw)
+                    if captured is not None:
+                        self._collect_capture(layout, events, capture_plan, captured)
+                except Exception as exc:
+                    capture_failure = exc
+                self.book.finish(finished)
+                for req_id in finished:
+                    self._capture_requests.pop(req_id, None)
             if self.publish is not None and (layout.req_ids or finished):
                 # Read in this order: the engine thread sets `paused` before counting the change.
                 pause = (self.pause_changes, self.paused)
                 self.publish(step_message(table, layout, raw, list(finished), pause))
             published = True
-            if self.capture_dir is not None:
-                events = self.book.record_step(layout, table, raw)
-                if captured is not None:
-                    self._collect_capture(layout, events, capture_plan, captured)
-                self.book.finish(finished)
-                for req_id in finished:
-                    self._capture_requests.pop(req_id, None)
+            if capture_failure is not None:
+                raise capture_failure
         except Exception:
-            # The step's scores could not be placed or sent (a capture file that cannot be
-            # written costs no scores: they went first). The API servers hear of it, so the
+            # The step's scores could not be placed or sent. The API servers hear of it, so the
             # step's requests stop waiting for scores, those that ended with it end, and it
             # counts as a consume error.
             if self.publish is not None and not published:

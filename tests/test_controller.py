@@ -862,6 +862,24 @@ def test_each_step_carries_the_workers_pause_state(setup):
     assert [m["pause"] for m in published] == [[0, False], [1, True]]
 
 
+def test_a_capture_that_fails_costs_no_scores(setup, tmp_path, monkeypatch):
+    """Capture books (and files) come before the step goes out, so a captured request's files
+    exist when its response ends; one that fails still lets the step's scores out."""
+    taps, probes, published = setup
+    controller = TapController(taps, served(), published.append, capture_dir=str(tmp_path / "captures"),
+                               threaded=False)
+    controller.load([str(p) for p in probes])
+    run_step(taps, {l: torch.randn(2, HIDDEN) for l in taps})
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(controller.book, "record_step", full_disk)
+    controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])), [], num_rows=2)
+    assert controller.transfer.consume_errors == 1
+    assert [m["step"]["req"] for m in published] == [["a"]] and published.control[-1][CONTROL] != "lost"
+
+
 def test_a_step_that_fails_after_its_layout_is_announced_as_lost(setup, monkeypatch):
     """Any failure on a step's way out (gathering, capture books, encoding) is announced the same way."""
     taps, probes, published = setup
