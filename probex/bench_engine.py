@@ -1260,8 +1260,8 @@ def merge_process_health(healths: list[dict[str, Any]]) -> dict[str, Any]:
     """One /probex/health from those of several API server processes: the worker's own parts
     (transfer, engine thread, probes) as the first gave them; each process's relay counters
     (its event loop's work, its waits for scores) summed, their longest the longest of any;
-    the step messages taken in, which every process receives, the most any took in; the
-    messages and steps lost, summed;
+    the score messages taken in (each process's own requests' part of the steps, and the
+    messages for every process), summed; the messages and steps lost, summed;
     `api_server.pids` which processes answered."""
     merged = dict(healths[0])
     if len(healths) == 1:
@@ -1274,8 +1274,7 @@ def merge_process_health(healths: list[dict[str, Any]]) -> dict[str, Any]:
                 for name, value in stats.items():
                     into[name] = max(into.get(name, value), value) if name.startswith("max") else into.get(name, 0) + value
         merged[key] = parts
-    merged["score_messages_received"] = max(h.get("score_messages_received", 0) for h in healths)
-    for key in ("score_messages_lost", "score_steps_lost"):  # each process's own losses
+    for key in ("score_messages_received", "score_messages_lost", "score_steps_lost"):  # each process's own
         merged[key] = sum(h.get(key, 0) for h in healths)
     merged["api_server"] = {**(healths[0].get("api_server") or {}), "processes": len(healths),
                             "pids": [(h.get("api_server") or {}).get("pid") for h in healths]}
@@ -1361,6 +1360,11 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "mean_ms_when_waiting": seconds / waited * 1e3 if waited else 0.0,
             "max_ms_so_far": end["max_s"] * 1e3,
         }
+    # Score messages an API server process found missing from the worker's count, and steps
+    # the worker could not send: responses then went out without some tokens' scores.
+    if all(key in before and key in after for key in ("score_messages_lost", "score_steps_lost")):
+        out["scores_lost"] = {"messages": after["score_messages_lost"] - before["score_messages_lost"],
+                              "steps": after["score_steps_lost"] - before["score_steps_lost"]}
     return out
 
 
@@ -1410,6 +1414,9 @@ def delivery_line(delivery: dict[str, Any]) -> str:
         w = delivery.get(f"{kind}_waits")
         if w and w["chunks"]:
             parts.append(f"{kind} chunks held {w['waited']}/{w['chunks']} (mean {w['mean_ms_when_waiting']:.3f} ms when held)")
+    lost = delivery.get("scores_lost") or {}
+    if lost.get("messages") or lost.get("steps"):
+        parts.append(f"SCORES LOST: {lost['messages']} messages, {lost['steps']} steps")
     return "; ".join(parts)
 
 
