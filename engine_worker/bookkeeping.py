@@ -290,10 +290,6 @@ CONTROL = "control"
 # The publisher's running count, stamped on every message it sends (delivery.ScorePublisher):
 # a receiver that finds one missing knows some scores will never come.
 SEQUENCE = "seq"
-# Which stream of the publisher's the message went out on, and so which count its number
-# belongs to: EVERYONE, or one API server process's owner tag (delivery.ScorePublisher).
-TOPIC = "topic"
-EVERYONE = "*"
 
 
 def paused_message(paused: bool, sequence: int) -> dict:

@@ -9,8 +9,7 @@ appends "-<8 hex>" to the id the API server chose, and we strip that suffix so t
 middleware can ask by the id it put in `X-Request-Id`. With several API server processes
 each one's middleware starts its ids with its own tag (`owner_tag`), and its hub books
 only the rows of those: each process relays its own requests' chunks, so the relay's work
-is shared out as vLLM shares out its own. The worker then sends each process only its own
-requests' rows (a ZMQ topic per owner tag), so taking in the steps is shared out too.
+is shared out as vLLM shares out its own.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import numpy as np
 import zmq
 
 from engine_worker import responses
-from engine_worker.bookkeeping import CONTROL, EVERYONE, SEQUENCE, TOPIC, StepReader
+from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader
 from probes.scoring import calibrate_array
 
 log = logging.getLogger("probex.delivery")
@@ -46,21 +45,16 @@ class ScorePublisher:
     """Worker side: fire-and-forget PUB to every API server process; never blocks the engine loop.
 
     The worker binds, the hubs connect: one address however many API server processes
-    there are. Each message goes out on a topic (`TOPIC`): EVERYONE, or with
-    `split_by_owner` (several API server processes) a step's rows go to the process that
-    took their requests, one message per owner tag (`step_shares_by_owner`), and ZMQ sends
-    each process only the topics it subscribed to: a process takes in its own rows, not
-    every process's. Every message carries the next number of its topic's running count
-    (`SEQUENCE`): an API server process so far behind that its queue is full loses
-    messages there and only there (ZMQ's PUB drops for that subscriber alone, where
-    refusing the send would take them from every process), and its hub finds the gap in
-    the count, so its responses stop waiting for scores that will not come
-    (`ScoreHub.messages_lost`). Steps are published by the score consumer's thread and
-    control messages by the engine thread between steps; a ZMQ socket is not thread-safe,
-    so sends take a lock (uncontended nearly always: a fraction of a microsecond), which
-    also keeps each count in the order of the sends."""
+    there are. Every message carries the next number of a running count (`SEQUENCE`): an
+    API server process so far behind that its queue is full loses messages there and only
+    there (ZMQ's PUB drops for that subscriber alone, where refusing the send would take
+    them from every process), and its hub finds the gap in the count, so its responses stop
+    waiting for scores that will not come (`ScoreHub.messages_lost`). Steps are published by
+    the score consumer's thread and control messages by the engine thread between steps; a
+    ZMQ socket is not thread-safe, so sends take a lock (uncontended nearly always: a
+    fraction of a microsecond), which also keeps the count in the order of the sends."""
 
-    def __init__(self, address: str, high_water_mark: int = 100_000, split_by_owner: bool = False) -> None:
+    def __init__(self, address: str, high_water_mark: int = 100_000) -> None:
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
@@ -68,94 +62,14 @@ class ScorePublisher:
         self._socket.bind(address)
         self._encoder = msgspec.msgpack.Encoder()
         self._lock = threading.Lock()
-        self.split_by_owner = split_by_owner
-        self.sequences: dict[str, int] = {}  # topic -> messages sent on it
-        self._owners: dict[str, str | None] = {}  # request id -> its owner tag: a request's ids recur every step
+        self.sequence = 0
 
     def publish(self, message: dict) -> None:
-        if self.split_by_owner and "step" in message:
-            if len(self._owners) > 100_000:  # ids are never reused: forgetting them all is safe
-                self._owners.clear()
-            for owner, share in step_shares_by_owner(message, self._owner_of):
-                self._send(owner, share)
-        else:
-            self._send(EVERYONE, message)
-
-    def _owner_of(self, engine_request_id: str) -> str | None:
-        try:
-            return self._owners[engine_request_id]
-        except KeyError:
-            owner = self._owners[engine_request_id] = owner_of(engine_request_id)
-            return owner
-
-    def _send(self, topic: str, message: dict) -> None:
         with self._lock:
-            sequence = self.sequences.get(topic, 0) + 1
-            message[SEQUENCE], message[TOPIC] = sequence, topic
+            message[SEQUENCE] = self.sequence + 1
             frame = self._encoder.encode(message)  # a message that cannot be encoded takes no number
-            self.sequences[topic] = sequence
-            self._socket.send_multipart([topic.encode(), frame], flags=zmq.NOBLOCK)
-
-
-_OWNER_MARKER = "-probex-"
-_OWNER_TAG_LENGTH = 8
-
-
-def owner_of(engine_request_id: str) -> str | None:
-    """The owner tag in a request id the middleware gave out ("<cmpl|chatcmpl>-probex-<tag>..."),
-    None for an id that has none."""
-    at = engine_request_id.find(_OWNER_MARKER)
-    if at < 0:
-        return None
-    tag = engine_request_id[at + len(_OWNER_MARKER):at + len(_OWNER_MARKER) + _OWNER_TAG_LENGTH]
-    return tag if len(tag) == _OWNER_TAG_LENGTH else None
-
-
-def step_shares_by_owner(message: dict, owner_of: Callable[[str], str | None] = owner_of) -> list[tuple[str, dict]]:
-    """A step message (`bookkeeping.step_message`) cut into one per owner tag among its
-    requests and the requests that ended with it: each with that owner's requests, their
-    rows of the scores and their ends. Rows of a request without a tag go to nobody (every
-    process's hub would leave them out). A step that holds a single process's requests goes
-    out whole. This runs on the worker for every step, so the usual work is a loop over
-    the ids (`owner_of` is given a cache by the publisher) and a few numpy slices."""
-    step, finished = message["step"], message.get("finished") or []
-    requests = step["req"]
-    by_owner: dict[str | None, list[int]] = {}
-    for index, req in enumerate(requests):
-        owner = owner_of(req)
-        if owner in by_owner:
-            by_owner[owner].append(index)
-        else:
-            by_owner[owner] = [index]
-    ended: dict[str | None, list[str]] = {}
-    for req in finished:
-        ended.setdefault(owner_of(req), []).append(req)
-    owners = (by_owner.keys() | ended.keys()) - {None}
-    if len(owners) == 1 and None not in by_owner and None not in ended:
-        return [(next(iter(owners)), message)]
-    scheduled = np.frombuffer(step["scheduled"], dtype=np.int64)
-    computed = np.frombuffer(step["computed"], dtype=np.int64)
-    prompt = np.frombuffer(step["prompt"], dtype=np.int64)
-    raw = np.frombuffer(message["raw"], dtype=np.float32).reshape(int(scheduled.sum()), len(message["probes"]))
-    one_row_each = bool((scheduled == 1).all())  # decode steps: a request's row is its index
-    rest = {key: value for key, value in message.items() if key not in ("step", "raw", "finished")}
-    shares = []
-    for owner in sorted(owners):
-        indexes = by_owner.get(owner, [])
-        index = np.array(indexes, dtype=np.intp)
-        if one_row_each:
-            rows = index
-        else:
-            mine = np.zeros(len(requests), dtype=bool)
-            mine[index] = True
-            rows = np.repeat(mine, scheduled)
-        share = dict(rest)
-        share["step"] = {"req": [requests[i] for i in indexes], "scheduled": scheduled[index].tobytes(),
-                         "computed": computed[index].tobytes(), "prompt": prompt[index].tobytes()}
-        share["raw"] = raw[rows].tobytes()
-        share["finished"] = ended.get(owner, [])
-        shares.append((owner, share))
-    return shares
+            self.sequence += 1
+            self._socket.send(frame, flags=zmq.NOBLOCK)
 
 
 def owner_tag() -> str:
@@ -297,7 +211,7 @@ class ScoreHub:
         self.messages_lost = 0
         self.steps_lost = 0
         self.losses = 0
-        self._last_sequence: dict[str, int] = {}  # topic -> the last number heard on it
+        self._last_sequence: int | None = None
         # Called with (version, dirs) for each probe set swapped in, from any process: the
         # middleware schedules the retention check for it.
         self.on_probes_swapped: Callable[[int, list[str]], None] | None = None
@@ -314,10 +228,7 @@ class ScoreHub:
         ctx = zmq.asyncio.Context.instance()
         self._socket = ctx.socket(zmq.SUB)
         self._socket.setsockopt(zmq.RCVHWM, 0)
-        # Messages for every process, and this process's own rows where the worker splits
-        # its steps by owner (several processes); one process hears every topic.
-        for topic in ([EVERYONE, self.owner] if self.owner is not None else [""]):
-            self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.connect(self.address)  # the worker binds: one address for every API server process
         self._task = asyncio.get_running_loop().create_task(self._receive_forever())
 
@@ -325,7 +236,7 @@ class ScoreHub:
         decoder = msgspec.msgpack.Decoder()
         last_sweep = time.monotonic()
         while True:
-            frame = (await self._socket.recv_multipart())[-1]
+            frame = await self._socket.recv()
             try:
                 self.ingest(decoder.decode(frame))
             except Exception:  # a malformed message must not stop delivery for everyone
@@ -342,10 +253,9 @@ class ScoreHub:
         self.messages_received += 1
         sequence = message.get(SEQUENCE)
         if sequence is not None:
-            # The first message heard on a topic sets its count's start (a process that joins
-            # late was not sent the earlier ones); a count lower than the last is a new publisher.
-            topic = message.get(TOPIC, EVERYONE)
-            last, self._last_sequence[topic] = self._last_sequence.get(topic), sequence
+            # The first message heard sets the count's start (a process that joins late was
+            # not sent the earlier ones); a count lower than the last is a new publisher.
+            last, self._last_sequence = self._last_sequence, sequence
             if last is not None and sequence > last + 1:
                 self.messages_lost += sequence - last - 1
                 # A swap may have been among them: listings are read again. A pause is set

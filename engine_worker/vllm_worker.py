@@ -20,7 +20,7 @@ from engine_worker.controller import ProbeSetRejected, TapController, VectorSetR
 from engine_worker.steer import LayerSteer
 from engine_worker.steering import SteeringError, SteerRequest, steering_from_xargs
 from engine_worker.tap import LayerTap, awaiting_storage, materialize
-from engine_worker.tap_config import ENV_API_SERVER_COUNT, ENV_DELIVERY, TapConfig, scores_delivered
+from engine_worker.tap_config import ENV_DELIVERY, TapConfig, scores_delivered
 
 log = logging.getLogger("vllm.probex.worker")  # under "vllm": printed by its log handler
 
@@ -172,10 +172,7 @@ def _publisher(tap_config: TapConfig):
         return None
     from engine_worker.delivery import ScorePublisher
 
-    # Several API server processes (the launcher sets the count for every process of the
-    # server): each is sent its own requests' rows of a step, not every row.
-    api_servers = int(os.environ.get(ENV_API_SERVER_COUNT, "1"))
-    return ScorePublisher(tap_config.score_address, split_by_owner=api_servers > 1).publish
+    return ScorePublisher(tap_config.score_address).publish
 
 
 def _is_delivering_rank() -> bool:

@@ -1260,8 +1260,8 @@ def merge_process_health(healths: list[dict[str, Any]]) -> dict[str, Any]:
     """One /probex/health from those of several API server processes: the worker's own parts
     (transfer, engine thread, probes) as the first gave them; each process's relay counters
     (its event loop's work, its waits for scores) summed, their longest the longest of any;
-    the score messages taken in (each process's own requests' part of the steps, and the
-    messages for every process), summed; the messages and steps lost, summed;
+    the step messages taken in, which every process receives, the most any took in; the
+    messages and steps lost, summed;
     `api_server.pids` which processes answered."""
     merged = dict(healths[0])
     if len(healths) == 1:
@@ -1274,7 +1274,8 @@ def merge_process_health(healths: list[dict[str, Any]]) -> dict[str, Any]:
                 for name, value in stats.items():
                     into[name] = max(into.get(name, value), value) if name.startswith("max") else into.get(name, 0) + value
         merged[key] = parts
-    for key in ("score_messages_received", "score_messages_lost", "score_steps_lost"):  # each process's own
+    merged["score_messages_received"] = max(h.get("score_messages_received", 0) for h in healths)
+    for key in ("score_messages_lost", "score_steps_lost"):  # each process's own losses
         merged[key] = sum(h.get(key, 0) for h in healths)
     merged["api_server"] = {**(healths[0].get("api_server") or {}), "processes": len(healths),
                             "pids": [(h.get("api_server") or {}).get("pid") for h in healths]}

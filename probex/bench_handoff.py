@@ -290,64 +290,6 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
             "gc_collections": [p.count for p in pauses]}
 
 
-def api_server_shares(requests: int, servers: int, steps: int, prompt_tokens: int = 1024) -> dict:
-    """Medians, in µs, of one decode step of `requests` streams spread evenly over `servers`
-    API server processes (`--api-server-count`): one process's hub taking in the whole step
-    and leaving the others' rows out (`whole_step_intake_us`, a worker that does not split)
-    against taking in its own share (`own_share_intake_us`, as the worker sends it), and
-    what cutting the step costs the worker (`split_and_encode_us`, the shares cut and
-    encoded, against `whole_encode_us`, one message encoded)."""
-    import uuid
-
-    from engine_worker.bookkeeping import StepLayout
-    from engine_worker.delivery import ScoreHub, ScorePublisher, owner_tag, step_shares_by_owner
-    from engine_worker.middleware import inspect_request
-
-    owners = [owner_tag() for _ in range(servers)]
-    engine_ids = [f"{inspect_request('/v1/completions', {'prompt': 'x'}, owner=owners[i % servers]).key(0)}-0123abcd"
-                  for i in range(requests)]
-    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
-    messages: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        controller = _controller(False, Path(tmp))
-        controller.publish = lambda message: messages.append(decoder.decode(encoder.encode(message)))
-        for first in range(0, requests, 4):
-            ids = engine_ids[first:first + 4]
-            controller.after_forward(StepLayout(ids, np.full(len(ids), prompt_tokens), np.zeros(len(ids), np.int64),
-                                                np.full(len(ids), prompt_tokens)))
-        for step in range(steps):
-            controller.after_forward(StepLayout(engine_ids, np.ones(requests, np.int64),
-                                                np.full(requests, prompt_tokens + step), np.full(requests, prompt_tokens)))
-        controller.transfer.close()
-    prefills, decodes = messages[:len(range(0, requests, 4))], messages[len(range(0, requests, 4)):]
-    split, whole = [], []
-    publisher = ScorePublisher.__new__(ScorePublisher)  # its owner cache, not a socket
-    publisher._owners = {}
-    for message in decodes:
-        started = time.perf_counter()
-        encoder.encode(message)
-        whole.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        for _, share in step_shares_by_owner(message, publisher._owner_of):
-            encoder.encode(share)
-        split.append(time.perf_counter() - started)
-    intake: dict[str, list[float]] = {"whole_step": [], "own_share": []}
-    for kind in intake:
-        hub = ScoreHub("inproc://unused", owner=owners[0])  # never started: fed as its receive loop would
-        for message in prefills:
-            hub.ingest(message)
-        for message in decodes:
-            frame = encoder.encode(message if kind == "whole_step" else dict(step_shares_by_owner(message))[owners[0]])
-            started = time.perf_counter()
-            hub.ingest(decoder.decode(frame))  # the decode too: a process decodes all it is sent
-            intake[kind].append(time.perf_counter() - started)
-        if len(hub) != len(range(0, requests, servers)):
-            raise RuntimeError("the hub booked other processes' requests: the measurement is off")
-    return {"requests": requests, "servers": servers, "steps": steps,
-            "whole_step_intake_us": _median_us(intake["whole_step"]), "own_share_intake_us": _median_us(intake["own_share"]),
-            "whole_encode_us": _median_us(whole), "split_and_encode_us": _median_us(split)}
-
-
 def _median_us(seconds: list[float]) -> float:
     return round(float(np.median(seconds)) * 1e6, 1)
 
@@ -362,8 +304,6 @@ def main() -> None:
                         help="engine-thread wait with the GIL released per step (µs), standing in for the GPU")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length for the first-token path")
     parser.add_argument("--repeats", type=int, default=200, help="requests timed on the first-token path")
-    parser.add_argument("--api-servers", type=int, default=2,
-                        help="API server processes the streams are spread over in the step-share measurement")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     results = []
@@ -396,18 +336,11 @@ def main() -> None:
               f"{row['intake_us']} µs, the step's {row['requests']} one-token chunks {row['chunks_us']} µs spliced "
               f"({row['chunks_decoded_us']} µs decoded and re-encoded); garbage collection {row['gc_us_per_step']} "
               f"µs a step (intake and both relay sets), the longest {row['gc_longest_ms']} ms", flush=True)
-    shares = [api_server_shares(int(x), args.api_servers, args.steps, args.prompt_tokens)
-              for x in args.requests.split(",")] if args.api_servers > 1 else []
-    for row in shares:
-        print(f"{row['servers']} API server processes, one decode step of {row['requests']} streams (medians of "
-              f"{row['steps']}): a process takes in the whole step {row['whole_step_intake_us']} µs, its own share "
-              f"{row['own_share_intake_us']} µs (decoding included); the worker encodes the step "
-              f"{row['whole_encode_us']} µs, cuts and encodes the shares {row['split_and_encode_us']} µs", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results,
-                                        "wake": wake, "first_token": first, "api_decode_step": api_steps,
-                                        "api_server_shares": shares}, indent=1) + "\n")
+                                        "wake": wake, "first_token": first, "api_decode_step": api_steps},
+                                       indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1158,11 +1158,11 @@ def test_the_relay_counters_of_several_api_server_processes_are_summed():
                 "score_waits": {"tokens": {"calls": calls, "waited": 1, "waited_s": waited_s, "max_s": waited_s}},
                 "score_messages_received": messages, "score_messages_lost": pid - 7, "score_steps_lost": 1}
 
-    merged = be.merge_process_health([health(7, 100, 0.002, 0.0001, 50, 0.01, 20), health(8, 300, 0.004, 0.0003, 70, 0.02, 30)])
+    merged = be.merge_process_health([health(7, 100, 0.002, 0.0001, 50, 0.01, 30), health(8, 300, 0.004, 0.0003, 70, 0.02, 30)])
     assert merged["score_messages_lost"] == 1 and merged["score_steps_lost"] == 2  # each process's own
     assert merged["score_loop_time"]["chunks_spliced"] == {"count": 400, "total_s": pytest.approx(0.006), "max_s": 0.0003}
     assert merged["score_waits"]["tokens"] == {"calls": 120, "waited": 2, "waited_s": pytest.approx(0.03), "max_s": 0.02}
-    assert merged["score_messages_received"] == 50 and merged["transfer"] == {"steps": 10}  # each its own part
+    assert merged["score_messages_received"] == 30 and merged["transfer"] == {"steps": 10}  # each got every one
     assert merged["api_server"]["processes"] == 2 and merged["api_server"]["pids"] == [7, 8]
     single = health(7, 1, 0.1, 0.1, 1, 0.0, 1)
     assert be.merge_process_health([single]) == single

@@ -14,7 +14,7 @@ import numpy as np
 
 import pytest
 
-from engine_worker.bookkeeping import EVERYONE, TOPIC, ProbeTable, StepLayout, step_message
+from engine_worker.bookkeeping import ProbeTable, StepLayout, step_message
 from engine_worker.delivery import ScoreHub, external_request_id
 from engine_worker.middleware import ProbexMiddleware, RequestRefused, _without_prompt_token_ids, inspect_request
 from engine_worker.tap import ProbeSlot
@@ -656,59 +656,9 @@ def test_the_publisher_numbers_its_messages_in_the_order_sent():
         messages = [paused_message(True, 1), paused_message(False, 2)]
         for message in messages:
             publisher.publish(message)
-        assert [m[SEQUENCE] for m in messages] == [1, 2] and publisher.sequences == {EVERYONE: 2}
-        assert all(m[TOPIC] == EVERYONE for m in messages)
+        assert [m[SEQUENCE] for m in messages] == [1, 2] and publisher.sequence == 2
     finally:
         publisher._socket.close(linger=0)
-
-
-def test_a_step_is_cut_into_one_message_per_owner_with_its_rows_and_ends():
-    """Several API server processes: each is sent only its own requests' part of a step, a
-    prefilling request's rows with it; a step of one process's requests goes out whole."""
-    from engine_worker.bookkeeping import StepReader
-    from engine_worker.delivery import owner_of, step_shares_by_owner
-
-    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),
-                                         ProbeSlot("q", 3, 1, "every_token", 2.0, 0.5)))
-    a1, a2 = "cmpl-probex-aaaaaaaa" + "1" * 24 + "-0-0123abcd", "chatcmpl-probex-aaaaaaaa" + "2" * 24 + "-4567ef01"
-    b1, untagged = "cmpl-probex-bbbbbbbb" + "3" * 24 + "-0-89abcdef", "cmpl-someone-else-0-01234567"
-    assert (owner_of(a1), owner_of(a2), owner_of(b1), owner_of(untagged)) == ("aaaaaaaa", "aaaaaaaa", "bbbbbbbb", None)
-    # a1 decodes (1 row), b1 prefills 3 rows, an untagged request decodes, a2 decodes; b2 and a3 end
-    layout = StepLayout([a1, b1, untagged, a2], np.array([1, 3, 1, 1]), np.array([5, 0, 9, 7]), np.array([4, 3, 2, 6]))
-    raw = np.arange(12, dtype=np.float32).reshape(6, 2)
-    b2, a3 = "cmpl-probex-bbbbbbbb" + "4" * 24 + "-0-00000000", "cmpl-probex-aaaaaaaa" + "5" * 24 + "-0-00000000"
-    message = step_message(table, layout, raw, [b2, a3, untagged], (3, False))
-    shares = dict(step_shares_by_owner(message))
-    assert sorted(shares) == ["aaaaaaaa", "bbbbbbbb"]  # the untagged request's row goes to nobody
-    for owner, requests, rows, finished in (("aaaaaaaa", [a1, a2], [0, 5], [a3]), ("bbbbbbbb", [b1], [1, 2, 3], [b2])):
-        share = shares[owner]
-        assert share["step"]["req"] == requests and share["finished"] == finished and share["pause"] == [3, False]
-        assert share["v"] == 1 and share["probes"] == message["probes"]
-        assert np.frombuffer(share["raw"], np.float32).reshape(-1, 2).tolist() == raw[rows].tolist()
-        events = StepReader().read(msgspec.msgpack.decode(msgspec.msgpack.encode(share)))  # what its hub reads
-        if owner == "bbbbbbbb":
-            assert [e["req"] for e in events.prompt] == [b1] and events.prompt[0]["prompt_tokens"] == 3
-            assert events.prompt[0]["last_raw"] == raw[3].tolist()
-        else:
-            assert events.token_req_ids == [a1, a2] and events.token_raw.tolist() == raw[[0, 5]].tolist()
-    one_owner = step_message(table, StepLayout([a1, a2], np.array([1, 1]), np.array([5, 7]), np.array([4, 6])),
-                             raw[:2], [a3])
-    assert step_shares_by_owner(one_owner) == [("aaaaaaaa", one_owner)]
-
-
-def test_each_owners_messages_are_counted_on_their_own():
-    """A process hears its own topic and everyone's, each numbered on its own: numbers that
-    skip across topics are no loss; a number missing on one topic is."""
-    from engine_worker.bookkeeping import SEQUENCE, paused_message
-
-    hub = idle_hub()
-    hub.ingest({**paused_message(True, 1), SEQUENCE: 1, TOPIC: EVERYONE})
-    hub.ingest({**paused_message(False, 2), SEQUENCE: 1, TOPIC: "aaaaaaaa"})
-    hub.ingest({**paused_message(True, 3), SEQUENCE: 2, TOPIC: EVERYONE})
-    hub.ingest({**paused_message(False, 4), SEQUENCE: 2, TOPIC: "aaaaaaaa"})
-    assert hub.messages_lost == 0
-    hub.ingest({**paused_message(True, 5), SEQUENCE: 5, TOPIC: "aaaaaaaa"})
-    assert hub.messages_lost == 2
 
 
 def test_the_hub_times_the_processs_garbage_collections_by_generation():
@@ -732,13 +682,10 @@ def test_the_hub_times_the_processs_garbage_collections_by_generation():
     assert stats["gc_generation_0"]["count"] >= 1 and stats["gc_generation_2"]["total_s"] > 0
 
 
-@pytest.mark.parametrize("split_by_owner", [True, False], ids=["split-by-owner", "every-row-to-every-process"])
-def test_every_api_server_process_hears_each_step_and_books_only_its_own_requests(split_by_owner):
-    """Several API server processes (vLLM's --api-server-count): the worker publishes on the
-    real wire (ZMQ PUB, msgpack), each process's rows on its own topic (or, from a worker that
-    does not split, every row to every process); each process's hub books the rows of the
-    requests its middleware tagged, prefills and decodes alike, and every hub hears pauses
-    and swaps."""
+def test_every_api_server_process_hears_each_step_and_books_only_its_own_requests():
+    """Several API server processes (vLLM's --api-server-count): the worker publishes once, on
+    the real wire (ZMQ PUB, msgpack); each process's hub books the rows of the requests its
+    middleware tagged, prefills and decodes alike, and every hub hears pauses and swaps."""
     from engine_worker.bookkeeping import paused_message, swapped_message
     from engine_worker.delivery import ScorePublisher, owner_tag
 
@@ -758,7 +705,7 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
         swapped_in = {name: [] for name in hubs}
         for name, hub in hubs.items():
             hub.on_probes_swapped = lambda version, dirs, name=name: swapped_in[name].append((version, dirs))
-        publisher = ScorePublisher(address, split_by_owner=split_by_owner)
+        publisher = ScorePublisher(address)
         for hub in hubs.values():
             hub.start()
         try:
@@ -778,9 +725,6 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
                     break
                 await asyncio.sleep(0.02)
             assert swapped_in == {"mine": [(2, ["/probes/new"])], "other": [(2, ["/probes/new"])]}
-            assert all(hub.messages_lost == 0 for hub in hubs.values())
-            if split_by_owner:  # one message per process per step, numbered on its topic
-                assert publisher.sequences == {ours: 2, theirs: 2, EVERYONE: 2}
             return {name: (hub.messages_received, dict(hub._requests), hub.paused, hub.swaps, hub.open_prompt_books)
                     for name, hub in hubs.items()}
         finally:
