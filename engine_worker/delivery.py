@@ -215,6 +215,11 @@ class ScoreHub:
         # Called with (version, dirs) for each probe set swapped in, from any process: the
         # middleware schedules the retention check for it.
         self.on_probes_swapped: Callable[[int, list[str]], None] | None = None
+        # Called with the version of a probe set whose swap message never came (lost with
+        # others: steps already carry the new version): the middleware asks the worker which
+        # probes those are, for their retention check.
+        self.on_probes_unannounced: Callable[[int], None] | None = None
+        self._probe_version = 1  # the newest probe set heard of (the worker loads its startup set as 1)
         # The API server's garbage collections, which stop its event loop: the books keep
         # objects per token until a request ends, so they add to what each collection scans.
         self.collections = CollectionPauses()
@@ -268,6 +273,11 @@ class ScoreHub:
             sequence, paused = message["pause"]
             self.set_paused(bool(paused), int(sequence))
         version = message["v"]
+        if version > self._probe_version:
+            self._probe_version = version
+            self.swaps += 1  # listings cached before it are older than it
+            if self.on_probes_unannounced is not None:
+                self.on_probes_unannounced(version)
         table = self._tables.get(version)
         if table is None:
             table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
@@ -335,8 +345,10 @@ class ScoreHub:
             self.set_paused(bool(message["paused"]), message.get("sequence"))
         elif kind == "swapped":
             self.swaps += 1
-            if message.get("what") == "probes" and self.on_probes_swapped is not None:
-                self.on_probes_swapped(int(message["version"]), list(message.get("dirs") or []))
+            if message.get("what") == "probes":
+                self._probe_version = max(self._probe_version, int(message["version"]))
+                if self.on_probes_swapped is not None:
+                    self.on_probes_swapped(int(message["version"]), list(message.get("dirs") or []))
         elif kind == "lost":
             self.steps_lost += 1
             mine = [req for req in message.get("requests", ()) if self.owner is None or self._owned(req)]

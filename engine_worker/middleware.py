@@ -209,11 +209,15 @@ class ProbexMiddleware:
         self._retention_version = 0  # the probe set version whose retention was last scheduled
         if self.hub is not None:
             self.hub.on_probes_swapped = self._schedule_retention
+            self.hub.on_probes_unannounced = self._retention_for_unannounced
         self._started = False
+        self._app = None  # the server's app, once a request came: its engine client answers RPCs
+        self._background: set[asyncio.Task] = set()  # tasks started from the hub's callbacks, kept alive
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.hub is not None and scope["type"] in ("lifespan", "http"):
             self.hub.start()
+            self._app = scope.get("app", self._app)
             if not self._started:
                 self._started = True
                 if self.tap_config is not None:
@@ -331,6 +335,28 @@ class ProbexMiddleware:
         if self._retention_enabled and version > self._retention_version:
             self._retention_version = version
             self.retention.schedule(dirs)
+
+    def _retention_for_unannounced(self, version: int) -> None:
+        """A probe set this process heard no swap message of (it was lost): its directories
+        are read from the worker's listing, then its retention check is scheduled as usual."""
+        if not self._retention_enabled or version <= self._retention_version or self._app is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a hub fed outside the server's loop (tests): nothing to ask the worker with
+            return
+        task = loop.create_task(self._retention_from_listing(version))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _retention_from_listing(self, version: int) -> None:
+        try:
+            listing = (await self._app.state.engine_client.collective_rpc("probex_list_probes"))[0]
+        except Exception as exc:  # the check is skipped for this set, as for one that fails to compute
+            log.warning("probex: could not list probe set %d for its retention check: %s", version, exc)
+            return
+        dirs = [p["source"] for p in listing.get("probes", []) if p.get("source")]
+        self._schedule_retention(int(listing.get("version", version)), dirs)
 
     async def _steering_route(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._artifact_route(scope, receive, send, _STEERING_SET)

@@ -828,6 +828,52 @@ def test_the_shared_retention_directory_goes_when_its_process_exits(tmp_path):
     assert not shared.exists()
 
 
+def test_a_probe_set_whose_swap_message_was_lost_still_gets_its_retention_check():
+    """The swap message can be lost with others (a process far behind); the next step carries
+    the new set's version: the process then reads the set from the worker's listing and
+    schedules its retention check, once, and drops its cached listings."""
+    from engine_worker.bookkeeping import swapped_message
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    swapped = ProbeTable(version=3, slots=table.slots)
+
+    class ListingEngine:
+        def __init__(self):
+            self.calls = []
+
+        async def collective_rpc(self, method, args=()):
+            self.calls.append(method)
+            return [{"version": 3, "probes": [{"name": "p", "source": "/probes/new"}, {"name": "q", "source": None}]}]
+
+    def step(table, req):
+        layout = StepLayout([req], np.array([1]), np.array([5]), np.array([4]))
+        return step_message(table, layout, np.array([[0.5]], np.float32), [])
+
+    async def go():
+        hub = idle_hub()
+        middleware = ProbexMiddleware(RecordingApp(), hub=hub)
+        scheduled = []
+        middleware.retention.schedule = scheduled.append
+        engine = ListingEngine()
+        await post_through(middleware, "/v1/models", b"", "GET", engine=engine)  # the server's app is known
+        hub.ingest(step(table, "cmpl-probex-a-0-0123abcd"))
+        await asyncio.sleep(0.01)
+        assert engine.calls == [] and hub.swaps == 0  # the startup set: nothing missed
+        hub.ingest(step(swapped, "cmpl-probex-a-0-0123abcd"))  # version 3; its swap message never came
+        hub.ingest(step(swapped, "cmpl-probex-a-0-0123abcd"))
+        for _ in range(100):
+            if scheduled:
+                break
+            await asyncio.sleep(0.01)
+        swaps_after_gap = hub.swaps
+        hub.ingest(swapped_message("probes", 3, ["/probes/new"]))  # arriving after all: no second check
+        middleware._schedule_retention(3, ["/probes/new"])
+        return engine.calls, scheduled, swaps_after_gap
+
+    calls, scheduled, swaps = asyncio.run(go())
+    assert calls == ["probex_list_probes"] and scheduled == [["/probes/new"]] and swaps == 1
+
+
 def test_listings_are_read_again_after_a_swap_another_api_server_process_took():
     """The steering and probe listings a steered request is checked against are cached until a
     swap: this process's own, or another's, which reaches this one as the worker's control
