@@ -304,6 +304,13 @@ def swapped_message(what: str, version: int, dirs: list[str] | None = None) -> d
     return {CONTROL: "swapped", "what": what, "version": int(version), "dirs": list(dirs or [])}
 
 
+def heartbeat_message() -> dict:
+    """Sent by an idle publisher now and then: its number alone tells a receiver whether the
+    last messages before the pause reached it (a step lost at the end of a burst would
+    otherwise go unnoticed until traffic resumes)."""
+    return {CONTROL: "heartbeat"}
+
+
 def lost_message(requests: list[str], finished: list[str]) -> dict:
     """A step whose scores could not be sent: receivers stop waiting for scores of `requests`
     (the step's, where its layout was built; the rest of a response's steps still come);

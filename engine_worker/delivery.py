@@ -29,7 +29,7 @@ import numpy as np
 import zmq
 
 from engine_worker import responses
-from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader
+from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader, heartbeat_message
 from probes.scoring import calibrate_array
 
 log = logging.getLogger("probex.delivery")
@@ -52,9 +52,13 @@ class ScorePublisher:
     waiting for scores that will not come (`ScoreHub.messages_lost`). Steps are published by
     the score consumer's thread and control messages by the engine thread between steps; a
     ZMQ socket is not thread-safe, so sends take a lock (uncontended nearly always: a
-    fraction of a microsecond), which also keeps the count in the order of the sends."""
+    fraction of a microsecond), which also keeps the count in the order of the sends.
 
-    def __init__(self, address: str, high_water_mark: int = 100_000) -> None:
+    While nothing else is sent, a heartbeat goes out every `heartbeat_s` (a thread that
+    wakes that often): a process that lost the last messages of a burst hears of it then,
+    not when traffic resumes, and its responses stop waiting for those scores."""
+
+    def __init__(self, address: str, high_water_mark: int = 100_000, heartbeat_s: float = 1.0) -> None:
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
@@ -63,6 +67,11 @@ class ScorePublisher:
         self._encoder = msgspec.msgpack.Encoder()
         self._lock = threading.Lock()
         self.sequence = 0
+        self._last_send = time.monotonic()
+        self._closed = threading.Event()
+        if heartbeat_s > 0:
+            threading.Thread(target=self._heartbeats, args=(heartbeat_s,), name="probex-score-heartbeat",
+                             daemon=True).start()
 
     def publish(self, message: dict) -> None:
         with self._lock:
@@ -70,6 +79,21 @@ class ScorePublisher:
             frame = self._encoder.encode(message)  # a message that cannot be encoded takes no number
             self.sequence += 1
             self._socket.send(frame, flags=zmq.NOBLOCK)
+            self._last_send = time.monotonic()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            self._socket.close(linger=0)
+
+    def _heartbeats(self, every_s: float) -> None:
+        while not self._closed.wait(every_s):
+            if time.monotonic() - self._last_send < every_s:
+                continue
+            try:
+                self.publish(heartbeat_message())
+            except zmq.ZMQError:  # the socket was closed under it: the publisher is gone
+                return
 
 
 def owner_tag() -> str:
@@ -255,7 +279,8 @@ class ScoreHub:
         """One worker step (`bookkeeping.step_message`: layout + raw block), read through the
         books here into prompt summaries, sampled-token scores and request ends."""
         started = time.perf_counter()
-        self.messages_received += 1
+        if message.get(CONTROL) != "heartbeat":  # the count is of what the worker had to say
+            self.messages_received += 1
         sequence = message.get(SEQUENCE)
         if sequence is not None:
             # The first message heard sets the count's start (a process that joins late was
@@ -349,6 +374,8 @@ class ScoreHub:
                 self._probe_version = max(self._probe_version, int(message["version"]))
                 if self.on_probes_swapped is not None:
                     self.on_probes_swapped(int(message["version"]), list(message.get("dirs") or []))
+        elif kind == "heartbeat":
+            pass  # its number was the news (a gap in the count is handled above)
         elif kind == "lost":
             self.steps_lost += 1
             mine = [req for req in message.get("requests", ()) if self.owner is None or self._owned(req)]
@@ -432,10 +459,14 @@ class ScoreHub:
         stats = self.waits["prompt" if prompt else "tokens"]
         start = time.monotonic()
         deadline = start + timeout
+        losses = self.losses
         try:
             while not state.has(prompt=prompt, tokens=tokens):
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.paused:
+                # Paused, or messages found lost since the wait began: what is still missing
+                # after the message that showed the loss (booked before this looks again) was
+                # in a lost one, or may be; waiting longer would only hold the response.
+                if remaining <= 0 or self.paused or self.losses != losses:
                     return False
                 state.changed.clear()
                 try:

@@ -624,6 +624,80 @@ def test_a_gap_in_the_workers_count_is_counted_and_no_chunk_waits_for_a_lost_tok
     assert hub.messages_lost == 2
 
 
+def test_an_idle_worker_sends_heartbeats_so_a_lost_last_step_does_not_hold_its_chunk():
+    """The last step of a burst lost on the way (this process's queue was full) and nothing
+    after it: the idle publisher's heartbeat carries the next number, the hub finds the gap,
+    and the chunk waiting for that step's scores goes out then, not after the whole wait."""
+    from engine_worker.delivery import ScorePublisher
+    from engine_worker.middleware import MonitoredCall, StreamRelay
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    call = MonitoredCall(key_prefix="cmpl-probex-a", stream=True, wants_token_ids=False)
+    engine_id = f"{call.key(0)}-0123abcd"
+
+    def chunk(token):
+        return b'data: {"id":"x","choices":[{"index":0,"text":"a","token_ids":[%d]}]}' % token
+
+    async def scenario():
+        address = f"ipc://{tempfile.mkdtemp()}/scores"
+        hub = ScoreHub(address)
+        publisher = ScorePublisher(address, heartbeat_s=0.2)
+        hub.start()
+        try:
+            await asyncio.sleep(0.3)  # the subscription reaches the publisher
+            layout = StepLayout([engine_id], np.array([2]), np.array([0]), np.array([2]))
+            publisher.publish(step_message(table, layout, np.array([[0.5], [1.5]], np.float32), []))
+            relay = StreamRelay(hub, call, None, 30.0)
+            first = json.loads((await relay._decorate_event(chunk(5)))[6:])
+            publisher.sequence += 1  # the request's last step (token 1, its end): lost for this process
+            started = asyncio.get_running_loop().time()
+            last = json.loads((await relay._decorate_event(chunk(6)))[6:])
+            return first, last, asyncio.get_running_loop().time() - started, hub.messages_lost
+        finally:
+            publisher.close()
+            hub._task.cancel()
+            hub._socket.close()
+            hub.collections.detach()
+
+    first, last, elapsed, lost = asyncio.run(scenario())
+    assert first["probex"]["scores"]["p"]["generated"]["scores"] == [pytest.approx(calibrate(1.5, 1.0, 0.0))]
+    assert last["probex"]["scores"] == {} and lost == 1
+    assert elapsed < 5  # a heartbeat (every 0.2 s while idle) told it; the score wait was 30 s
+
+
+def test_a_wait_under_way_ends_when_messages_are_found_lost():
+    """A chunk already waiting when a gap is found: the message that showed the gap is booked
+    first (its tokens still count); what is missing after it is not waited for."""
+    from engine_worker.bookkeeping import SEQUENCE, heartbeat_message
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    a, b = "cmpl-probex-a-0-0123abcd", "cmpl-probex-b-0-0123abcd"
+
+    def step(sequence, req, computed, raw):
+        layout = StepLayout([req], np.array([1 if computed else 2]), np.array([computed]), np.array([2]))
+        return {**step_message(table, layout, np.array(raw, np.float32), []), SEQUENCE: sequence}
+
+    async def go():
+        hub = idle_hub()
+        hub.ingest(step(1, a, 0, [[0.5], [1.5]]))  # a: prompt + token 0
+        hub.ingest(step(2, b, 0, [[0.5], [1.5]]))  # b: prompt + token 0
+        waiting_a = asyncio.get_running_loop().create_task(
+            hub.wait_for("cmpl-probex-a-0", prompt=False, tokens=2, timeout=30))
+        waiting_b = asyncio.get_running_loop().create_task(
+            hub.wait_for("cmpl-probex-b-0", prompt=False, tokens=2, timeout=30))
+        await asyncio.sleep(0.05)
+        assert not waiting_a.done() and not waiting_b.done()
+        hub.ingest(step(4, b, 2, [[2.5]]))  # 3 lost (a's token 1); this one brings b's token 1
+        results = await asyncio.wait_for(asyncio.gather(waiting_a, waiting_b), 5)
+        received = hub.messages_received
+        hub.ingest({**heartbeat_message(), SEQUENCE: 5})  # a heartbeat in order: nothing lost
+        return results, hub.messages_lost, hub.messages_received - received
+
+    (got_a, got_b), lost, heartbeats_counted = asyncio.run(go())
+    assert got_a is False and got_b is True and lost == 1
+    assert heartbeats_counted == 0  # score messages only (what tests of delivery count)
+
+
 def test_a_lost_pause_message_is_made_good_by_the_next_step():
     """Each step carries the worker's pause state: a process that lost the pause (or the
     resume) message takes it from the step after, instead of waiting for scores that will not
@@ -651,14 +725,14 @@ def test_the_publisher_numbers_its_messages_in_the_order_sent():
     from engine_worker.delivery import ScorePublisher
 
     address = f"ipc://{tempfile.mkdtemp()}/scores"
-    publisher = ScorePublisher(address)
+    publisher = ScorePublisher(address, heartbeat_s=0)
     try:
         messages = [paused_message(True, 1), paused_message(False, 2)]
         for message in messages:
             publisher.publish(message)
         assert [m[SEQUENCE] for m in messages] == [1, 2] and publisher.sequence == 2
     finally:
-        publisher._socket.close(linger=0)
+        publisher.close()
 
 
 def test_the_hub_times_the_processs_garbage_collections_by_generation():
@@ -705,7 +779,7 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
         swapped_in = {name: [] for name in hubs}
         for name, hub in hubs.items():
             hub.on_probes_swapped = lambda version, dirs, name=name: swapped_in[name].append((version, dirs))
-        publisher = ScorePublisher(address)
+        publisher = ScorePublisher(address, heartbeat_s=0)
         for hub in hubs.values():
             hub.start()
         try:
@@ -728,7 +802,7 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
             return {name: (hub.messages_received, dict(hub._requests), hub.paused, hub.swaps, hub.open_prompt_books)
                     for name, hub in hubs.items()}
         finally:
-            publisher._socket.close(linger=0)
+            publisher.close()
             for hub in hubs.values():
                 hub._task.cancel()
                 hub._socket.close()
