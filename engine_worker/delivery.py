@@ -516,14 +516,14 @@ class CollectionPauses:
         self._started = 0.0
 
     def attach(self) -> None:
-        if self.record not in gc.callbacks:
-            gc.callbacks.append(self.record)
+        if self._record not in gc.callbacks:
+            gc.callbacks.append(self._record)
 
     def detach(self) -> None:
-        if self.record in gc.callbacks:
-            gc.callbacks.remove(self.record)
+        if self._record in gc.callbacks:
+            gc.callbacks.remove(self._record)
 
-    def record(self, phase: str, info: dict) -> None:
+    def _record(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = time.perf_counter()
         elif 0 <= info.get("generation", -1) < len(self.by_generation):

@@ -36,7 +36,6 @@ import msgspec
 
 from engine_worker import responses
 from engine_worker.delivery import ScoreHub, owner_tag
-from engine_worker.loop_profile import LoopProfiler, profiler_from_env
 from engine_worker.steering import STEERING_XARGS, SteeringError, SteerRequest, cache_salt, steering_from_xargs
 from engine_worker.tap_config import ENV_ADMIN_TOKEN, ENV_API_SERVER_COUNT, ENV_TAP_CONFIG, TapConfig, scores_delivered
 
@@ -214,7 +213,6 @@ class ProbexMiddleware:
         self._started = False
         self._app = None  # the server's app, once a request came: its engine client answers RPCs
         self._background: set[asyncio.Task] = set()  # tasks started from the hub's callbacks, kept alive
-        self.loop_profile: LoopProfiler | None = None  # PROBEX_LOOP_PROFILE_MS: where the loop's time goes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.hub is not None and scope["type"] in ("lifespan", "http"):
@@ -222,10 +220,6 @@ class ProbexMiddleware:
             self._app = scope.get("app", self._app)
             if not self._started:
                 self._started = True
-                # of this thread, the event loop's; the hub's collection timer stands for collections
-                self.loop_profile = profiler_from_env((self.hub.collections.record,))
-                if self.loop_profile is not None:
-                    self.loop_profile.start()
                 if self.tap_config is not None:
                     # the worker loads the startup set as version 1 (TapController.load)
                     self._schedule_retention(1, list(self.tap_config.probe_dirs))
@@ -417,8 +411,6 @@ class ProbexMiddleware:
         listing["score_waits"] = self.hub.wait_stats()
         listing["score_loop_time"] = self.hub.loop_time_stats()
         listing["open_prompt_books"] = self.hub.open_prompt_books
-        if self.loop_profile is not None:
-            listing["loop_profile"] = self.loop_profile.as_dict()
         listing["retention"] = self.retention.values
         listing["retention_status"] = self.retention.status
         # Which API server process answered: with several, each counts its own requests above,

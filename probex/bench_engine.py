@@ -113,7 +113,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
@@ -1274,47 +1274,12 @@ def merge_process_health(healths: list[dict[str, Any]]) -> dict[str, Any]:
                 for name, value in stats.items():
                     into[name] = max(into.get(name, value), value) if name.startswith("max") else into.get(name, 0) + value
         merged[key] = parts
-    profiles = [h["loop_profile"] for h in healths if h.get("loop_profile")]
-    if profiles:  # each process's loop sampled on its own: its seconds summed by owner and frame
-        merged["loop_profile"] = {
-            "interval_s": profiles[0]["interval_s"], "processes": len(profiles),
-            "samples": sum(p["samples"] for p in profiles), "seconds": sum(p["seconds"] for p in profiles),
-            **{books: _summed_books(p[books] for p in profiles) for books in ("by_owner", "by_frame")}}
     merged["score_messages_received"] = max(h.get("score_messages_received", 0) for h in healths)
     for key in ("score_messages_lost", "score_steps_lost"):  # each process's own losses
         merged[key] = sum(h.get(key, 0) for h in healths)
     merged["api_server"] = {**(healths[0].get("api_server") or {}), "processes": len(healths),
                             "pids": [(h.get("api_server") or {}).get("pid") for h in healths]}
     return merged
-
-
-def _summed_books(books: Iterable[dict[str, float]]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for book in books:
-        for key, seconds in book.items():
-            total[key] = total.get(key, 0.0) + seconds
-    return total
-
-
-def loop_profile_delta(before: dict[str, Any] | None, after: dict[str, Any] | None,
-                       top: int = 15) -> dict[str, Any] | None:
-    """The API server loops' sampled time over one phase (engine_worker/loop_profile.py), from
-    two cumulative snapshots: each owner's share of the sampled time, and the `top` innermost
-    frames by time. A frame outside a snapshot's list (its top 300) reads as 0 there."""
-    if not before or not after:
-        return None
-    seconds = after["seconds"] - before["seconds"]
-    if seconds <= 0:
-        return None
-    def grown(books: str) -> dict[str, float]:
-        earlier = before.get(books) or {}
-        return {key: value - earlier.get(key, 0.0) for key, value in (after.get(books) or {}).items()}
-    owners = grown("by_owner")
-    frames = sorted(grown("by_frame").items(), key=lambda item: -item[1])[:top]
-    return {"seconds": seconds, "samples": after["samples"] - before["samples"],
-            "processes": after.get("processes", 1),
-            "owner_share": {owner: value / seconds for owner, value in sorted(owners.items(), key=lambda i: -i[1])},
-            "top_frames_share": {frame: value / seconds for frame, value in frames}}
 
 
 def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
@@ -1396,9 +1361,6 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "mean_ms_when_waiting": seconds / waited * 1e3 if waited else 0.0,
             "max_ms_so_far": end["max_s"] * 1e3,
         }
-    profile = loop_profile_delta(before.get("loop_profile"), after.get("loop_profile"))
-    if profile is not None:
-        out["loop_profile"] = profile
     # Score messages an API server process found missing from the worker's count, and steps
     # the worker could not send: responses then went out without some tokens' scores.
     if all(key in before and key in after for key in ("score_messages_lost", "score_steps_lost")):
@@ -1453,10 +1415,6 @@ def delivery_line(delivery: dict[str, Any]) -> str:
         w = delivery.get(f"{kind}_waits")
         if w and w["chunks"]:
             parts.append(f"{kind} chunks held {w['waited']}/{w['chunks']} (mean {w['mean_ms_when_waiting']:.3f} ms when held)")
-    profile = delivery.get("loop_profile")
-    if profile:
-        parts.append("API server loop sampled: " + ", ".join(f"{owner} {share:.1%}"
-                                                             for owner, share in profile["owner_share"].items()))
     lost = delivery.get("scores_lost") or {}
     if lost.get("messages") or lost.get("steps"):
         parts.append(f"SCORES LOST: {lost['messages']} messages, {lost['steps']} steps")

@@ -64,13 +64,13 @@ def make_test_probes(root: Path) -> dict[str, Path]:
 
 class Worker:
     def __init__(self, args: list[str], log_path: Path, admin_token: str = "test-admin",
-                 model: str | None = None, env: dict[str, str] | None = None) -> None:
+                 model: str | None = None) -> None:
         self.model = model or str(model_dir())
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_token = admin_token
         self.log_path = log_path
-        env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO", **(env or {}))
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO")
         cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", self.model, "--port", str(self.port),
                "--admin-token", admin_token, *args]
         self._log = open(log_path, "w")

@@ -31,8 +31,7 @@ def worker(tmp_path_factory):
         "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.25",
         "--api-server-count", str(API_SERVERS),
     ]
-    # every process's event loop sampled (engine_worker/loop_profile.py), as the benchmark can ask
-    with Worker(args, log, env={"PROBEX_LOOP_PROFILE_MS": "5"}) as w:
+    with Worker(args, log) as w:
         yield w
 
 
@@ -74,11 +73,6 @@ def test_requests_to_either_api_server_process_get_all_their_scores(worker):
     assert len(owners) == API_SERVERS and None not in owners
     assert all(h["api_server"]["count"] == API_SERVERS for h in health.values())
     # the relay's work is shared: each process decorated chunks of requests it took
-    for process in health.values():  # each loop sampled since it started, its time booked by owner
-        profile = process["loop_profile"]
-        assert profile["samples"] > 0 and sum(profile["by_owner"].values()) == pytest.approx(profile["seconds"])
-        assert set(profile["by_owner"]) <= {"probex", "vllm", "server", "idle", "other"}
-        assert profile["by_owner"].get("idle", 0.0) > 0.0
     relayed = [h["score_waits"]["prompt"]["calls"] for h in health.values()]
     assert sum(relayed) >= len(bodies) and min(relayed) > 0, relayed
     # the probe set's retention, computed by one process and read by the other, reported by both
