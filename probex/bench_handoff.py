@@ -19,6 +19,8 @@ prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSO
 
 - `prefill_step_us`: the worker's hook + consume of that step, inline (layout, gather, the
   step message built and msgpack-encoded);
+- `decode_us`: the API server's msgpack decoding of that message (its receive loop's, before
+  the intake; a 1024-token prompt's rows, where they go out, make it 32 KB);
 - `intake_us`: the API server's `ScoreHub.ingest` of that message (the books, the prompt
   summary, the first token's calibrated scores);
 - `first_chunk_us`: the middleware's decoration of vLLM's first stream chunk, which carries
@@ -161,7 +163,7 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
 
     messages: list[bytes] = []
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
-    prefill, intake = [], []
+    prefill, decode, intake = [], [], []
     chunk_times: dict[str, list[float]] = {name: [] for name in ("first_chunk", "token_chunk", "first_chunk_decoded",
                                                                   "token_chunk_decoded")}
     prompt_ids = list(range(1000, 1000 + prompt_tokens))
@@ -176,7 +178,10 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             controller.after_forward(StepLayout([f"{call.key(0)}-0123abcd"], np.array([prompt_tokens]),
                                                 np.zeros(1, np.int64), np.array([prompt_tokens])))
             prefill.append(time.perf_counter() - started)
-            message = decoder.decode(messages.pop())
+            frame = messages.pop()
+            started = time.perf_counter()
+            message = decoder.decode(frame)
+            decode.append(time.perf_counter() - started)
             started = time.perf_counter()
             hub.ingest(message)
             intake.append(time.perf_counter() - started)
@@ -209,7 +214,8 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     if hub.chunks["spliced"].count != repeats:
         raise RuntimeError("the later chunk was decoded instead of spliced: not the path vLLM's chunks take")
     return {"prompt_tokens": prompt_tokens, "repeats": repeats, "prefill_step_us": _median_us(prefill),
-            "intake_us": _median_us(intake), **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()}}
+            "decode_us": _median_us(decode), "intake_us": _median_us(intake),
+            **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()}}
 
 
 def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dict:
@@ -326,7 +332,8 @@ def main() -> None:
           f" right after a {args.wait_us:.0f} µs sleep (how much of the hook is waking up)", flush=True)
     first = first_token_path(args.prompt_tokens, args.repeats)
     print(f"first token, {first['prompt_tokens']}-token prompt (medians of {first['repeats']}): prefill step "
-          f"{first['prefill_step_us']} µs in the worker, intake {first['intake_us']} µs, first chunk "
+          f"{first['prefill_step_us']} µs in the worker, decode {first['decode_us']} µs and intake "
+          f"{first['intake_us']} µs, first chunk "
           f"{first['first_chunk_us']} µs and a later one-token chunk {first['token_chunk_us']} µs in the API server "
           f"(decoded and re-encoded instead: {first['first_chunk_decoded_us']} and {first['token_chunk_decoded_us']} µs)",
           flush=True)
