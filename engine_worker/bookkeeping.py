@@ -116,9 +116,6 @@ class _PromptAccumulator:
     ran: np.ndarray | None  # [P] bool: the row was computed (not served from the prefix cache); None: all were
     done: bool = False
     touched: float = field(default_factory=time.monotonic)
-    # A prompt the worker summed up itself (`step_message`): its sums and maxima per probe, and
-    # P; `raw` then holds its last row only.
-    summed: tuple[list[float], list[float], int] | None = None
 
 
 _NO_ROWS = np.empty((0, 0), dtype=np.float32)
@@ -175,10 +172,7 @@ class ScoreBook:
     def __len__(self) -> int:
         return len(self._prompts)
 
-    def record_step(self, layout: StepLayout, table: ProbeTable, raw: np.ndarray,
-                    summed: dict[str, list] | None = None) -> StepEvents:
-        """`summed`: prompts the worker summed up in this step (`step_message`), by request id:
-        [sums, maxima] per probe; the layout gives each of them its last prompt row only."""
+    def record_step(self, layout: StepLayout, table: ProbeTable, raw: np.ndarray) -> StepEvents:
         # Runs with an empty probe set too: capture mode still needs to know when prompts end.
         # Vectorised over requests: this runs every step for the whole batch, on the API
         # server's event loop (and in capture mode on the worker's transfer thread too).
@@ -199,12 +193,6 @@ class ScoreBook:
         prompt_count = np.minimum(end, p) - c
         for i in np.flatnonzero(prompt_count > 0).tolist():  # requests prefilling this step
             first, count, pos = int(starts[i]), int(prompt_count[i]), int(c[i])
-            if summed and layout.req_ids[i] in summed:
-                if layout.req_ids[i] not in self._prompts:  # else a recomputed prompt, summed up before
-                    sums, maxima = summed[layout.req_ids[i]]
-                    self._prompts[layout.req_ids[i]] = _PromptAccumulator(
-                        table.version, raw[first : first + count], None, summed=(sums, maxima, int(p[i])))
-                continue
             if pos == 0 and count == n[i] == p[i] and layout.req_ids[i] not in self._prompts:
                 # The whole prompt and nothing else in this step (nothing cached, no chunking,
                 # not a preempted request recomputing prompt + generated tokens), the usual
@@ -265,46 +253,34 @@ class ScoreBook:
         return done
 
 
-def _sums_and_maxima(scored: np.ndarray) -> tuple[list[float], list[float]]:
-    """Each probe's sum and maximum over a [rows, k] block of raw scores."""
-    # Numpy reduces a [P, k] block down its long axis slowly (sum and max along axis 0 of a
-    # [1024, 8] array: ~40 µs on the dev machine). One transposed copy turns both into
-    # reductions along contiguous rows (~6 µs together); the sum is numpy's pairwise one in
-    # float32, accurate to float32 rounding times log2(P) (4e-7 relative seen).
-    by_probe = np.ascontiguousarray(scored.T)
-    return by_probe.sum(axis=1).tolist(), by_probe.max(axis=1).tolist()
-
-
 def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
-    # On the API server's event loop, on the way to the request's first chunk.
-    if acc.summed is not None:  # summed up by the worker: every one of its P rows ran
-        sums, maxima, tokens_scored = acc.summed
-        prompt_tokens = tokens_scored
-    else:
-        if acc.ran is None:
-            scored, tokens_scored = acc.raw, len(acc.raw)
-        else:  # the last prompt row always ran, so this is never empty
-            tokens_scored = int(np.count_nonzero(acc.ran))
-            scored = acc.raw if tokens_scored == len(acc.ran) else acc.raw[acc.ran]
-        sums, maxima = _sums_and_maxima(scored)
-        prompt_tokens = int(acc.raw.shape[0])
+    # On the API server's event loop, on the way to the request's first chunk: numpy reduces
+    # a [P, k] block down its long axis slowly (sum and max along axis 0 of a [1024, 8]
+    # array: ~40 µs on the dev machine). One transposed copy turns both into reductions
+    # along contiguous rows (~6 µs together); the sum is numpy's pairwise one in float32,
+    # accurate to float32 rounding times log2(P) (4e-7 relative seen), divided in float64.
+    if acc.ran is None:
+        scored, tokens_scored = acc.raw, len(acc.raw)
+    else:  # the last prompt row always ran, so this is never empty
+        tokens_scored = int(np.count_nonzero(acc.ran))
+        scored = acc.raw if tokens_scored == len(acc.ran) else acc.raw[acc.ran]
+    by_probe = np.ascontiguousarray(scored.T)
     return {
         "req": req_id,
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": int(acc.raw.shape[0]),
         "tokens_scored": tokens_scored,
         "last_raw": acc.raw[-1].tolist(),
-        "mean_raw": [total / tokens_scored for total in sums],  # divided in float64
-        "max_raw": maxima,
+        "mean_raw": [total / tokens_scored for total in by_probe.sum(axis=1).tolist()],
+        "max_raw": by_probe.max(axis=1).tolist(),
     }
 
 
 # -- the step on the wire ------------------------------------------------------------------------
 #
-# The worker sends each step as it came off the GPU: the layout and the [rows, k] raw block,
-# except that a prompt computed whole in the step goes out summed up (`step_message`). The
-# books (prompt accumulators, which row is which token) are kept on the receiving side, the
-# API server: the worker's consumer (the engine thread itself, or a transfer thread sharing
-# the GIL with it) runs as little Python per step as it can.
+# The worker sends each step as it came off the GPU: the layout and the [rows, k] raw block.
+# The books (prompt accumulators, which row is which token) are kept on the receiving side,
+# the API server: the worker's consumer (the engine thread itself, or a transfer thread
+# sharing the GIL with it) runs as little Python per step as it can.
 
 
 # Control messages, published by the worker to every API server process beside the steps:
@@ -346,31 +322,7 @@ def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finishe
                  pause: tuple[int, bool] | None = None) -> dict:
     """One step for the wire: ids as a list, the per-request counts and the scores as raw bytes;
     `pause`, the worker's (pause changes, paused) as it sends, so a receiver that lost a pause
-    control message is set right by the next step.
-
-    A prompt computed whole in this step, the usual one, goes out summed up (`prompts`: each
-    probe's sum and maximum over its rows) with its last row only, which carries its last
-    token's and first generated token's scores: for a 1024-token prompt of 8 probes that is
-    64 floats instead of 32 KB of rows. Every API server process would otherwise take in
-    and reduce the rows itself, on its event loop, on the way to the request's first token
-    (the one whose request it is), and the worker would copy them out to every one of them.
-    A receiver books the step as if it had the rows (`ScoreBook.record_step`)."""
-    summed: dict[str, list] = {}
-    computed = layout.num_computed
-    if computed.size and not computed.all():  # a request starts at position 0: a decode step never does
-        whole = np.flatnonzero((computed == 0) & (layout.num_scheduled == layout.num_prompt)
-                               & (layout.num_prompt > 1))
-        if whole.size:
-            keep = np.ones(len(raw), dtype=bool)
-            starts, scheduled, computed = layout.row_starts, layout.num_scheduled.copy(), computed.copy()
-            for i in whole.tolist():
-                first, count = int(starts[i]), int(scheduled[i])
-                summed[layout.req_ids[i]] = list(_sums_and_maxima(raw[first : first + count]))
-                keep[first : first + count - 1] = False
-                scheduled[i], computed[i] = 1, count - 1  # on the wire: its last prompt row alone
-            raw = raw[keep]
-            layout = StepLayout(req_ids=layout.req_ids, num_scheduled=scheduled, num_computed=computed,
-                                num_prompt=layout.num_prompt)
+    control message is set right by the next step."""
     message = {
         "v": table.version,
         "probes": table.describe(),
@@ -383,8 +335,6 @@ def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finishe
         "raw": np.ascontiguousarray(raw, dtype=np.float32).tobytes(),
         "finished": finished,
     }
-    if summed:
-        message["prompts"] = summed
     if pause is not None:
         message["pause"] = [int(pause[0]), bool(pause[1])]
     return message
@@ -413,7 +363,7 @@ class StepReader:
         if owns is not None:
             layout, raw = _owned_rows(layout, raw, owns)
             finished = [req for req in finished if owns(req)]
-        events = self.book.record_step(layout, table, raw, message.get("prompts"))
+        events = self.book.record_step(layout, table, raw)
         events.finished = self.book.finish(finished)
         return events
 

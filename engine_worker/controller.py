@@ -429,8 +429,7 @@ class TapController:
 
     def _consume_step(self, step: StagedStep) -> None:
         """On the scores' consumer (engine or transfer thread): the step's raw block goes out
-        (`step_message`: as it is, but for prompts computed whole, summed up); the API server
-        keeps the books. Only capture mode keeps
+        as it is (`step_message`); the API server keeps the books. Only capture mode keeps
         books here too, to know when a captured prompt is complete."""
         layout, table, finished, capture_plan, captured = step.context
         published = False

@@ -118,39 +118,6 @@ def test_a_step_read_from_the_wire_gives_the_events_of_the_same_step_booked_loca
     assert len(reader.book) == 0 and len(local) == 0
 
 
-def test_a_prompt_computed_whole_goes_out_summed_up_with_its_last_row():
-    """The usual prompt step: the worker sends each whole prompt's sums and maxima and its last
-    row, not all its rows; what the API server books from that is what the rows would give,
-    owned or not (several API server processes), beside a prompt chunk and a decode."""
-    table = ProbeTable(version=2, slots=(ProbeSlot("x", 5, 1, "prompt_mean", 2.0, -1.0),
-                                         ProbeSlot("y", 2, 0, "prompt_max", 1.0, 0.0)))
-    step = layout([("d", 1, 7, 4), ("w1", 300, 0, 300), ("c", 5, 0, 9), ("w2", 2, 0, 2), ("one", 1, 0, 1)])
-    raw = np.random.default_rng(1).standard_normal((step.num_rows, 2)).astype(np.float32)
-    message = step_message(table, step, raw, [])
-    assert set(message["prompts"]) == {"w1", "w2"}  # not the chunk, not a one-token prompt
-    assert len(message["raw"]) == (1 + 1 + 5 + 1 + 1) * 2 * 4  # w1 and w2 by their last rows
-    assert np.frombuffer(message["step"]["computed"], np.int64).tolist() == [7, 299, 0, 1, 0]
-    want = ScoreBook().record_step(step, table, raw)
-    got = StepReader().read(message)
-    assert got.prompt == want.prompt and got.tokens == want.tokens
-    assert [p["req"] for p in got.prompt] == ["w1", "w2", "one"] and got.prompt[0]["tokens_scored"] == 300
-    mine = StepReader().read(message, owns=lambda req: req in ("w2", "c"))
-    assert [p["req"] for p in mine.prompt] == ["w2"] and mine.token_req_ids == ["w2"]
-    assert mine.prompt[0] == want.prompt[1]
-
-
-def test_a_prompt_recomputed_whole_after_its_summary_is_not_summed_up_twice():
-    """A preempted request whose prompt runs again from position 0, whole, after its summary
-    went out: the API server sends no second summary, and its sampled token is booked."""
-    table = ProbeTable(version=1, slots=(ProbeSlot("x", 5, 0, "prompt_mean", 1.0, 0.0),))
-    reader = StepReader()
-    first = reader.read(step_message(table, layout([("a", 4, 0, 4)]), np.arange(4, dtype=np.float32)[:, None], []))
-    assert [p["mean_raw"] for p in first.prompt] == [[1.5]] and first.token_indexes == [0]
-    again = reader.read(step_message(table, layout([("a", 4, 0, 4)]), np.ones((4, 1), np.float32), []))
-    assert again.prompt == [] and again.token_indexes == [0]
-    assert reader.read(step_message(table, layout([]), np.zeros((0, 1), np.float32), ["a"])).finished == ["a"]
-
-
 def test_a_complete_prompt_keeps_only_a_marker_and_a_recomputed_prompt_is_not_reported_twice():
     """After the summary the prompt's rows are freed; a preempted request that recomputes
     its prompt (num_computed back to 0) must neither crash nor send a second summary."""

@@ -240,8 +240,7 @@ def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup)
     assert published.control[-1] == {"control": "paused", "paused": False, "sequence": 2}
     streams = {l: torch.randn(2, HIDDEN) for l in taps}
     run_step(taps, streams)
-    # the first 2 rows of a 4-token prompt: they go out as rows (a prompt computed whole goes out summed up)
-    controller.after_forward(StepLayout(["b"], np.array([2]), np.array([0]), np.array([4])))
+    controller.after_forward(StepLayout(["b"], np.array([2]), np.array([0]), np.array([2])))
     message = published[-1]
     assert message["step"]["req"] == ["b"]
     raw = np.frombuffer(message["raw"], np.float32).reshape(2, -1)
