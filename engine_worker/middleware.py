@@ -148,6 +148,69 @@ def inspect_request(path: str, body: Any, owner: str = "") -> MonitoredCall | No
     )
 
 
+class _RequestFields(msgspec.Struct):
+    """The fields of a request body that `inspect_request` looks at; the prompt or messages are
+    only skipped over (`msgspec.Raw`), not turned into Python objects."""
+
+    prompt: msgspec.Raw = msgspec.Raw()
+    stream: Any = None
+    n: Any = None
+    best_of: Any = None
+    use_beam_search: Any = None
+    echo: Any = None
+    include_reasoning: Any = None
+    return_token_ids: Any = None
+    vllm_xargs: Any = None
+
+
+_request_fields = msgspec.json.Decoder(_RequestFields)
+_ASK_FOR_TOKEN_IDS = b',"return_token_ids":true}'
+
+
+def body_as_sent(path: str, raw: bytes, owner: str = "") -> tuple[MonitoredCall, bytes] | None:
+    """The usual request, monitored without decoding and re-encoding its body: (its call, the
+    body for vLLM), or None for anything `inspect_request` must see (a ProbeX option, a
+    steering request, a field it refuses or checks, a batch of prompts, a body msgspec does
+    not take, which may still be JSON that Python's parser takes).
+
+    The body for vLLM is the client's own bytes, with `"return_token_ids":true` added
+    before the closing brace if the client did not send the key. The decoding and
+    re-encoding it saves is on every request's way to its first token: 19 and 5 µs for a
+    1024-token prompt on the dev machine, against 7 µs to read the fields here."""
+    try:
+        fields = _request_fields.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+    xargs = fields.vllm_xargs
+    if xargs is not None and (not isinstance(xargs, dict) or any(str(key).startswith("probex_") for key in xargs)):
+        return None
+    if (fields.n not in (None, 1) or fields.best_of not in (None, 1) or fields.use_beam_search
+            or (path == "/v1/completions" and fields.echo) or fields.include_reasoning is False):
+        return None
+    if path == "/v1/completions" and _lists_several_prompts(bytes(fields.prompt)):
+        return None
+    if fields.return_token_ids is True:
+        body = raw
+    elif fields.return_token_ids is None:
+        stripped = raw.rstrip()
+        if not stripped.endswith(b"}") or stripped[:-1].rstrip().endswith(b"{"):
+            return None  # an empty object: vLLM's own validation answers it, from the full path
+        body = stripped[:-1] + _ASK_FOR_TOKEN_IDS
+    else:
+        return None  # asked not to have them, or something else: the full path sets the field
+    request_id = f"probex-{owner}{uuid.uuid4().hex[len(owner):]}"
+    call = MonitoredCall(key_prefix=f"{MONITORED_PATHS[path]}-{request_id}", stream=bool(fields.stream),
+                         wants_token_ids=fields.return_token_ids is True)
+    return call, body
+
+
+def _lists_several_prompts(prompt: bytes) -> bool:
+    """Does a completion's raw `prompt` hold a list of prompts (strings or token lists),
+    whose choices are scored one by one, rather than one text or one list of token ids?"""
+    text = prompt.lstrip()
+    return text.startswith(b"[") and text[1:].lstrip()[:1] in (b'"', b"[")
+
+
 def check_steering(body: dict, request: SteerRequest, steering: dict, probes: dict) -> str:
     """Check a steering request against what the worker has loaded; normalise its xargs and
     set its `cache_salt`. `steering` / `probes` are the worker's listings. Returns the salt."""
@@ -242,6 +305,12 @@ class ProbexMiddleware:
 
     async def _monitored(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_body = await _read_body(receive)
+        as_sent = body_as_sent(scope["path"], raw_body, self.owner) if raw_body else None
+        if as_sent is not None:  # the usual request: nothing to check or rewrite beyond the token ids
+            call, new_body = as_sent
+            if self.hub.paused:  # passed on unmonitored, as the client sent it
+                return await self.app(scope, _replay(raw_body, receive), send)
+            return await self._relayed(scope, receive, send, call, new_body)
         body, encode = _decode_request(raw_body) if raw_body else (None, _encode_json)
         try:
             call = inspect_request(scope["path"], body, self.owner)
@@ -265,7 +334,10 @@ class ProbexMiddleware:
                 call.body.pop("return_token_ids", None)
             new_body = encode(call.body)
             return await self.app(dict(scope, headers=_body_headers(scope, new_body)), _replay(new_body, receive), send)
-        new_body = encode(call.body)
+        return await self._relayed(scope, receive, send, call, encode(call.body))
+
+    async def _relayed(self, scope: Scope, receive: Receive, send: Send, call: MonitoredCall, new_body: bytes) -> None:
+        """Hand the request to vLLM under ProbeX's id and relay its response with scores attached."""
         request_id = call.key_prefix.split("-", 1)[1]
         inner_scope = dict(scope, headers=_body_headers(scope, new_body, request_id))
         relay = StreamRelay(self.hub, call, send, self.score_wait_s) if call.stream else BodyRelay(self.hub, call, send, self.score_wait_s)

@@ -17,6 +17,10 @@ decode step of N requests. Reported per step:
 Then the host steps on a first token's way, for one request with a `--prompt-tokens`-token
 prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSON):
 
+- `request_us`: the middleware's reading of the request body, `probex bench engine`'s
+  (the prompt as token ids, `return_token_ids` asked for), on its way to vLLM
+  (`middleware.body_as_sent`); `request_decoded_us` the same body decoded, checked and
+  re-encoded (the path of a request with a ProbeX option), timed side by side;
 - `prefill_step_us`: the worker's hook + consume of that step, inline (layout, gather, the
   step message built and msgpack-encoded);
 - `decode_us`: the API server's msgpack decoding of that message (its receive loop's, before
@@ -159,11 +163,11 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
 
     from engine_worker.bookkeeping import StepLayout
     from engine_worker.delivery import ScoreHub
-    from engine_worker.middleware import MonitoredCall, StreamRelay
+    from engine_worker.middleware import MonitoredCall, StreamRelay, _decode_request, body_as_sent, inspect_request
 
     messages: list[bytes] = []
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
-    prefill, decode, intake = [], [], []
+    prefill, decode, intake, request, request_decoded = [], [], [], [], []
     chunk_times: dict[str, list[float]] = {name: [] for name in ("first_chunk", "token_chunk", "first_chunk_decoded",
                                                                   "token_chunk_decoded")}
     prompt_ids = list(range(1000, 1000 + prompt_tokens))
@@ -172,7 +176,20 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
         controller.publish = lambda message: messages.append(encoder.encode(message))
         hub = ScoreHub("inproc://unused")  # never started: fed directly, as its receive loop would
 
+        request_body = json.dumps({"model": "bench", "prompt": prompt_ids, "max_tokens": 256, "temperature": 0.0,
+                                   "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                                   "return_token_ids": True}).encode()
+
+        def read_request_decoded(raw: bytes) -> bytes:
+            body, encode = _decode_request(raw)
+            return encode(inspect_request("/v1/completions", body).body)
+
         async def one_request(number: int) -> None:
+            for read, times in ((lambda raw: body_as_sent("/v1/completions", raw), request),
+                                (read_request_decoded, request_decoded))[:: 1 if number % 2 else -1]:
+                started = time.perf_counter()
+                read(request_body)
+                times.append(time.perf_counter() - started)
             call = MonitoredCall(key_prefix=f"cmpl-probex-{uuid.uuid4().hex}", stream=True, wants_token_ids=False)
             started = time.perf_counter()
             controller.after_forward(StepLayout([f"{call.key(0)}-0123abcd"], np.array([prompt_tokens]),
@@ -214,6 +231,7 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     if hub.chunks["spliced"].count != repeats:
         raise RuntimeError("the later chunk was decoded instead of spliced: not the path vLLM's chunks take")
     return {"prompt_tokens": prompt_tokens, "repeats": repeats, "prefill_step_us": _median_us(prefill),
+            "request_us": _median_us(request), "request_decoded_us": _median_us(request_decoded),
             "decode_us": _median_us(decode), "intake_us": _median_us(intake),
             **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()}}
 
@@ -331,7 +349,8 @@ def main() -> None:
     print(f"one StepLayout: {wake['layout_us_tight_loop']} µs in a tight loop, {wake['layout_us_after_sleep']} µs"
           f" right after a {args.wait_us:.0f} µs sleep (how much of the hook is waking up)", flush=True)
     first = first_token_path(args.prompt_tokens, args.repeats)
-    print(f"first token, {first['prompt_tokens']}-token prompt (medians of {first['repeats']}): prefill step "
+    print(f"first token, {first['prompt_tokens']}-token prompt (medians of {first['repeats']}): request "
+          f"{first['request_us']} µs in the API server (decoded and re-encoded: {first['request_decoded_us']} µs), prefill step "
           f"{first['prefill_step_us']} µs in the worker, decode {first['decode_us']} µs and intake "
           f"{first['intake_us']} µs, first chunk "
           f"{first['first_chunk_us']} µs and a later one-token chunk {first['token_chunk_us']} µs in the API server "

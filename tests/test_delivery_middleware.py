@@ -16,7 +16,8 @@ import pytest
 
 from engine_worker.bookkeeping import ProbeTable, StepLayout, step_message
 from engine_worker.delivery import ScoreHub, external_request_id
-from engine_worker.middleware import ProbexMiddleware, RequestRefused, _without_prompt_token_ids, inspect_request
+from engine_worker.middleware import (ProbexMiddleware, RequestRefused, _without_prompt_token_ids, body_as_sent,
+                                      inspect_request)
 from engine_worker.tap import ProbeSlot
 from engine_worker.tap_config import TapConfig
 from probes.scoring import calibrate
@@ -450,6 +451,50 @@ def test_request_bodies_python_json_accepts_are_monitored_and_passed_on_unchange
     # not JSON at all: vLLM answers with its own validation error, the body untouched
     app, status, _ = post_raw(b"{not json")
     assert app.bodies == [b"{not json"] and app.request_ids == [None]
+
+
+def post_raw_paused(raw: bytes):
+    async def go():
+        app, hub = RecordingApp(), idle_hub()
+        hub.set_paused(True)
+        middleware = ProbexMiddleware(app, hub=hub, tap_config=TapConfig(layers=(3,)))
+        sent = await post_through(middleware, "/v1/completions", raw)
+        return app, sent[0]["status"]
+
+    return asyncio.run(go())
+
+
+def test_the_usual_request_reaches_vllm_as_the_client_sent_it():
+    """A request with nothing for ProbeX to check or rewrite is not decoded and re-encoded:
+    vLLM gets the client's bytes, under ProbeX's request id, with `return_token_ids` added
+    where the client did not send it; paused, the bytes alone."""
+    asked = b'{"prompt": [5, 6, 7], "max_tokens": 2, "stream": true, "return_token_ids": true, "top_p": 0.50}'
+    app, status, _ = post_raw(asked)
+    assert status == 200 and app.bodies == [asked] and app.request_ids[0].startswith(b"probex-")
+    plain = b'{"prompt": "caf\\u00e9", "max_tokens": 2, "vllm_xargs": {"other": 1}}\n'
+    app, status, _ = post_raw(plain)
+    assert status == 200 and app.bodies == [plain.rstrip()[:-1] + b',"return_token_ids":true}']
+    assert json.loads(app.bodies[0]) == {**json.loads(plain), "return_token_ids": True}
+    app, status = post_raw_paused(plain)
+    assert status == 200 and app.bodies == [plain] and app.request_ids == [None]
+    call, body = body_as_sent("/v1/chat/completions", b'{"messages": [], "stream": true}', owner="ab12cd34")
+    assert call.stream and not call.wants_token_ids and call.key(0).startswith("chatcmpl-probex-ab12cd34")
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "x", "n": 2}', b'{"prompt": "x", "best_of": 3}', b'{"prompt": "x", "use_beam_search": true}',
+    b'{"prompt": "x", "echo": true}', b'{"prompt": "x", "include_reasoning": false}',
+    b'{"prompt": "x", "vllm_xargs": {"probex_recompute": "true"}}', b'{"prompt": "x", "vllm_xargs": "x"}',
+    b'{"prompt": ["a", "b"]}', b'{"prompt": [[1, 2], [3]]}', b'{"prompt": "x", "return_token_ids": false}',
+    b'{"prompt": "x", "top_p": NaN}', b"{}", b"[1, 2]", b"{not json",
+])
+def test_requests_with_anything_to_check_or_rewrite_take_the_full_path(raw):
+    assert body_as_sent("/v1/completions", raw) is None
+
+
+def test_a_refused_field_is_still_refused_when_the_rest_is_usual():
+    app, status, answer = post_raw(b'{"prompt": [1, 2], "max_tokens": 2, "n": 3}')
+    assert status == 400 and b"n=3" in answer and app.bodies == []
 
 
 def test_a_batched_completions_chunks_are_spliced_with_their_own_prompts_scores():
