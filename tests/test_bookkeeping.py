@@ -118,6 +118,29 @@ def test_a_step_read_from_the_wire_gives_the_events_of_the_same_step_booked_loca
     assert len(reader.book) == 0 and len(local) == 0
 
 
+def test_a_lone_requests_steps_are_booked_as_beside_another_request():
+    """Steps of one request take a shortcut (plain ints): a whole prompt, its decodes, a
+    chunked prompt, a preempted recompute and the end give the same events as when another
+    request shares each step (the general path)."""
+    table = ProbeTable(version=3, slots=(ProbeSlot("x", 5, 0, "prompt_mean", 1.0, 0.0),
+                                         ProbeSlot("y", 5, 1, "prompt_max", 1.0, 0.0)))
+    rng = np.random.default_rng(2)
+    alone, shared = ScoreBook(), ScoreBook()
+    steps = [("a", 5, 0, 5), ("a", 1, 5, 5), ("a", 1, 6, 5),  # whole prompt, two decodes
+             ("a", 7, 0, 5),  # preempted: prompt + 2 generated tokens recomputed, no second summary
+             ("b", 3, 0, 8), ("b", 5, 3, 8), ("b", 1, 8, 8),  # a prompt in two chunks, then a decode
+             ("c", 4, 2, 6)]  # the rest of a prompt whose start came from the prefix cache
+    for req, scheduled, computed, prompt in steps:
+        rows = rng.standard_normal((scheduled, 2)).astype(np.float32)
+        one = alone.record_step(layout([(req, scheduled, computed, prompt)]), table, rows)
+        other = rng.standard_normal((1, 2)).astype(np.float32)
+        two = shared.record_step(layout([(req, scheduled, computed, prompt), ("z", 1, 9, 4)]), table,
+                                 np.concatenate([rows, other]))
+        assert one.prompt == two.prompt
+        assert one.tokens == [t for t in two.tokens if t["req"] == req]
+    assert alone.finish(["a", "b", "c"]) == shared.finish(["a", "b", "c"]) == ["a", "b", "c"]
+
+
 def test_a_complete_prompt_keeps_only_a_marker_and_a_recomputed_prompt_is_not_reported_twice():
     """After the summary the prompt's rows are freed; a preempted request that recomputes
     its prompt (num_computed back to 0) must neither crash nor send a second summary."""
