@@ -35,6 +35,9 @@ from probes.scoring import calibrate_array
 log = logging.getLogger("probex.delivery")
 
 _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+# A first chunk that reaches the relay within this long after its prompt's step was taken in
+# most likely waited behind that intake (ScoreHub.first_chunk_gaps).
+SOON_AFTER_INTAKE_S = 250e-6
 
 
 def external_request_id(engine_request_id: str) -> str:
@@ -145,6 +148,10 @@ class RequestScores:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     latest: int = -1  # the highest token index in
     lost: bool = False  # the worker could not send a step of this request's: waits end at once
+    # time.perf_counter() when the hub began and finished taking in the step that completed
+    # the prompt (0.0 until then): how soon after it the first chunk came (`ScoreHub.first_chunk_gaps`)
+    prompt_step_in: float = 0.0
+    prompt_step_done: float = 0.0
 
     def add_token(self, index: int, scores: tuple[float, ...], probes: ProbeColumns) -> None:
         """`scores`: calibrated, one per probe of `probes` (the set that scored this token)."""
@@ -218,6 +225,15 @@ class ScoreHub:
         # decorating first chunks (their wait for scores included).
         self.intake = {"steps": TimeStats(), "prompt_steps": TimeStats()}
         self.first_chunks = TimeStats()
+        # How long after the step that completed a prompt vLLM's first chunk of that request
+        # reached the relay: from the step's arrival (`after_prompt_step`) and from the end of
+        # its intake (`after_intake`; `soon_after_intake` counts the gaps under
+        # SOON_AFTER_INTAKE_S alone). A chunk that comes right after the intake most likely
+        # waited behind it on this loop (the engine's output arrived meanwhile): the intake
+        # was then on the first token's way; a long gap says it was not. Chunks that came
+        # before their prompt's scores are not counted here (`waits` counts them).
+        self.first_chunk_gaps = {"after_prompt_step": TimeStats(), "after_intake": TimeStats(),
+                                 "soon_after_intake": TimeStats()}
         # Every stream chunk the middleware decorated (its wait for scores included), by whether
         # it spliced the scores into the chunk's bytes or decoded the chunk: the API server's
         # time per chunk, which at high concurrency decides whether it keeps up with the engine.
@@ -310,8 +326,11 @@ class ScoreHub:
         probes = table.probes
         if len(self._external_ids) > 100_000:  # ids are never reused: forgetting them all is safe
             self._external_ids.clear()
+        prompted = []
         for event in events.prompt:
             state = self._state(self._external_id(event["req"]))
+            state.prompt_step_in = started
+            prompted.append(state)
             # Calibrated and laid out now, not when the first chunk is decorated: that runs on
             # the way to the client's first token, this usually while the engine is still
             # sending that token out.
@@ -336,10 +355,24 @@ class ScoreHub:
                 state.add_token(index, values, probes)
                 state.changed.set()
         self._mark_finished(events.finished)
-        elapsed = time.perf_counter() - started
+        done = time.perf_counter()
+        elapsed = done - started
         self.intake["steps"].add(elapsed)
         if events.prompt:
             self.intake["prompt_steps"].add(elapsed)
+            for state in prompted:
+                state.prompt_step_done = done
+
+    def first_chunk_came(self, state: RequestScores, when: float) -> None:
+        """vLLM's first chunk with this request's prompt scores reached the relay at `when`
+        (time.perf_counter()): booked in `first_chunk_gaps` if its prompt's step was in by then."""
+        if not state.prompt_step_done or when < state.prompt_step_done:
+            return
+        self.first_chunk_gaps["after_prompt_step"].add(when - state.prompt_step_in)
+        gap = when - state.prompt_step_done
+        self.first_chunk_gaps["after_intake"].add(gap)
+        if gap < SOON_AFTER_INTAKE_S:
+            self.first_chunk_gaps["soon_after_intake"].add(gap)
 
     def _mark_finished(self, engine_request_ids: list[str]) -> None:
         for req in engine_request_ids:
@@ -484,6 +517,7 @@ class ScoreHub:
         """The event-loop time of `intake`, `first_chunks` and `chunks` (see __init__), for /probex/health."""
         return {**{f"intake_{kind}": stats.as_dict() for kind, stats in self.intake.items()},
                 "first_chunks": self.first_chunks.as_dict(),
+                **{f"first_chunk_{kind}": stats.as_dict() for kind, stats in self.first_chunk_gaps.items()},
                 **{f"chunks_{kind}": stats.as_dict() for kind, stats in self.chunks.items()},
                 **{f"gc_generation_{generation}": stats.as_dict()
                    for generation, stats in enumerate(self.collections.by_generation)}}

@@ -724,6 +724,7 @@ class StreamRelay:
             include_prompt = index not in self._prompt_sent and state.prompt is not None
             if include_prompt:
                 self._prompt_sent.add(index)
+                self.hub.first_chunk_came(state, started)
             if include_prompt or stop > start:
                 chunk["probex"] = responses.chunk_scores(state, start, stop, include_prompt)
             if not self.call.wants_token_ids:

@@ -174,6 +174,31 @@ def test_each_chunk_waits_for_and_carries_its_own_token_scores():
     assert loop["intake_steps"]["count"] >= 3 and loop["intake_prompt_steps"]["count"] == 1
     assert 0 < loop["intake_prompt_steps"]["total_s"] <= loop["intake_steps"]["total_s"]
     assert loop["first_chunks"]["count"] == 1 and 0.04 < loop["first_chunks"]["total_s"] < 1.0
+    # the first chunk came before its prompt's scores: no gap after the intake to book
+    assert loop["first_chunk_after_intake"]["count"] == 0 and loop["first_chunk_after_prompt_step"]["count"] == 0
+
+
+def test_how_soon_after_its_prompts_step_a_first_chunk_comes_is_booked():
+    """The gap between the intake of the step that completed a prompt and vLLM's first chunk
+    reaching the relay: under 0.25 ms it is also counted as soon after (the chunk most likely
+    waited behind the intake); a chunk that came before its prompt's scores is not booked."""
+    import time
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    hub = idle_hub()
+    for key in ("cmpl-probex-a-0", "cmpl-probex-b-0"):
+        hub.ingest(step_message(table, StepLayout([f"{key}-0123abcd"], np.array([2]), np.array([0]), np.array([2])),
+                                np.array([[0.1], [0.2]], np.float32), []))
+    first, second = hub.get("cmpl-probex-a-0"), hub.get("cmpl-probex-b-0")
+    assert 0 < first.prompt_step_in <= first.prompt_step_done <= second.prompt_step_in
+    hub.first_chunk_came(first, first.prompt_step_done + 0.0001)
+    hub.first_chunk_came(second, second.prompt_step_done + 0.003)
+    hub.first_chunk_came(hub.get("cmpl-probex-c-0"), time.perf_counter())  # no prompt step yet
+    stats = hub.loop_time_stats()
+    assert stats["first_chunk_after_intake"]["count"] == 2
+    assert stats["first_chunk_after_intake"]["total_s"] == pytest.approx(0.0031)
+    assert stats["first_chunk_soon_after_intake"]["count"] == 1
+    assert stats["first_chunk_after_prompt_step"]["total_s"] >= 0.0031
 
 
 def test_chunk_scores_written_as_json_directly_equal_the_general_path():
