@@ -27,7 +27,7 @@ from probes.artifact import ProbeArtifact, ProbeFormatError, ProbeMismatchError,
 from probes.steering import SteeringVector, check_vector_set, load_vector
 from engine_worker.bookkeeping import (ProbeTable, ScoreBook, StepLayout, gather_scores, lost_message, paused_message,
                                        step_message, swapped_message)
-from engine_worker.score_transfer import ScoreTransfer, StagedStep
+from engine_worker.score_transfer import LARGE_STEP_ROWS, ScoreTransfer, StagedStep
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
@@ -97,6 +97,7 @@ class TapController:
         # staging, hand-off), summed: what the tap adds to the host side of every step.
         self.engine_thread_s = 0.0
         self.layout_s = 0.0  # the part of it spent reading the step's layout from the runner
+        self.token_reads = TokenReads()  # engine consumer: vLLM's wait for each step's tokens after its scores
         self._capture_requests: dict[str, dict[int, np.ndarray]] = {}
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
         self._hook_spin_s = hook_spin_s()  # PROBEX_HOOK_SPIN_US, a diagnostic; 0 otherwise
@@ -180,7 +181,8 @@ class TapController:
             "slots_per_layer": {str(l): t.capacity for l, t in self.taps.items()},
             "capture": self.capture_dir is not None,
             "transfer": {**self.transfer.describe(), "scores_ahead_of_tokens": self.scores_ahead_of_tokens},
-            "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s, "layout_s": self.layout_s},
+            "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s, "layout_s": self.layout_s,
+                              "token_reads": self.token_reads.as_dict()},
             "probes": [
                 {
                     "name": p.name,
@@ -361,6 +363,11 @@ class TapController:
         self.transfer.consume_through(mark)
         self.engine_thread_s += time.perf_counter() - started - (self.transfer.device_wait_s - waited)
 
+    def tokens_read(self, wait_s: float) -> None:
+        """vLLM read a step's sampled tokens `wait_s` after its scores were consumed (engine
+        consumer): booked by the size of the step consumed last."""
+        self.token_reads.add(wait_s, self.transfer.last_consumed_rows > LARGE_STEP_ROWS)
+
     @property
     def delivers(self) -> bool:
         """False on a tensor-parallel rank other than the delivering one (which is also the only
@@ -501,3 +508,34 @@ class TapController:
         partial = final.with_suffix(".partial")
         save_file({f"layer_{layer}": rows for layer, rows in store.items()}, str(partial))
         os.replace(partial, final)
+
+
+# A read of the tokens this soon after the scores' consume found them ready: the device had
+# finished sampling before the consume did, so the consume held the step's output back.
+TOKENS_READY_S = 50e-6
+
+
+class TokenReads:
+    """How long vLLM waited for each step's sampled tokens after the engine consumer had booked
+    and sent that step's scores (`scores_with_sampled_tokens`). The consume runs while the device
+    samples; where the tokens were ready by its end (`ready`: read within TOKENS_READY_S), the
+    consume was on the step's way out, and on a first token's way for a prefill (`large`:
+    steps of more than LARGE_STEP_ROWS rows). Sums and counts; readers take differences."""
+
+    def __init__(self) -> None:
+        self.count = self.ready = self.large_count = self.large_ready = 0
+        self.wait_s = self.large_wait_s = 0.0
+
+    def add(self, wait_s: float, large: bool) -> None:
+        ready = wait_s < TOKENS_READY_S
+        self.count += 1
+        self.wait_s += wait_s
+        self.ready += ready
+        if large:
+            self.large_count += 1
+            self.large_wait_s += wait_s
+            self.large_ready += ready
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"count": self.count, "wait_s": self.wait_s, "ready": self.ready, "large_count": self.large_count,
+                "large_wait_s": self.large_wait_s, "large_ready": self.large_ready}

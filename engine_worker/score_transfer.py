@@ -336,6 +336,7 @@ class ScoreTransfer:
         # thread's waits.
         self.device_wait_s = 0.0
         self.stats = TransferStats()
+        self.last_consumed_rows = 0  # the rows of the step consumed last (or being consumed)
         # consumer="engine": steps staged and not yet consumed, oldest first; the lock keeps
         # the engine thread and the watchdog from consuming the same step (order is kept).
         self._pending: collections.deque[StagedStep] = collections.deque()
@@ -585,6 +586,7 @@ class ScoreTransfer:
                 step._ready.synchronize()  # releases the GIL while it waits
                 self.device_wait_s += time.perf_counter() - waiting
             landed = time.perf_counter()
+            self.last_consumed_rows = step.rows
             self._consume(step)
             self.stats.add(landed - step.submitted, time.perf_counter() - landed, step.rows)
         except Exception:  # a bad step must not stop delivery for every later one

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import sys
+import time
 
 from probes.artifact import ServedModel
 from engine_worker.controller import ProbeSetRejected, TapController, VectorSetRejected
@@ -130,10 +131,12 @@ def scores_with_sampled_tokens(sample_tokens):
                     controller.consume_scores_through(this_step)
                 except Exception:  # ProbeX must never cost vLLM a step's tokens
                     log.exception("probex: consuming the step's scores failed")
+            reading = time.perf_counter()
             result = read_tokens()
             # Anything else landed meanwhile (side-stream copies, which may land after the
             # tokens, are taken here or at a later hook).
             try:
+                controller.tokens_read(time.perf_counter() - reading)
                 controller.consume_landed_scores()
             except Exception:
                 log.exception("probex: consuming landed scores failed")

@@ -1334,6 +1334,17 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
                 measured[f"{part}_mean_ms"] = (end[key] - start[key]) / engine_steps * 1e3
         if all(f"{part}_mean_ms" in measured for part in parts):
             measured["other_mean_ms"] = measured["hook_mean_ms"] - sum(measured[f"{p}_mean_ms"] for p in parts)
+    # The engine consumer: vLLM's wait for each step's tokens after the step's scores were
+    # consumed, and how often the tokens were ready by then (the consume held them back), for
+    # prefill-sized steps (on a first token's way) apart.
+    r0, r1 = e0.get("token_reads") or {}, e1.get("token_reads") or {}
+    for prefix, label in (("", "token_reads"), ("large_", "prefill_token_reads")):
+        reads = r1.get(f"{prefix}count", 0) - r0.get(f"{prefix}count", 0)
+        if reads > 0:
+            out.setdefault("engine_thread", {})[label] = {
+                "count": reads,
+                "wait_mean_ms": (r1[f"{prefix}wait_s"] - r0.get(f"{prefix}wait_s", 0.0)) / reads * 1e3,
+                "ready_share": (r1[f"{prefix}ready"] - r0.get(f"{prefix}ready", 0)) / reads}
     # The relay's counters below are summed over the API server processes that answered
     # (merge_process_health): two snapshots that did not hear from the same ones say nothing.
     if _answering_processes(before) != _answering_processes(after):
@@ -1401,7 +1412,14 @@ def delivery_line(delivery: dict[str, Any]) -> str:
         e = delivery["engine_thread"]
         split = ", ".join(f"{k[:-8]} {e[k]:.3f}" for k in ("layout_mean_ms", "stage_mean_ms", "handoff_mean_ms",
                                                             "other_mean_ms") if k in e)
-        parts.append(f"engine thread: {e['hook_mean_ms']:.3f} ms of ProbeX hooks per step" + (f" ({split})" if split else ""))
+        if "hook_mean_ms" in e:
+            parts.append(f"engine thread: {e['hook_mean_ms']:.3f} ms of ProbeX hooks per step"
+                         + (f" ({split})" if split else ""))
+        for label, what in (("token_reads", "steps"), ("prefill_token_reads", "prefill steps")):
+            if label in e:
+                r = e[label]
+                parts.append(f"tokens read {r['wait_mean_ms']:.3f} ms after the scores' consume, ready by then in "
+                             f"{r['ready_share']:.0%} of {r['count']} {what}")
     if "transfer" in delivery:
         t = delivery["transfer"]
         parts.append(f"transfer: landed {t['landed_mean_ms']:.3f} ms, consume {t['consume_mean_ms']:.3f} ms per step"

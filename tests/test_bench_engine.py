@@ -1149,6 +1149,22 @@ def test_idle_requests_alternate_the_tap_abba_and_pair_neighbours():
     assert "| 2 | 4 | 11.00 | 10.00 | +10.00% |" in table
 
 
+def test_a_phase_reads_the_engine_consumers_waits_for_tokens():
+    def health(count, wait_s, ready, large_count, large_wait_s, large_ready, steps):
+        return {"engine_thread": {"steps": steps, "hook_s": steps * 0.0002, "layout_s": 0.0,
+                                  "token_reads": {"count": count, "wait_s": wait_s, "ready": ready,
+                                                  "large_count": large_count, "large_wait_s": large_wait_s,
+                                                  "large_ready": large_ready}}}
+
+    delta = be.delivery_delta(health(10, 0.01, 2, 1, 0.0, 1, 10), health(110, 0.11, 42, 11, 0.0005, 9, 110))
+    reads = delta["engine_thread"]
+    assert reads["token_reads"] == {"count": 100, "wait_mean_ms": pytest.approx(1.0), "ready_share": pytest.approx(0.4)}
+    assert reads["prefill_token_reads"] == {"count": 10, "wait_mean_ms": pytest.approx(0.05),
+                                            "ready_share": pytest.approx(0.8)}
+    line = be.delivery_line(delta)
+    assert "ready by then in 40% of 100 steps" in line and "ready by then in 80% of 10 prefill steps" in line
+
+
 def test_the_relay_counters_of_several_api_server_processes_are_summed():
     """With --api-server-count N each process counts the requests it relayed: a phase's
     delivery figures are those of all of them together; the worker's own parts come once."""

@@ -894,3 +894,21 @@ def test_a_step_that_fails_after_its_layout_is_announced_as_lost(setup, monkeypa
     controller.after_forward(StepLayout(["a"], np.array([2]), np.array([0]), np.array([2])), ["b"], num_rows=2)
     assert controller.transfer.consume_errors == 1
     assert list(published) == [] and published.control[-1] == lost_message(["a"], ["b"])
+
+
+def test_the_wait_for_each_steps_tokens_after_its_scores_is_booked_by_step_size():
+    """The engine consumer books vLLM's wait for a step's tokens after consuming its scores;
+    a wait under 50 µs means the tokens were ready (the consume held them back), and steps of
+    more than 256 rows (prefill chunks, on a first token's way) are booked apart too."""
+    from types import SimpleNamespace
+
+    from engine_worker.controller import TapController, TokenReads
+
+    consumer = SimpleNamespace(transfer=SimpleNamespace(last_consumed_rows=1024), token_reads=TokenReads())
+    TapController.tokens_read(consumer, 0.00001)  # a prefill whose tokens were ready
+    consumer.transfer.last_consumed_rows = 64
+    TapController.tokens_read(consumer, 0.002)  # a decode step whose tokens came 2 ms later
+    TapController.tokens_read(consumer, 0.00002)
+    assert consumer.token_reads.as_dict() == {"count": 3, "wait_s": pytest.approx(0.00203), "ready": 2,
+                                              "large_count": 1, "large_wait_s": pytest.approx(0.00001),
+                                              "large_ready": 1}

@@ -52,6 +52,10 @@ class RecordingController:
     def consume_landed_scores(self):
         self.calls.append(("consume landed",))
 
+    def tokens_read(self, wait_s):
+        assert wait_s >= 0
+        self.calls.append(("tokens waited for",))
+
     submitted = 0  # steps handed over so far
     scores_ahead_of_tokens = True  # PROBEX_SCORES_AHEAD_OF_TOKENS unset
 
@@ -275,12 +279,12 @@ def test_v2_adapter_consumes_scores_where_the_engine_reads_the_sampled_tokens(mo
     controller.submitted = 6  # the next step is handed over before the engine reads this one's tokens
     assert controller.calls == []  # nothing before the engine reads the tokens
     assert output.get_output() == "runner output"
-    assert controller.calls == [("consume through", 5), ("tokens read",), ("consume landed",)]
+    assert controller.calls == [("consume through", 5), ("tokens read",), ("tokens waited for",), ("consume landed",)]
     assert "get_output" not in vars(output)  # the wrapper let go of itself (no reference cycle)
     controller.calls.clear()
     controller.scores_ahead_of_tokens = False  # the diagnostic's order: tokens first, then what landed
     assert runner.sample_tokens().get_output() == "runner output"
-    assert controller.calls == [("tokens read",), ("consume landed",)]
+    assert controller.calls == [("tokens read",), ("tokens waited for",), ("consume landed",)]
     controller.scores_ahead_of_tokens = True
     controller.consume_landed_scores = lambda: 1 / 0
     controller.consume_scores_through = lambda mark: 1 / 0
@@ -406,8 +410,8 @@ def test_v1_adapter_consumes_each_steps_scores_where_the_engine_reads_its_tokens
     assert first.get_output() == "runner output" and second.get_output() == "runner output"
     # each sampling also bumped the step count (after the forwards' 1 and 3): the marks are 1 and 3
     assert controller.calls == [("after", ["a"], []), ("after", ["a"], []),
-                                ("consume through", 1), ("tokens read",), ("consume landed",),
-                                ("consume through", 3), ("tokens read",), ("consume landed",)]
+                                ("consume through", 1), ("tokens read",), ("tokens waited for",), ("consume landed",),
+                                ("consume through", 3), ("tokens read",), ("tokens waited for",), ("consume landed",)]
     assert controller.after_layouts == [([7], [0], [7]), ([1], [7], [7])]
     controller.calls.clear()
     runner.execute_model(sched(finished={"a"}))  # nothing scheduled: no forward, the request ended
