@@ -135,6 +135,7 @@ class RequestScores:
 
     prompt: dict | None = None  # the summary of the prompt's raw scores (bookkeeping._prompt_summary)
     prompt_fields: dict[str, dict] | None = None  # and each probe's calibrated part (responses.prompt_fields)
+    prompt_probes: ProbeColumns | None = None  # the probe set `prompt_fields` were laid out for
     # Each generated token's calibrated scores, a tuple of floats: the garbage collector stops
     # tracking such a tuple the first time it sees it, so a long stream's tokens do not add to
     # what every later collection of the API server scans (a list, or a tuple holding the
@@ -339,7 +340,7 @@ class ScoreHub:
             except Exception:  # one prompt's bad summary must not cost the step's other scores
                 log.exception("probex: could not lay out a prompt's scores")
                 fields = {}
-            state.prompt, state.prompt_fields = event, fields
+            state.prompt, state.prompt_fields, state.prompt_probes = event, fields, probes
             state.changed.set()
         if events.token_req_ids:
             # One vectorised calibration per step instead of one math.exp per token and

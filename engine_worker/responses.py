@@ -105,6 +105,22 @@ def generated_scores_json(state: RequestScores, start: int, stop: int) -> bytes:
     return b"".join(parts)
 
 
+def first_chunk_scores_json(state: RequestScores, start: int, stop: int) -> bytes | None:
+    """`chunk_scores(state, start, stop, True)["scores"]` as compact JSON, for a stream's
+    first chunk with tokens [start, stop): each probe's prompt part and its tokens' scores.
+    None unless the prompt's part is in and every token is in, scored by the probe set that
+    scored the prompt (the usual case; anything else goes through `chunk_scores`)."""
+    fields = state.prompt_fields
+    uniform = _scored_by_one_set(state, start, stop) if fields else None
+    if uniform is None:
+        return None
+    probes, rows = uniform
+    if probes is not state.prompt_probes:
+        return None  # a probe swap between the prompt and these tokens
+    return _json_encoder.encode({name: {**part, "generated": {"offset": start, "scores": list(column)}}
+                                 for (name, part), column in zip(fields.items(), zip(*rows))})
+
+
 def _scored_by_one_set(state: RequestScores,
                        start: int, stop: int) -> tuple[ProbeColumns, list[tuple[float, ...]]] | None:
     """(probe set, each token's scores) when every token [start, stop) is in and was scored by

@@ -29,6 +29,8 @@ prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSO
   summary, the first token's calibrated scores);
 - `first_chunk_us`: the middleware's decoration of vLLM's first stream chunk, which carries
   the prompt's token ids (compact JSON, as vLLM writes it) and gets the prompt's scores;
+  `first_chunk_ids_us` the same for a client that asked for the token ids (`probex bench
+  engine`'s requests), which keep them;
 - `token_chunk_us`: the decoration of a later one-token chunk (its scores spliced into its
   bytes).
 
@@ -169,7 +171,8 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
     prefill, decode, intake, request, request_decoded = [], [], [], [], []
     chunk_times: dict[str, list[float]] = {name: [] for name in ("first_chunk", "token_chunk", "first_chunk_decoded",
-                                                                  "token_chunk_decoded")}
+                                                                  "token_chunk_decoded", "first_chunk_ids",
+                                                                  "first_chunk_ids_decoded")}
     prompt_ids = list(range(1000, 1000 + prompt_tokens))
     with tempfile.TemporaryDirectory() as tmp:
         controller = _controller(False, Path(tmp))
@@ -207,16 +210,23 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             controller.after_forward(StepLayout([f"{call.key(0)}-0123abcd"], np.ones(1, np.int64),
                                                 np.array([prompt_tokens]), np.array([prompt_tokens])))
             hub.ingest(decoder.decode(messages.pop()))
+            # The same request as a client that asked for the token ids sees it (`probex bench
+            # engine`'s): they stay in its chunks, the prompt's in the first.
+            with_ids = MonitoredCall(key_prefix=call.key_prefix, stream=True, wants_token_ids=True)
             relays = [("", StreamRelay(hub, call, _discard, 1.0)),
-                      ("_decoded", StreamRelay(hub, call, _discard, 1.0, splice=False))]
+                      ("_decoded", StreamRelay(hub, call, _discard, 1.0, splice=False)),
+                      ("_ids", StreamRelay(hub, with_ids, _discard, 1.0)),
+                      ("_ids_decoded", StreamRelay(hub, with_ids, _discard, 1.0, splice=False))]
             for chunk, name in ((_completion_chunk(call.key_prefix, prompt_ids), "first_chunk"),
                                 (_completion_chunk(call.key_prefix), "token_chunk")):
                 event = _sse(chunk)
                 for suffix, relay in relays[:: 1 if number % 2 else -1]:
+                    if name == "token_chunk" and suffix.startswith("_ids"):
+                        continue
                     started = time.perf_counter()
                     decorated = await relay._decorate_event(event)
                     chunk_times[name + suffix].append(time.perf_counter() - started)
-                    if b'"probex"' not in decorated or b"token_ids" in decorated:
+                    if b'"probex"' not in decorated or (b"token_ids" in decorated) != relay.call.wants_token_ids:
                         raise RuntimeError(f"the chunk was not decorated as served: {decorated[:200]!r}")
             hub.release(call.key(0))
 
@@ -228,8 +238,8 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
         controller.transfer.close()
     if hub.waits["tokens"].count or hub.waits["prompt"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
-    if hub.chunks["spliced"].count != repeats:
-        raise RuntimeError("the later chunk was decoded instead of spliced: not the path vLLM's chunks take")
+    if hub.chunks["spliced"].count != 3 * repeats:  # the first chunk twice (ids cut, ids kept), the later one
+        raise RuntimeError("a chunk was decoded instead of spliced: not the path vLLM's chunks take")
     return {"prompt_tokens": prompt_tokens, "repeats": repeats, "prefill_step_us": _median_us(prefill),
             "request_us": _median_us(request), "request_decoded_us": _median_us(request_decoded),
             "decode_us": _median_us(decode), "intake_us": _median_us(intake),
@@ -303,8 +313,8 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
         gc.unfreeze()
     if hub.waits["tokens"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
-    if hub.chunks["spliced"].count != requests * steps:
-        raise RuntimeError("a later chunk was decoded instead of spliced: not the path vLLM's chunks take")
+    if hub.chunks["spliced"].count != requests * (steps + 1):  # each stream's first chunk too
+        raise RuntimeError("a chunk was decoded instead of spliced: not the path vLLM's chunks take")
     # The garbage collections these steps set off (both relay sets'), which stop the event loop.
     pauses = collections.by_generation
     return {"requests": requests, "steps": steps, "intake_us": _median_us(intake),
@@ -354,8 +364,9 @@ def main() -> None:
           f"{first['prefill_step_us']} µs in the worker, decode {first['decode_us']} µs and intake "
           f"{first['intake_us']} µs, first chunk "
           f"{first['first_chunk_us']} µs and a later one-token chunk {first['token_chunk_us']} µs in the API server "
-          f"(decoded and re-encoded instead: {first['first_chunk_decoded_us']} and {first['token_chunk_decoded_us']} µs)",
-          flush=True)
+          f"(decoded and re-encoded instead: {first['first_chunk_decoded_us']} and {first['token_chunk_decoded_us']} µs); "
+          f"with the token ids kept, the first chunk {first['first_chunk_ids_us']} µs (decoded and re-encoded: "
+          f"{first['first_chunk_ids_decoded_us']} µs)", flush=True)
     api_steps = [api_decode_step(int(x), args.steps, args.prompt_tokens) for x in args.requests.split(",")]
     for row in api_steps:
         print(f"API server, one decode step of {row['requests']} streams (medians of {row['steps']}): intake "

@@ -19,7 +19,8 @@ def test_handoff_benchmark_runs_both_ways_and_writes_json(tmp_path, monkeypatch)
     first = result["first_token"]
     assert first["prompt_tokens"] == 64 and first["repeats"] == 5
     assert all(first[key] > 0 for key in ("request_us", "request_decoded_us", "prefill_step_us", "decode_us", "intake_us",
-                                       "first_chunk_us", "token_chunk_us"))
+                                       "first_chunk_us", "token_chunk_us", "first_chunk_ids_us",
+                                       "first_chunk_ids_decoded_us"))
     # the API server's share of a decode step (the benchmark raises if a chunk waited or was not spliced)
     assert [(r["requests"], r["steps"]) for r in result["api_decode_step"]] == [(4, 20)]
     assert all(result["api_decode_step"][0][key] > 0 for key in ("intake_us", "chunks_us", "chunks_decoded_us"))

@@ -228,6 +228,32 @@ def test_chunk_scores_written_as_json_directly_equal_the_general_path():
     assert json.loads(generated_scores_json(state, 3, 5))["b"]["generated"]["scores"] == [None, pytest.approx(-1e-11)]
 
 
+def test_a_first_chunks_scores_written_directly_equal_the_general_path():
+    """first_chunk_scores_json (prompt part and tokens, one probe set) against chunk_scores
+    with the prompt encoded; None, for the decoded path, where the prompt's part is missing,
+    a token is missing or a swap came between the prompt and the tokens."""
+    from engine_worker.delivery import ProbeInfo, ProbeColumns, RequestScores
+    from engine_worker.responses import chunk_scores, first_chunk_scores_json, prompt_fields
+
+    probes = ProbeColumns([ProbeInfo('a "q"', "last_prompt_token", 1.0, 0.0, 3), ProbeInfo("b", "prompt_mean", 2.0, -1.0, 3)])
+    summary = {"req": "r", "prompt_tokens": 5, "tokens_scored": 5, "last_raw": [0.5, -1.0], "mean_raw": [0.25, 0.0],
+               "max_raw": [1.0, 2.0]}
+    state = RequestScores()
+    assert first_chunk_scores_json(state, 0, 1) is None  # nothing in yet
+    state.add_token(0, (0.6, 0.2), probes)
+    state.add_token(1, (0.7, 0.3), probes)
+    assert first_chunk_scores_json(state, 0, 1) is None  # the prompt's part is not in
+    state.prompt, state.prompt_fields, state.prompt_probes = summary, prompt_fields(summary, probes), probes
+    for start, stop in ((0, 1), (0, 2)):
+        written = first_chunk_scores_json(state, start, stop)
+        assert json.loads(written) == json.loads(msgspec.json.encode(chunk_scores(state, start, stop, True)["scores"]))
+    assert first_chunk_scores_json(state, 0, 3) is None  # token 2 not in
+    swapped = ProbeColumns([ProbeInfo('a "q"', "last_prompt_token", 1.0, 0.0, 3), ProbeInfo("b", "prompt_mean", 2.0, -1.0, 3)])
+    later = RequestScores(prompt=summary, prompt_fields=state.prompt_fields, prompt_probes=probes)
+    later.add_token(0, (0.6, 0.2), swapped)  # the same names, another probe set (a swap): not written directly
+    assert first_chunk_scores_json(later, 0, 1) is None
+
+
 def test_a_streams_token_scores_leave_the_garbage_collectors_books():
     """A long stream's scores must not add to what every collection of the API server scans:
     each token's are a tuple of floats, which a collection stops tracking the first time."""
@@ -314,8 +340,8 @@ COMPLETION_CASES = [
 @pytest.mark.parametrize("client_asked", [False, True])
 def test_spliced_chunks_equal_decoded_ones(monkeypatch, cases, client_asked):
     """The stream relay's splice (scores written into the chunk's bytes) against its decoded
-    path, chunk by chunk, and the splice really taken for every chunk with tokens after the
-    one that carried the prompt's scores."""
+    path, chunk by chunk, and the splice really taken for every chunk with tokens, the one
+    that carries the prompt's scores (and, in a completion, the prompt's token ids) too."""
     from engine_worker import middleware
 
     request = {"return_token_ids": True} if client_asked else {}
@@ -349,17 +375,19 @@ def test_spliced_chunks_equal_decoded_ones(monkeypatch, cases, client_asked):
     assert [("token_ids" in c["choices"][0]) for c in spliced] == [client_asked] * len(cases)
     assert [("prompt_token_ids" in c["choices"][0] or "prompt_token_ids" in c) for c in spliced[:1]] == [client_asked]
     loop = waits["loop_time"]
-    spliced_chunks = sum(1 for c in cases[first + 1:] if c["token_ids"])
-    assert loop["chunks_spliced"]["count"] == spliced_chunks == 3
+    spliced_chunks = sum(1 for c in cases[first:] if c["token_ids"])
+    assert loop["chunks_spliced"]["count"] == spliced_chunks == 4
     assert loop["chunks_decoded"]["count"] == len(cases) - spliced_chunks
 
 
 def test_missing_scores_do_not_hang_the_stream(monkeypatch):
     monkeypatch.setenv("PROBEX_SCORE_WAIT_S", "0.2")
     chunks = [{"delta": {"content": "a"}, "token_ids": [7]}]
-    out, last, _, _ = run_stream(chunks, lambda hub, engine_id, i: None)
+    out, last, _, waits = run_stream(chunks, lambda hub, engine_id, i: None)
     assert last == "[DONE]"
     assert out[0].get("probex", {}).get("scores", {}) == {}
+    # the chunk waited once (its splice found nothing to write and the decoded path did not wait again)
+    assert waits["prompt"]["waited"] == 1 and 0.15 < waits["prompt"]["waited_s"] < 0.4
 
 
 def test_with_delivery_off_chunks_never_wait_for_scores(monkeypatch):
@@ -524,7 +552,7 @@ def test_a_refused_field_is_still_refused_when_the_rest_is_usual():
 
 def test_a_batched_completions_chunks_are_spliced_with_their_own_prompts_scores():
     """`/v1/completions` with two prompts: each choice's chunks carry its own request's scores
-    (keys `<id>-<index>`), the second prompt's later chunk spliced like the first's."""
+    (keys `<id>-<index>`), every chunk spliced, the first of each choice with its prompt's."""
     from engine_worker.middleware import MonitoredCall, StreamRelay
 
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
@@ -551,7 +579,7 @@ def test_a_batched_completions_chunks_are_spliced_with_their_own_prompts_scores(
             chunk(1, [5], [1, 2]), chunk(0, [7], [3, 4]), chunk(1, [6, 8]), chunk(0, [9]))], hub
 
     out, hub = asyncio.run(go())
-    assert hub.chunks["spliced"].count == 2 and hub.chunks["decoded"].count == 2
+    assert hub.chunks["spliced"].count == 4 and hub.chunks["decoded"].count == 0
     scores = [c["probex"]["scores"]["p"] for c in out]
     assert scores[0]["prompt"]["last_raw"] == pytest.approx(10.0) and scores[1]["prompt"]["last_raw"] == 0.0
     assert scores[2]["generated"] == {"offset": 1, "scores": [pytest.approx(calibrate(11.0, 1.0, 0.0)),
