@@ -157,9 +157,9 @@ def _completion_chunk(request_id: str, prompt_ids: list[int] | None = None) -> d
 
 def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     """Medians, in µs, of the host steps on a first token's way (see the module docstring).
-    Each request's chunks are decorated twice, by a relay that splices and one that decodes
-    (which goes first alternates): the two paths are timed side by side, under the same
-    conditions (`*_decoded_us`)."""
+    Each request's chunks are decorated by relays that splice and relays that decode, each
+    in each place in turn: the two paths are timed side by side, under the same conditions
+    (`*_decoded_us`)."""
     import asyncio
     import uuid
 
@@ -220,7 +220,10 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             for chunk, name in ((_completion_chunk(call.key_prefix, prompt_ids), "first_chunk"),
                                 (_completion_chunk(call.key_prefix), "token_chunk")):
                 event = _sse(chunk)
-                for suffix, relay in relays[:: 1 if number % 2 else -1]:
+                # each relay in each place in turn: the first to touch a request's scores after
+                # its step came in runs slower (cold caches), by as much as the paths differ
+                turn = number % len(relays)
+                for suffix, relay in relays[turn:] + relays[:turn]:
                     if name == "token_chunk" and suffix.startswith("_ids"):
                         continue
                     started = time.perf_counter()
