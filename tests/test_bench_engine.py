@@ -1112,6 +1112,10 @@ def test_the_chart_has_a_colour_and_a_name_for_every_set_up_kind(tmp_path):
     result = {"setups": setups, "versions": {"gpu": "NVIDIA H200"}, "probes": [{}] * 8, **be.analyze(setups)}
     assert be.write_png(result, tmp_path / "chart.png")
     assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+    # a run of idle requests alone (--concurrency "") has no TPOT to chart: no chart, no failure
+    idle_only = [_setup("tap-toggle", "tap-toggle", {})]
+    result = {"setups": idle_only, "versions": {"gpu": "NVIDIA H200"}, "probes": [{}] * 8, **be.analyze(idle_only)}
+    assert not be.write_png(result, tmp_path / "idle.png") and not (tmp_path / "idle.png").exists()
 
 
 def test_idle_requests_alternate_the_tap_abba_and_pair_neighbours():
