@@ -717,9 +717,12 @@ class StreamRelay:
         prompt and the tokens, a prompt whose scores never came).
 
         On every request's way to its first token. A completion's first chunk carries the
-        prompt's token ids (1024 for a 1024-token prompt): decoding and re-encoding them was
-        most of the decoded path's time (41 µs with the ids kept, 21 µs with them cut out,
-        against 12-14 µs spliced on the dev machine; `python3 -m probex.bench_handoff`)."""
+        prompt's token ids (1024 for a 1024-token prompt): where the client keeps them,
+        decoding and re-encoding them is most of the decoded path's time, and splicing takes
+        about half of it (62-70 µs against 114-124 µs on a slow 2-core machine, `python3 -m
+        probex.bench_handoff`, first_chunk_ids_us); with them cut out the two paths cost
+        about the same (63-72 µs spliced, 55-63 µs decoded: finding the splice points twice
+        costs what decoding a chunk without the ids saves)."""
         cut = event[:6] + _without_prompt_token_ids(event[6:])  # only to find the splice points
         points = _splice_points(cut)
         if points is None or points.index in self._prompt_sent:
