@@ -3,9 +3,12 @@
 The only module that reads V1 runner internals. Per step it describes the batch as a
 `StepLayout` (requests in row order, rows per request, tokens computed before the step,
 prompt lengths) from `input_batch` and the scheduler output, and hands it to the
-engine-agnostic `TapController`, which copies the step's scores to the host. The layout
-is read on the engine thread right after the launch: V1 keeps one persistent batch, which
-the next step's `_update_states` rewrites before this step's scores are consumed.
+engine-agnostic `TapController`, which copies the step's scores to the host. V1 keeps one
+persistent batch, which the next step's `_update_states` rewrites before this step's scores
+are consumed, so the batch's arrays are snapshotted right after the forward's launch (a few
+copies); the layout itself is built from the snapshot by the scores' consumer, and the step
+is handed over when `execute_model` returns, with the logits launched behind the forward (as
+on runner V2). With steering or capture the layout is read before the forward, as it must be.
 
 Who consumes the scores: on one GPU with async scheduling (vLLM's default on CUDA) the
 engine thread, where it reads the step's sampled tokens (`sample_tokens`' async output,
@@ -20,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -72,11 +76,18 @@ def _remember_scheduler_output(execute_model):
     @functools.wraps(execute_model)
     def wrapper(self, scheduler_output, *args, **kwargs):
         self._probex_scheduler_output = scheduler_output
+        self._probex_launched_step = None
         try:
             return execute_model(self, scheduler_output, *args, **kwargs)
         finally:
+            launched, self._probex_launched_step = self._probex_launched_step, None
+            if launched is not None:  # the forward ran: its step goes to the consumer now
+                controller = controller_of(self)
+                started = time.perf_counter()
+                controller.after_forward(*launched)
+                controller.engine_thread_s += time.perf_counter() - started
             # Still set means no forward ran this step (nothing scheduled); requests can end anyway.
-            if self._probex_scheduler_output is not None:
+            elif self._probex_scheduler_output is not None:
                 self._probex_scheduler_output = None
                 controller = controller_of(self)
                 finished = list(scheduler_output.finished_req_ids or ())
@@ -110,12 +121,21 @@ def _tapped_forward(model_forward):
         before = time.perf_counter()
         output = model_forward(self, *args, **kwargs)
         after = time.perf_counter()
-        if layout is None:  # scores only: read the layout once the forward is launched
-            layout = _step_layout(self, scheduler_output) if controller.reads_scores else StepLayout.empty()
+        num_rows = None
+        if layout is None:  # scores only: snapshot the batch now, build the layout later
+            if controller.reads_scores:
+                layout, num_rows = _deferred_step_layout(self, scheduler_output)
+            else:
+                layout = StepLayout.empty()
             controller.layout_s += time.perf_counter() - after
-        finished = scheduler_output.finished_req_ids
+        finished = list(scheduler_output.finished_req_ids or ())
         _forget(self, finished)
-        controller.after_forward(layout, finished)
+        # Handed over when execute_model returns (its wrapper above); an execute_model that is
+        # not wrapped (a subclass's own) would never hand it over, so hand it over here then.
+        if hasattr(self, "_probex_launched_step"):
+            self._probex_launched_step = (layout, finished, num_rows)
+        else:
+            controller.after_forward(layout, finished, num_rows)
         controller.engine_thread_s += (before - started) + (time.perf_counter() - after)
         return output
 
@@ -123,15 +143,31 @@ def _tapped_forward(model_forward):
 
 
 def _step_layout(runner, scheduler_output) -> StepLayout:
+    return _layout_of(*_step_snapshot(runner, scheduler_output))
+
+
+def _deferred_step_layout(runner, scheduler_output) -> tuple[Callable[[], StepLayout], int]:
+    """The layout as a function for the scores' consumer, and the step's row count. The
+    persistent batch's arrays are copied now; the scheduler output is the step's own (the
+    scheduler builds a new one every step), so its token counts are read later."""
+    return (functools.partial(_layout_of, *_step_snapshot(runner, scheduler_output)),
+            int(scheduler_output.total_num_scheduled_tokens))
+
+
+def _step_snapshot(runner, scheduler_output) -> tuple[list, dict, np.ndarray, np.ndarray]:
     batch = runner.input_batch
     n = batch.num_reqs
-    req_ids = list(batch.req_ids[:n])
-    scheduled = scheduler_output.num_scheduled_tokens
+    # Slices of the batch's list and arrays are copies (`astype` copies by default).
+    return (batch.req_ids[:n], scheduler_output.num_scheduled_tokens,
+            batch.num_computed_tokens_cpu[:n].astype(np.int64), batch.num_prompt_tokens[:n].astype(np.int64))
+
+
+def _layout_of(req_ids: list, scheduled: dict, num_computed: np.ndarray, num_prompt: np.ndarray) -> StepLayout:
     return StepLayout(
-        req_ids=req_ids,
-        num_scheduled=np.fromiter((scheduled.get(r, 0) for r in req_ids), dtype=np.int64, count=n),
-        num_computed=batch.num_computed_tokens_cpu[:n].astype(np.int64),
-        num_prompt=batch.num_prompt_tokens[:n].astype(np.int64),
+        req_ids=list(req_ids),
+        num_scheduled=np.fromiter((scheduled.get(r, 0) for r in req_ids), dtype=np.int64, count=len(req_ids)),
+        num_computed=num_computed,
+        num_prompt=num_prompt,
     )
 
 

@@ -126,7 +126,9 @@ def new_req(req_id, capture=False, steer=None):
 
 
 def sched(new=(), scheduled=None, computed=None, finished=()):
-    return SimpleNamespace(scheduled_new_reqs=list(new), num_scheduled_tokens=scheduled or {},
+    scheduled = scheduled or {}
+    return SimpleNamespace(scheduled_new_reqs=list(new), num_scheduled_tokens=scheduled,
+                           total_num_scheduled_tokens=sum(scheduled.values()),
                            computed=computed or {}, finished_req_ids=set(finished))
 
 
@@ -416,3 +418,47 @@ def test_v1_adapter_consumes_each_steps_scores_where_the_engine_reads_its_tokens
     controller.calls.clear()
     runner.execute_model(sched(finished={"a"}))  # nothing scheduled: no forward, the request ended
     assert controller.calls == [("idle", ["a"])] and controller.submitted == 4
+
+
+def test_v1_adapter_snapshots_the_persistent_batch_and_hands_the_step_over_when_execute_model_returns(monkeypatch):
+    """Scores only: V1 rewrites its one persistent batch every step, so the adapter copies the
+    step's arrays right after the forward's launch and the consumer builds the layout from the
+    copies later; the step is handed over once execute_model has launched the rest of the
+    step (the logits), not between the forward and them."""
+    from engine_worker import vllm_v1_runner as v1
+
+    class PersistentBatchRunner(FakeV1Runner):
+        def execute_model(self, scheduler_output):
+            ids = list(scheduler_output.num_scheduled_tokens)
+            batch = self.input_batch = self.input_batch or SimpleNamespace(
+                req_ids=[None] * 4, num_computed_tokens_cpu=np.zeros(4, np.int32),
+                num_prompt_tokens=np.zeros(4, np.int32), num_reqs=0)
+            batch.num_reqs = len(ids)  # rewritten in place, as _update_states does
+            batch.req_ids[:len(ids)] = ids
+            batch.num_computed_tokens_cpu[:len(ids)] = [scheduler_output.computed[r] for r in ids]
+            batch.num_prompt_tokens[:len(ids)] = 5
+            self._model_forward()
+            self.controller_to_install.calls.append(("logits launched",))
+            return None
+
+    class Controller(RecordingController):
+        def after_forward(self, layout, finished, num_rows=None):
+            self.calls.append(("handed over", num_rows))
+            self.handed_over.append(layout)
+
+    controller = Controller()
+    controller.needs_layout_before_forward = False
+    monkeypatch.setattr(v1, "install_controller", lambda runner, **kwargs: getattr(runner, CONTROLLER_ATTR))
+    cls = type("WrappedPersistentBatchRunner", (PersistentBatchRunner,), {})
+    cls.load_model = v1._after_load_model(PersistentBatchRunner.load_model)
+    cls.execute_model = v1._remember_scheduler_output(PersistentBatchRunner.execute_model)
+    cls._model_forward = v1._tapped_forward(PersistentBatchRunner._model_forward)
+    runner = cls(controller)
+    runner.load_model()
+    runner.execute_model(sched(scheduled={"a": 5, "b": 3}, computed={"a": 0, "b": 0}))
+    assert controller.calls == [("logits launched",), ("handed over", 8)]
+    runner.execute_model(sched(scheduled={"b": 1, "c": 2}, computed={"b": 3, "c": 0}))  # rewrites the batch
+    first, second = (build() for build in controller.handed_over)
+    assert (first.req_ids, first.num_scheduled.tolist(), first.num_computed.tolist(), first.num_prompt.tolist()) \
+        == (["a", "b"], [5, 3], [0, 0], [5, 5])
+    assert (second.req_ids, second.num_scheduled.tolist(), second.num_computed.tolist()) == (["b", "c"], [1, 2], [3, 0])
