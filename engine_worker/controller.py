@@ -31,7 +31,8 @@ from engine_worker.score_transfer import LARGE_STEP_ROWS, ScoreTransfer, StagedS
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
-from engine_worker.tap_config import ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_spin_s, scores_ahead_of_tokens
+from engine_worker.tap_config import (ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_spin_s, prompt_scores_beside_output,
+                                      scores_ahead_of_tokens)
 
 log = logging.getLogger("probex.controller")
 
@@ -102,6 +103,8 @@ class TapController:
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
         self._hook_spin_s = hook_spin_s()  # PROBEX_HOOK_SPIN_US, a diagnostic; 0 otherwise
         self.scores_ahead_of_tokens = scores_ahead_of_tokens()  # PROBEX_SCORES_AHEAD_OF_TOKENS=0: a diagnostic
+        # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1, an experiment: see `prompt_scores_beside`
+        self.prompt_scores_beside_output = prompt_scores_beside_output()
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
                                       self._consume_step, threaded=threaded,
                                       copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
@@ -180,7 +183,8 @@ class TapController:
             "tapped_layers": sorted(self.taps),
             "slots_per_layer": {str(l): t.capacity for l, t in self.taps.items()},
             "capture": self.capture_dir is not None,
-            "transfer": {**self.transfer.describe(), "scores_ahead_of_tokens": self.scores_ahead_of_tokens},
+            "transfer": {**self.transfer.describe(), "scores_ahead_of_tokens": self.scores_ahead_of_tokens,
+                         "prompt_scores_beside_output": self.prompt_scores_beside_output},
             "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s, "layout_s": self.layout_s,
                               "token_reads": self.token_reads.as_dict()},
             "probes": [
@@ -362,6 +366,19 @@ class TapController:
         started, waited = time.perf_counter(), self.transfer.device_wait_s
         self.transfer.consume_through(mark)
         self.engine_thread_s += time.perf_counter() - started - (self.transfer.device_wait_s - waited)
+
+    def prompt_scores_beside(self, mark: int) -> bool:
+        """With PROBEX_PROMPT_SCORES_BESIDE_OUTPUT on: whether the steps up to `mark` hold a
+        prompt-sized one (more than LARGE_STEP_ROWS rows), whose scores then go to the watchdog
+        thread once the tokens are read (`consume_scores_beside`) instead of being consumed
+        ahead of them. Its consume (0.2 ms for a 1024-token prompt on the H200) would otherwise
+        sit between the prompt's forward and vLLM's output of its first token."""
+        return self.prompt_scores_beside_output and self.transfer.pending_rows_through(mark) > LARGE_STEP_ROWS
+
+    def consume_scores_beside(self, mark: int) -> None:
+        started = time.perf_counter()
+        self.transfer.consume_beside(mark)
+        self.engine_thread_s += time.perf_counter() - started
 
     def tokens_read(self, wait_s: float) -> None:
         """vLLM read a step's sampled tokens `wait_s` after its scores were consumed (engine

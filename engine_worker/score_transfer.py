@@ -344,6 +344,10 @@ class ScoreTransfer:
         self._closing = threading.Event()
         self.stale_after_s = stale_after_s
         self.stale_steps = 0  # steps the watchdog consumed (nobody else came by in time)
+        # consume_beside: the steps up to this number are the watchdog's, woken by `_wake`.
+        self._beside_through = 0
+        self._wake = threading.Event()
+        self.beside_steps = 0  # steps the watchdog consumed when asked (`consume_beside`)
         self.query_errors = 0
         self._last_submit = time.perf_counter()  # consumer="engine": when the engine last came by
         if threaded:
@@ -458,6 +462,7 @@ class ScoreTransfer:
         if self.consumer == "engine":
             self.flush()  # what is pending is consumed here; the watchdog only stops
         self._closing.set()
+        self._wake.set()
         if self._thread is not None and self._thread.is_alive():
             self._work.put(None)
             self._thread.join(timeout=5)
@@ -466,8 +471,9 @@ class ScoreTransfer:
         """consumer="engine": consume, in order, the pending steps whose copies have landed
         (the runner adapter calls this where the engine has just read a step's sampled
         tokens, whose copy was ordered after that step's same-stream score copies). Never
-        waits for the device; it may wait for the lock while another thread consumes."""
-        if self.consumer != "engine":
+        waits for the device; it may wait for the lock while another thread consumes.
+        Steps handed to the watchdog (`consume_beside`) are left to it."""
+        if self.consumer != "engine" or self._beside_through > self._processed:
             return
         with self._pending_lock:
             self._consume_pending(wait=False)
@@ -496,6 +502,32 @@ class ScoreTransfer:
         self._last_submit = time.perf_counter()
         with self._pending_lock:
             self._consume_pending(wait=True, limit=step_number - self._processed)
+
+    def pending_rows_through(self, step_number: int) -> int:
+        """consumer="engine": the most rows of a pending step up to the `step_number`-th
+        submitted (0 if none is pending)."""
+        first = self._processed + 1
+        pending = list(self._pending)  # a copy: the watchdog may consume meanwhile
+        return max((step.rows for number, step in enumerate(pending, first) if number <= step_number), default=0)
+
+    def consume_beside(self, step_number: int) -> None:
+        """consumer="engine", with the watchdog running: the pending steps up to the
+        `step_number`-th are the watchdog's to consume, now, while the engine thread goes on
+        (the adapter calls this once vLLM has read that step's tokens, so the copies have
+        landed). Where there is no watchdog they are consumed here."""
+        if self.consumer != "engine":
+            return
+        if self._thread is None or not self._thread.is_alive():
+            self.consume_through(step_number)
+            return
+        self._beside_through = max(self._beside_through, step_number)
+        self._wake.set()
+
+    def _consume_beside(self) -> None:
+        with self._pending_lock:
+            before = self._processed
+            self._consume_pending(wait=True, limit=self._beside_through - self._processed)
+            self.beside_steps += self._processed - before
 
     def _consume_pending(self, wait: bool, limit: int | None = None) -> None:
         """consumer="engine", with the lock held: consume pending steps in order while their
@@ -537,9 +569,16 @@ class ScoreTransfer:
                 log.exception("probex: the score watchdog cannot use the engine's CUDA context; steps are "
                               "consumed by the engine thread only")
                 return
-        while not self._closing.wait(self.stale_after_s):
+        while not self._closing.is_set():
+            asked = self._wake.wait(self.stale_after_s)
+            if self._closing.is_set():
+                return
             try:
-                self._consume_if_engine_away()
+                if asked:
+                    self._wake.clear()
+                    self._consume_beside()
+                else:
+                    self._consume_if_engine_away()
             except Exception:
                 log.exception("probex: the score watchdog failed a round; it goes on")
 
@@ -597,7 +636,7 @@ class ScoreTransfer:
 
     def describe(self) -> dict[str, Any]:
         return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
-                "consumer": self.consumer, "stale_steps": self.stale_steps, "query_errors": self.query_errors,
+                "consumer": self.consumer, "stale_steps": self.stale_steps, "beside_steps": self.beside_steps, "query_errors": self.query_errors,
                 "unguarded_forwards": self.unguarded_forwards, "waits_for_staging": self.waits_for_staging,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
                 "device_wait_s": self.device_wait_s,

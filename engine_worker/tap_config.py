@@ -63,6 +63,13 @@ ENV_COPY_STREAM = "PROBEX_COPY_STREAM"
 ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
 
 
+# Experiment, off by default: "1" has the engine consumer leave a prompt-sized step's scores
+# (more than LARGE_STEP_ROWS rows) to the watchdog thread, woken once vLLM has read the step's
+# tokens, so vLLM's output of the first token and the scores' booking and sending run side by
+# side instead of one after the other (set-up "tap-prompt-scores-beside").
+ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
+
+
 # Diagnostic: "in-model" allocates the tap's and steering's buffers while the model is built,
 # between the tapped layer's weights and the next layer's (before session 11); by default they
 # are allocated once the weights are loaded, so the weights are allocated as in plain vLLM
@@ -82,9 +89,15 @@ def scores_ahead_of_tokens() -> bool:
     return _env_switch(ENV_SCORES_AHEAD)
 
 
-def _env_switch(name: str) -> bool:
-    """An on-by-default switch: off for "0", "off", "false" or "no" (any case, spaces ignored)."""
-    return os.environ.get(name, "on").strip().lower() not in ("off", "0", "false", "no")
+def prompt_scores_beside_output() -> bool:
+    return _env_switch(ENV_PROMPT_SCORES_BESIDE, default="off")
+
+
+def _env_switch(name: str, default: str = "on") -> bool:
+    """A switch, on unless set to "0", "off", "false" or "no" (any case, spaces ignored);
+    unset or empty, `default`."""
+    value = os.environ.get(name, "").strip().lower() or default
+    return value not in ("off", "0", "false", "no")
 
 
 def hook_spin_s() -> float:

@@ -120,7 +120,12 @@ def scores_with_sampled_tokens(sample_tokens):
             # method, which holds the output — a cycle keeping each step's tensors alive
             # until the garbage collector runs.
             output.__dict__.pop("get_output", None)
-            if controller.scores_ahead_of_tokens:  # PROBEX_SCORES_AHEAD_OF_TOKENS=0 (diagnostic) skips this
+            try:
+                beside = controller.prompt_scores_beside(this_step)  # an experiment, off by default
+            except Exception:
+                log.exception("probex: checking the step's size failed")
+                beside = False
+            if controller.scores_ahead_of_tokens and not beside:  # PROBEX_SCORES_AHEAD_OF_TOKENS=0 (diagnostic) skips this
                 try:
                     # The step's score copies were queued behind its forward, ahead of its
                     # logits and sampling: waiting for them (GIL released, as vLLM's own wait
@@ -136,8 +141,11 @@ def scores_with_sampled_tokens(sample_tokens):
             # Anything else landed meanwhile (side-stream copies, which may land after the
             # tokens, are taken here or at a later hook).
             try:
-                controller.tokens_read(time.perf_counter() - reading)
-                controller.consume_landed_scores()
+                if beside:  # the watchdog books and sends them while vLLM outputs the tokens
+                    controller.consume_scores_beside(this_step)
+                else:
+                    controller.tokens_read(time.perf_counter() - reading)
+                    controller.consume_landed_scores()
             except Exception:
                 log.exception("probex: consuming landed scores failed")
             return result

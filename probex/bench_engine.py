@@ -171,6 +171,9 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
                           "tap-side-copies": ("copy_stream", "side")}
+# Recorded for every worker set-up; the last is an experiment set with --worker-env
+# PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1 (engine_worker/tap_config.py).
+RECORDED_TRANSFER_SETTINGS = (*(key for key, _ in KIND_TRANSFER_SETTINGS.values()), "prompt_scores_beside_output")
 # The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
 # the runner is vLLM's choice, so the bench cannot tell which adapter runs): the engine thread
 # (engine_worker.vllm_worker.default_score_consumer). With tensor parallelism, and on runner V1
@@ -1309,6 +1312,8 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "consumer": t1.get("consumer", "thread"),
             # consumer="engine": steps the watchdog had to take (the engine did not come by)
             "stale_steps": t1.get("stale_steps", 0) - t0.get("stale_steps", 0),
+            # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1: prompt-sized steps the watchdog was handed
+            "beside_steps": t1.get("beside_steps", 0) - t0.get("beside_steps", 0),
         }
         if "device_wait_s" in t1 and "device_wait_s" in t0:
             # the consumers' waits for copies to land (GIL released), per step: for the V2 engine
@@ -1469,8 +1474,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         record["checks"]["probex_tapped_layers"] = listing.get("tapped_layers")
         transfer = listing.get("transfer") or {}
         record["checks"]["probex_score_consumer"] = transfer.get("consumer")
-        record["checks"]["probex_transfer_settings"] = {key: transfer.get(key) for key, _ in
-                                                        KIND_TRANSFER_SETTINGS.values()}
+        record["checks"]["probex_transfer_settings"] = {key: transfer.get(key) for key in RECORDED_TRANSFER_SETTINGS}
     if plan.kind in STEER_KINDS and steer is not None:
         steering = httpx.get(server.url + "/probex/steering", timeout=60).json()
         record["checks"]["probex_steer_layers"] = steering.get("steer_layers")

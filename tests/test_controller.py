@@ -912,3 +912,59 @@ def test_the_wait_for_each_steps_tokens_after_its_scores_is_booked_by_step_size(
     assert consumer.token_reads.as_dict() == {"count": 3, "wait_s": pytest.approx(0.00203), "ready": 2,
                                               "large_count": 1, "large_wait_s": pytest.approx(0.00001),
                                               "large_ready": 1}
+
+
+def test_steps_consumed_beside_the_output_go_to_the_watchdog_in_order_and_the_engine_leaves_them():
+    """PROBEX_PROMPT_SCORES_BESIDE_OUTPUT: once vLLM has read a prompt step's tokens, the
+    engine thread hands the pending steps up to it to the watchdog, which consumes them at
+    once (not after `stale_after_s`), in order; the engine thread's own after-tokens consume
+    leaves them alone, and what is submitted later stays the engine's."""
+    driver = LandingDriver()
+    seen, done = [], threading.Event()
+    release = threading.Event()
+
+    def consume(step):
+        if step.context == "prompt":
+            release.wait(5)  # holds the watchdog until the engine thread has moved on
+        seen.append((step.context, threading.current_thread().name))
+        if step.context == "prompt":
+            done.set()
+
+    transfer = ScoreTransfer({0: torch.zeros(8, 1)}, consume, depth=4, driver=driver, consumer="engine",
+                             stale_after_s=60.0)  # the watchdog never takes a step as stale here
+    transfer.submit(1, "decode")
+    transfer.submit(6, "prompt")
+    assert transfer.pending_rows_through(2) == 6 and transfer.pending_rows_through(1) == 1
+    driver.land(*driver.recorded)  # the tokens were read: every copy before them has landed
+    transfer.consume_beside(2)
+    transfer.consume_landed()  # the engine thread, right after: nothing is left for it to take
+    assert seen == [] or seen == [("decode", "probex-score-watchdog")]
+    release.set()
+    assert done.wait(5)
+    assert seen == [("decode", "probex-score-watchdog"), ("prompt", "probex-score-watchdog")]
+    assert transfer.beside_steps == 2 and transfer.stale_steps == 0
+    transfer.submit(1, "next")  # the engine's again
+    driver.land(*driver.recorded)
+    transfer.consume_landed()
+    assert seen[-1] == ("next", threading.current_thread().name)
+    transfer.close()
+    assert transfer.describe()["beside_steps"] == 2
+
+
+def test_consume_beside_without_a_watchdog_consumes_on_the_calling_thread():
+    transfer, driver, seen = engine_consumer(depth=2)
+    transfer.submit(3, "prompt")
+    transfer.consume_beside(1)
+    assert seen == ["prompt"] and transfer.beside_steps == 0
+
+
+def test_prompt_scores_beside_the_output_is_an_experiment_off_unless_asked(monkeypatch):
+    from engine_worker.tap_config import ENV_PROMPT_SCORES_BESIDE, prompt_scores_beside_output, scores_ahead_of_tokens
+
+    monkeypatch.delenv(ENV_PROMPT_SCORES_BESIDE, raising=False)
+    assert prompt_scores_beside_output() is False
+    for value, expected in (("", False), ("1", True), (" On ", True), ("0", False), ("no", False)):
+        monkeypatch.setenv(ENV_PROMPT_SCORES_BESIDE, value)
+        assert prompt_scores_beside_output() is expected, value
+    monkeypatch.setenv("PROBEX_SCORES_AHEAD_OF_TOKENS", "")  # the on-by-default switches keep their default
+    assert scores_ahead_of_tokens() is True

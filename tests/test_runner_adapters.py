@@ -65,6 +65,9 @@ class RecordingController:
     def consume_scores_through(self, mark):
         self.calls.append(("consume through", mark))
 
+    def prompt_scores_beside(self, mark):
+        return False  # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT unset
+
 
 class FakeV2Runner:
     """The V2 call order: execute_model -> add_requests, prepare_inputs (real steps only), forward."""
@@ -462,3 +465,30 @@ def test_v1_adapter_snapshots_the_persistent_batch_and_hands_the_step_over_when_
     assert (first.req_ids, first.num_scheduled.tolist(), first.num_computed.tolist(), first.num_prompt.tolist()) \
         == (["a", "b"], [5, 3], [0, 0], [5, 5])
     assert (second.req_ids, second.num_scheduled.tolist(), second.num_computed.tolist()) == (["b", "c"], [1, 2], [3, 0])
+
+
+def test_a_prompt_step_handed_beside_the_output_is_read_tokens_first_and_left_to_the_watchdog():
+    """PROBEX_PROMPT_SCORES_BESIDE_OUTPUT on and a prompt-sized step: the shared consumer reads
+    the tokens without consuming the step's scores ahead of them, then hands the step to the
+    watchdog; other steps keep the default order."""
+
+    class Controller(RecordingController):
+        consumes_on_engine_thread = True
+        beside_marks = {2}
+
+        def prompt_scores_beside(self, mark):
+            return mark in self.beside_marks
+
+        def consume_scores_beside(self, mark):
+            self.calls.append(("beside", mark))
+
+    controller = Controller()
+    runner = SimpleNamespace()
+    setattr(runner, CONTROLLER_ATTR, controller)
+    sample = scores_with_sampled_tokens(
+        lambda self: SimpleNamespace(get_output=lambda: controller.calls.append(("tokens read",)) or "out"))
+    for submitted in (1, 2):
+        controller.submitted = submitted
+        assert sample(runner).get_output() == "out"
+    assert controller.calls == [("consume through", 1), ("tokens read",), ("tokens waited for",), ("consume landed",),
+                                ("tokens read",), ("beside", 2)]
