@@ -636,7 +636,8 @@ class ScoreTransfer:
 
     def describe(self) -> dict[str, Any]:
         return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
-                "consumer": self.consumer, "stale_steps": self.stale_steps, "beside_steps": self.beside_steps, "query_errors": self.query_errors,
+                "consumer": self.consumer, "stale_steps": self.stale_steps, "beside_steps": self.beside_steps,
+                "query_errors": self.query_errors,
                 "unguarded_forwards": self.unguarded_forwards, "waits_for_staging": self.waits_for_staging,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
                 "device_wait_s": self.device_wait_s,

@@ -125,7 +125,8 @@ def scores_with_sampled_tokens(sample_tokens):
             except Exception:
                 log.exception("probex: checking the step's size failed")
                 beside = False
-            if controller.scores_ahead_of_tokens and not beside:  # PROBEX_SCORES_AHEAD_OF_TOKENS=0 (diagnostic) skips this
+            # PROBEX_SCORES_AHEAD_OF_TOKENS=0 (a diagnostic) skips this too
+            if controller.scores_ahead_of_tokens and not beside:
                 try:
                     # The step's score copies were queued behind its forward, ahead of its
                     # logits and sampling: waiting for them (GIL released, as vLLM's own wait
