@@ -66,7 +66,8 @@ ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
 # Experiment, off by default: "1" has the engine consumer leave a prompt-sized step's scores
 # (more than LARGE_STEP_ROWS rows) to the watchdog thread, woken once vLLM has read the step's
 # tokens, so vLLM's output of the first token and the scores' booking and sending run side by
-# side instead of one after the other (set-up "tap-prompt-scores-beside").
+# side instead of one after the other (`probex bench engine --worker-env ...=1`; a run records
+# it in its transfer settings).
 ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
 
 

@@ -130,12 +130,9 @@ def _tapped_forward(model_forward):
             controller.layout_s += time.perf_counter() - after
         finished = list(scheduler_output.finished_req_ids or ())
         _forget(self, finished)
-        # Handed over when execute_model returns (its wrapper above); an execute_model that is
-        # not wrapped (a subclass's own) would never hand it over, so hand it over here then.
-        if hasattr(self, "_probex_launched_step"):
-            self._probex_launched_step = (layout, finished, num_rows)
-        else:
-            controller.after_forward(layout, finished, num_rows)
+        # Handed over when execute_model returns (its wrapper, which also set the scheduler
+        # output this forward needed to get here).
+        self._probex_launched_step = (layout, finished, num_rows)
         controller.engine_thread_s += (before - started) + (time.perf_counter() - after)
         return output
 
