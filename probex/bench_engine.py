@@ -2012,13 +2012,86 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if base is not None:
                 overhead.setdefault(f"{kind}_vs_{base_kind}", {})[c] = {
                     name: overhead_pct(values[name], base[name]) for name in OVERHEAD_METRICS}
-    return {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
-            "overhead_pct": overhead, "overhead_over_starts": overhead_over_starts(setups),
-            "toggle_overhead_pct": toggle_overhead(setups),
-            "idle_ttft_toggle": toggled_idle_ttft_summary(setups),
-            "tpot_p50_overhead_pct_by_gpu": overhead_by_gpu(setups),
-            "idle_ttft": idle_ttft_summary(setups), "ttft_split": ttft_split_summary(setups),
-            "problems": find_problems(setups), "warnings": find_warnings(setups)}
+    analysis = {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
+                "overhead_pct": overhead, "overhead_over_starts": overhead_over_starts(setups),
+                "toggle_overhead_pct": toggle_overhead(setups),
+                "idle_ttft_toggle": toggled_idle_ttft_summary(setups),
+                "tpot_p50_overhead_pct_by_gpu": overhead_by_gpu(setups),
+                "idle_ttft": idle_ttft_summary(setups), "ttft_split": ttft_split_summary(setups),
+                "problems": find_problems(setups), "warnings": find_warnings(setups)}
+    analysis["goals"] = goal_readings(analysis)
+    return analysis
+
+
+# The tap's cost goals (issue 5), percent over plain vLLM: TPOT p50 by concurrency (any
+# concurrency not named: the default), TTFT p50 under load and at an idle engine.
+TPOT_GOAL_PCT = {"1": 0.5}
+TPOT_GOAL_DEFAULT_PCT = 1.0
+TTFT_GOAL_PCT = 1.0
+
+
+def goal_readings(analysis: dict[str, Any]) -> dict[str, Any]:
+    """The run held against the tap's goals, one row per goal and concurrency. The tap's cost
+    is read within one start where tap-toggle ran (running over paused, the mean over its
+    starts: starts differ by more than the goals), otherwise as tap over plain across starts;
+    the idle TTFT from tap-toggle's pairs, met on the point estimate, the interval said
+    beside it. A reading that is missing (NaN) does not meet its goal. `all_met` is None
+    where the run has nothing to hold to a goal. Forced eager's TPOT over plain goes beside
+    the rows, with no goal of its own."""
+    toggled = analysis.get("toggle_overhead_pct") or {}
+    overheads = analysis.get("overhead_pct") or {}
+    per_c = toggled or overheads.get("tap_vs_plain") or {}
+    rows: list[dict[str, Any]] = []
+
+    def add(measure: str, concurrency: str, value: float, goal: float, source: str, **extra: Any) -> None:
+        rows.append({"measure": measure, "concurrency": concurrency, "pct": value, "goal_pct": goal,
+                     "met": bool(math.isfinite(value) and value <= goal), "source": source, **extra})
+
+    for c, o in sorted(per_c.items(), key=lambda kv: int(kv[0])):
+        n = int(o.get("starts", 1))
+        source = "tap over plain, across starts"
+        if toggled:
+            source = "within the start" if n == 1 else f"within each start, mean of {n}"
+        add("TPOT p50", c, float(o.get("tpot_p50", math.nan)), TPOT_GOAL_PCT.get(c, TPOT_GOAL_DEFAULT_PCT), source)
+        add("TTFT p50 under load", c, float(o.get("ttft_p50", math.nan)), TTFT_GOAL_PCT, source)
+    toggled_idle = analysis.get("idle_ttft_toggle") or {}
+    idle = toggled_idle.get("all_starts") or {}
+    if idle:
+        interval = idle.get("ci95_pct") or [math.nan, math.nan]
+        add("TTFT at an idle engine", "idle", float(idle.get("pct", math.nan)), TTFT_GOAL_PCT,
+            "pairs within the start" if len(toggled_idle.get("per_start", [])) == 1
+            else f"pairs within each of {len(toggled_idle.get('per_start', []))} starts, pooled",
+            pairs=idle.get("pairs", 0), ci95_pct=interval,
+            interval_under_goal=bool(math.isfinite(interval[1]) and interval[1] <= TTFT_GOAL_PCT))
+    eager = overheads.get("eager_vs_plain") or {}
+    return {"rows": rows, "all_met": all(r["met"] for r in rows) if rows else None,
+            "eager_tpot_p50_pct": {c: o["tpot_p50"] for c, o in sorted(eager.items(), key=lambda kv: int(kv[0]))}}
+
+
+def goal_lines(goals: dict[str, Any]) -> list[str]:
+    """`goal_readings` as a markdown table, eager's penalty and the verdict after it."""
+    rows = goals.get("rows") or []
+    if not rows:
+        return []
+    lines = ["", "The tap's goals (issue 5), read from the run (the runs merged, where several), percent over "
+             "plain vLLM:", "",
+             "| measure | concurrency | tap's cost | goal | met | read |", "|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        cost = _pct2(r["pct"])
+        if "ci95_pct" in r:
+            low, high = r["ci95_pct"]
+            cost += f" (95% {_pct2(low)} … {_pct2(high)}, {r['pairs']} pairs)"
+        lines.append(f"| {r['measure']} | {r['concurrency']} | {cost} | ≤ +{r['goal_pct']:g}% | "
+                     f"{'yes' if r['met'] else '**no**'} | {r['source']} |")
+    eager = goals.get("eager_tpot_p50_pct") or {}
+    if eager:
+        lines += ["", "Forced eager beside it, TPOT p50 over plain: "
+                  + ", ".join(f"{_pct(v)} at {c}" for c, v in eager.items()) + "."]
+    idle = next((r for r in rows if "interval_under_goal" in r), None)
+    verdict = "every goal met" if goals["all_met"] else "not every goal met"
+    if idle is not None and idle["met"] and not idle["interval_under_goal"]:
+        verdict += "; the idle TTFT's interval reaches past its goal: more pairs or starts would show which side it is"
+    return lines + ["", verdict[0].upper() + verdict[1:] + "."]
 
 
 # Student's t, two-sided 95%, by degrees of freedom (30 stands for 30 and more).
@@ -2619,6 +2692,7 @@ def markdown_tables(result: dict[str, Any]) -> str:
         lines += ["", "TPOT p50 over plain on the same GPU (set-ups side by side): "
                   + "; ".join(f"{kind} on GPU {gpu} c={c}: {_pct(v)}" for kind, per_gpu in by_gpu.items()
                               for gpu, per_c in per_gpu.items() for c, v in per_c.items())]
+    lines += goal_lines(result.get("goals") or {})
     return "\n".join(lines)
 
 

@@ -1193,3 +1193,52 @@ def test_the_relay_counters_of_several_api_server_processes_are_summed():
     assert delta["api_loop"]["chunks_spliced"]["count"] == 300 and delta["tokens_waits"]["chunks"] == 69
     partial = be.delivery_delta(merged, be.merge_process_health([health(7, 200, 0.004, 0.0001, 90, 0.02, 60)]))
     assert partial.get("relay_processes_differ") and "api_loop" not in partial and "tokens_waits" not in partial
+
+
+def test_the_run_is_held_against_the_taps_goals_within_one_start_where_it_can():
+    """The goals table: TPOT p50 ≤ +0.5% at 1 stream and ≤ +1% elsewhere, TTFT ≤ +1%, read
+    within one start where tap-toggle ran, else tap over plain across starts; a missing
+    reading fails its goal; the idle pairs pass on the point estimate with the interval said."""
+    toggled = {"1": {"starts": 1, "tpot_p50": 0.42, "ttft_p50": -1.1},
+               "8": {"starts": 1, "tpot_p50": 0.9, "ttft_p50": 0.2},
+               "64": {"starts": 1, "tpot_p50": -0.1, "ttft_p50": -1.7}}
+    idle = {"per_start": [{"label": "tap-toggle"}], "all_starts": {"pairs": 600, "pct": 0.05, "ci95_pct": [-0.44, 0.54]}}
+    eager = {"eager_vs_plain": {"64": {"tpot_p50": 99.9}, "8": {"tpot_p50": 261.8}, "1": {"tpot_p50": 232.3}}}
+    across = {"tap_vs_plain": {"1": {"tpot_p50": 3.0, "ttft_p50": 0.0}}}
+    goals = be.goal_readings({"toggle_overhead_pct": toggled, "idle_ttft_toggle": idle,
+                              "overhead_pct": {**eager, **across}})
+    assert goals["all_met"] is True
+    assert [(r["measure"], r["concurrency"], r["goal_pct"]) for r in goals["rows"]] == [
+        ("TPOT p50", "1", 0.5), ("TTFT p50 under load", "1", 1.0), ("TPOT p50", "8", 1.0),
+        ("TTFT p50 under load", "8", 1.0), ("TPOT p50", "64", 1.0), ("TTFT p50 under load", "64", 1.0),
+        ("TTFT at an idle engine", "idle", 1.0)]
+    assert {r["source"] for r in goals["rows"][:6]} == {"within the start"}  # not tap_vs_plain's +3%
+    assert goals["rows"][-1]["interval_under_goal"] is True
+    assert list(goals["eager_tpot_p50_pct"]) == ["1", "8", "64"]
+    table = "\n".join(be.goal_lines(goals))
+    assert "| TPOT p50 | 1 | +0.42% | ≤ +0.5% | yes | within the start |" in table
+    assert "+0.05% (95% -0.44% … +0.54%, 600 pairs)" in table
+    assert "+232.3% at 1, +261.8% at 8, +99.9% at 64" in table and table.endswith("Every goal met.")
+
+    # 0.6% at one stream is over that concurrency's own goal, not over 8's
+    toggled["1"]["tpot_p50"] = 0.6
+    goals = be.goal_readings({"toggle_overhead_pct": toggled, "idle_ttft_toggle": idle})
+    assert goals["all_met"] is False and [r["met"] for r in goals["rows"]].count(False) == 1
+    assert "| TPOT p50 | 1 | +0.60% | ≤ +0.5% | **no** |" in "\n".join(be.goal_lines(goals))
+    # a missing reading fails; an idle interval past the goal is said, though the estimate meets it
+    toggled["1"]["tpot_p50"], toggled["64"]["ttft_p50"] = 0.4, math.nan
+    idle["all_starts"]["ci95_pct"] = [-0.2, 1.3]
+    idle["per_start"].append({"label": "tap-toggle#2"})
+    goals = be.goal_readings({"toggle_overhead_pct": toggled, "idle_ttft_toggle": idle})
+    assert goals["all_met"] is False and [r["concurrency"] for r in goals["rows"] if not r["met"]] == ["64"]
+    assert goals["rows"][-1]["source"] == "pairs within each of 2 starts, pooled"
+    del toggled["64"]
+    lines = be.goal_lines(be.goal_readings({"toggle_overhead_pct": toggled, "idle_ttft_toggle": idle}))
+    assert lines[-1] == ("Every goal met; the idle TTFT's interval reaches past its goal: more pairs or starts would "
+                         "show which side it is.")
+    # without tap-toggle: tap over plain across starts; nothing to read: no verdict
+    goals = be.goal_readings({"overhead_pct": across})
+    assert [(r["source"], r["met"]) for r in goals["rows"]] == [("tap over plain, across starts", False),
+                                                                ("tap over plain, across starts", True)]
+    assert be.goal_readings({}) == {"rows": [], "all_met": None, "eager_tpot_p50_pct": {}}
+    assert be.goal_lines(be.goal_readings({})) == []
