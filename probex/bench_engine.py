@@ -86,7 +86,8 @@ carries one chunk per step with its ``token_ids``, so nothing else is needed).
 
 Writes ``OUT/bench_engine.json`` (after every phase, so a run cut short keeps what it
 measured), ``OUT/<label>.log`` per server, ``OUT/bench_engine_tpot.png`` when matplotlib is
-importable, and prints the markdown tables for docs/benchmarks.md.
+importable, and prints the markdown tables for docs/benchmarks.md, ending with the run held
+against the tap's goals (`goal_readings`; ``goals`` in the JSON).
 """
 
 from __future__ import annotations
