@@ -2059,9 +2059,9 @@ def goal_readings(analysis: dict[str, Any]) -> dict[str, Any]:
     idle = toggled_idle.get("all_starts") or {}
     if idle:
         interval = idle.get("ci95_pct") or [math.nan, math.nan]
+        idle_starts = len(toggled_idle.get("per_start", []))
         add("TTFT at an idle engine", "idle", float(idle.get("pct", math.nan)), TTFT_GOAL_PCT,
-            "pairs within the start" if len(toggled_idle.get("per_start", [])) == 1
-            else f"pairs within each of {len(toggled_idle.get('per_start', []))} starts, pooled",
+            "pairs within the start" if idle_starts == 1 else f"pairs within each of {idle_starts} starts, pooled",
             pairs=idle.get("pairs", 0), ci95_pct=interval,
             interval_under_goal=bool(math.isfinite(interval[1]) and interval[1] <= TTFT_GOAL_PCT))
     eager = overheads.get("eager_vs_plain") or {}
