@@ -1024,6 +1024,15 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert result["tpot_p50"] == pytest.approx((first + 0.5) / 2)
     assert len(result["ttft_p50_per_start"]) == 2
     assert result["ttft_p50"] == pytest.approx(np.mean(result["ttft_p50_per_start"]))
+    # each running phase against its paused neighbour, over both starts: the goals' interval
+    pairs = [(5.05 / 5.0 - 1) * 100, (5.06 / 5.01 - 1) * 100, 0.5, 0.5]
+    assert result["phase_pairs"]["tpot_p50"] == pytest.approx(pairs)
+    half = be._t_975(3) * np.std(pairs, ddof=1) / 2
+    assert result["ci95_pct"]["tpot_p50"] == pytest.approx([result["tpot_p50"] - half, result["tpot_p50"] + half])
+    assert result["ci95_pct"]["ttft_p50"] == pytest.approx([0.0, 0.0])  # every phase's TTFT the same
+    # one pair has no scatter to read; a NaN pair is not a sample
+    assert be.toggle_overhead([toggled("one", [5.05], [5.0])])["1"]["ci95_pct"]["tpot_p50"] is None
+    assert be.phase_pair_interval(1.0, [1.0, math.nan]) is None and be.phase_pair_interval(math.nan, [1, 2]) is None
     table = be.markdown_tables({"setups": starts, "workload": {}, **be.analyze(starts)})
     assert f"| 1 | 2 | {be._pct((first + 0.5) / 2)} |" in table and "The tap within one start" in table
     # no phase carried vLLM's own ITL: no engine-side column value
@@ -1234,8 +1243,32 @@ def test_the_run_is_held_against_the_taps_goals_within_one_start_where_it_can():
     assert goals["rows"][-1]["source"] == "pairs within each of 2 starts, pooled"
     del toggled["64"]
     lines = be.goal_lines(be.goal_readings({"toggle_overhead_pct": toggled, "idle_ttft_toggle": idle}))
-    assert lines[-1] == ("Every goal met; the idle TTFT's interval reaches past its goal: more pairs or starts would "
-                         "show which side it is.")
+    assert lines[-1] == ("Every goal met; the 95% interval of the idle TTFT reaches across the goal: more pairs or "
+                         "starts would show which side it is.")
+    assert any("4 of the rows read within starts rest on one phase pair each" in line for line in lines)
+    # phase pairs (two or more): their interval beside the within-start rows, and how many
+    # pairs would clear the goal where it straddles it
+    toggled["8"].update(starts=2, phase_pairs={"tpot_p50": [0.5, 1.3], "ttft_p50": [-3.0, -2.0]},
+                        tpot_p50=0.9, ttft_p50=-2.5,
+                        ci95_pct={"tpot_p50": be.phase_pair_interval(0.9, [0.5, 1.3]),
+                                  "ttft_p50": be.phase_pair_interval(-2.5, [-3.0, -2.0])})
+    idle["all_starts"].update(pct=1.3, ci95_pct=[1.1, 1.6])  # wholly over its goal: not in the verdict's list
+    goals = be.goal_readings({"toggle_overhead_pct": toggled, "idle_ttft_toggle": idle})
+    tpot8, ttft8 = [r for r in goals["rows"] if r["concurrency"] == "8"]
+    assert tpot8["met"] and not (tpot8["interval_under_goal"] or tpot8["interval_over_goal"])
+    def half_width(n, pairs):  # phase_pair_interval's half-width at n pairs of the same scatter
+        return be._t_975(n - 1) * np.std(pairs, ddof=1) / math.sqrt(n)
+    n = tpot8["pairs_to_clear"]
+    assert tpot8["pairs"] == 2 and half_width(n, [0.5, 1.3]) <= 0.1 < half_width(n - 1, [0.5, 1.3])
+    # -2.5 ± 6.4 crosses +1% at two pairs; three, at t = 4.3, would clear it
+    assert ttft8["met"] and ttft8["ci95_pct"][1] > 1.0 and ttft8["pairs_to_clear"] == 3
+    assert goals["rows"][-1]["interval_over_goal"] is True and goals["all_met"] is False
+    lines = be.goal_lines(goals)
+    table = "\n".join(lines)
+    assert "| TPOT p50 | 8 | +0.90% (95% -4.18% … +5.98%, 2 phase pairs) | ≤ +1% | yes | within each start, mean of 2 |" in table
+    assert f"TPOT p50 at 8 about {n}, TTFT p50 under load at 8 about 3." in table
+    assert lines[-1] == ("Not every goal met; the 95% interval of TPOT p50 at 8, TTFT p50 under load at 8 reach across "
+                         "the goal: more pairs or starts would show which side they are.")
     # without tap-toggle: tap over plain across starts; nothing to read: no verdict
     goals = be.goal_readings({"overhead_pct": across})
     assert [(r["source"], r["met"]) for r in goals["rows"]] == [("tap over plain, across starts", False),
