@@ -1260,6 +1260,9 @@ def test_the_run_is_held_against_the_taps_goals_within_one_start_where_it_can():
         return be._t_975(n - 1) * np.std(pairs, ddof=1) / math.sqrt(n)
     n = tpot8["pairs_to_clear"]
     assert tpot8["pairs"] == 2 and half_width(n, [0.5, 1.3]) <= 0.1 < half_width(n - 1, [0.5, 1.3])
+    # past the t table's last row the count is closed-form (a hair's margin must not spin)
+    far = be.pairs_to_clear(1.0, 1.5, [0.0, 200.0])
+    assert far > 100_000 and half_width(far, [0.0, 200.0]) <= 0.5 < half_width(far - 1, [0.0, 200.0])
     # -2.5 ± 6.4 crosses +1% at two pairs; three, at t = 4.3, would clear it
     assert ttft8["met"] and ttft8["ci95_pct"][1] > 1.0 and ttft8["pairs_to_clear"] == 3
     assert goals["rows"][-1]["interval_over_goal"] is True and goals["all_met"] is False
