@@ -2054,11 +2054,12 @@ def goal_readings(analysis: dict[str, Any]) -> dict[str, Any]:
 
     def phase_interval(o: dict[str, Any], metric: str, value: float, goal: float) -> dict[str, Any]:
         """The phase pairs' interval for a within-start row, where there are two pairs or more."""
-        bounds = (o.get("ci95_pct") or {}).get(metric) if toggled else None
+        bounds = (o.get("ci95_pct") or {}).get(metric)
         if not bounds:
             return {}
         pairs = (o.get("phase_pairs") or {}).get(metric) or []
-        return {"ci95_pct": bounds, "pairs": len(pairs), "pair_kind": "phase pairs",
+        counted = sum(math.isfinite(v) for v in pairs)  # the samples the interval was drawn from
+        return {"ci95_pct": bounds, "pairs": counted, "pair_kind": "phase pairs",
                 "interval_under_goal": bool(bounds[1] <= goal), "interval_over_goal": bool(bounds[0] > goal),
                 "pairs_to_clear": pairs_to_clear(goal, value, pairs)}
 
@@ -2136,6 +2137,12 @@ _T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.3
 START_METRICS = {"tpot_p50": ("tpot_ms", "p50"), "ttft_p50": ("ttft_ms", "p50")}
 
 
+def _t_half_width(values: np.ndarray) -> float:
+    """Half the width of a 95% interval for the mean of `values` (two or more): Student's t
+    at len − 1 degrees of freedom times their standard error."""
+    return _t_975(len(values) - 1) * float(values.std(ddof=1)) / math.sqrt(len(values))
+
+
 def _t_975(df: float) -> float:
     """Student's t for a two-sided 95% interval at `df` degrees of freedom: the table's entry
     at the nearest df below (a wider interval, never a narrower one); infinite below 1."""
@@ -2193,7 +2200,7 @@ def toggled_idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any
     # start to start, the starts' own spread is the honest interval.
     figures = np.array([x["pct"] for x in per_start if "pct" in x])
     if len(figures) >= 2:
-        half = _t_975(len(figures) - 1) * figures.std(ddof=1) / math.sqrt(len(figures))
+        half = _t_half_width(figures)
         summary["over_starts"] = {"starts": len(figures), "pct": float(figures.mean()),
                                   "ci95_pct": [float(figures.mean() - half), float(figures.mean() + half)]}
     return summary
@@ -2329,7 +2336,7 @@ def phase_pair_interval(estimate: float, pair_pcts: Sequence[float]) -> list[flo
     values = np.asarray([v for v in pair_pcts if math.isfinite(v)], dtype=float)
     if len(values) < 2 or not math.isfinite(estimate):
         return None
-    half = _t_975(len(values) - 1) * float(values.std(ddof=1)) / math.sqrt(len(values))
+    half = _t_half_width(values)
     return [estimate - half, estimate + half]
 
 

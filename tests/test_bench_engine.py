@@ -1272,6 +1272,10 @@ def test_the_run_is_held_against_the_taps_goals_within_one_start_where_it_can():
     assert f"TPOT p50 at 8 about {n}, TTFT p50 under load at 8 about 3." in table
     assert lines[-1] == ("Not every goal met; the 95% interval of TPOT p50 at 8, TTFT p50 under load at 8 reach across "
                          "the goal: more pairs or starts would show which side they are.")
+    # a pair without a reading (NaN) is not one of the samples the row says it rests on
+    toggled["8"]["phase_pairs"]["tpot_p50"].append(math.nan)
+    goals = be.goal_readings({"toggle_overhead_pct": toggled, "idle_ttft_toggle": idle})
+    assert [r["pairs"] for r in goals["rows"] if r["concurrency"] == "8"] == [2, 2]
     # without tap-toggle: tap over plain across starts; nothing to read: no verdict
     goals = be.goal_readings({"overhead_pct": across})
     assert [(r["source"], r["met"]) for r in goals["rows"]] == [("tap over plain, across starts", False),
