@@ -28,6 +28,7 @@ from probes.steering import SteeringVector, check_vector_set, load_vector
 from engine_worker.bookkeeping import (ProbeTable, ScoreBook, StepLayout, gather_scores, lost_message, paused_message,
                                        step_message, swapped_message)
 from engine_worker.score_transfer import LARGE_STEP_ROWS, ScoreTransfer, StagedStep
+from engine_worker.step_timing import ENV_STEP_TIMING, StepTimer, step_timing_enabled, step_timing_min_rows
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
@@ -105,6 +106,10 @@ class TapController:
         self.scores_ahead_of_tokens = scores_ahead_of_tokens()  # PROBEX_SCORES_AHEAD_OF_TOKENS=0: a diagnostic
         # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1, an experiment: see `prompt_scores_beside`
         self.prompt_scores_beside_output = prompt_scores_beside_output()
+        # PROBEX_STEP_TIMING=1, a diagnostic: the device span of every prompt-sized forward
+        # (step_timing.py); the runner adapters time the forwards, `step_timings` reads them.
+        device = next(iter(self.taps.values())).scores.device
+        self.step_timer = StepTimer(device, step_timing_min_rows()) if step_timing_enabled() else None
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
                                       self._consume_step, threaded=threaded,
                                       copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
@@ -176,6 +181,12 @@ class TapController:
         if self.publish is not None:
             self.publish(message)
 
+    def step_timings(self, after: int = -1) -> dict:
+        """The timed forwards numbered above `after` (PROBEX_STEP_TIMING=1; step_timing.py)."""
+        if self.step_timer is None:
+            raise ValueError(f"forwards are not timed on this worker: start it with {ENV_STEP_TIMING}=1")
+        return self.step_timer.records(after)
+
     def listing(self) -> dict:
         return {
             "version": self.table.version,
@@ -187,6 +198,8 @@ class TapController:
                          "prompt_scores_beside_output": self.prompt_scores_beside_output},
             "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s, "layout_s": self.layout_s,
                               "token_reads": self.token_reads.as_dict()},
+            "step_timing": None if self.step_timer is None else {"min_rows": self.step_timer.min_rows,
+                                                                 "recorded": self.step_timer.recorded},
             "probes": [
                 {
                     "name": p.name,

@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, NamedTuple
+from urllib.parse import parse_qs
 
 import msgspec
 
@@ -300,6 +301,8 @@ class ProbexMiddleware:
             return await self._tap_route(scope, receive, send)
         if path == "/probex/health" and method == "GET":
             return await self._health(scope, send)
+        if path == "/probex/step-timings":
+            return await self._step_timings_route(scope, send)
         return await self.app(scope, receive, send)
 
     # -- monitored completions ------------------------------------------------------------
@@ -383,6 +386,24 @@ class ProbexMiddleware:
         if not result.get("ok"):
             return await _send_json(send, 400, openai_error(result["error"], status=400, param="paused",
                                                             code="pause_refused"))
+        await _send_json(send, 200, result)
+
+    async def _step_timings_route(self, scope: Scope, send: Send) -> None:
+        """GET ?after=N (admin): the worker's timed prompt-sized forwards numbered above N, with
+        their device spans (a diagnostic, PROBEX_STEP_TIMING=1; engine_worker/step_timing.py)."""
+        if scope["method"] != "GET":
+            return await _send_json(send, 405, openai_error(f"{scope['method']} not allowed on /probex/step-timings",
+                                                            status=405))
+        if await self._refused_admin(scope, send, "reading step timings is disabled"):
+            return
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        try:
+            after = int(query.get("after", ["-1"])[-1])
+        except ValueError:
+            return await _send_json(send, 400, openai_error("after must be an integer", status=400, param="after"))
+        result = (await _engine_client(scope).collective_rpc("probex_step_timings", args=(after,)))[0]
+        if not result.pop("ok"):
+            return await _send_json(send, 409, openai_error(result["error"], status=409, code="step_timing_off"))
         await _send_json(send, 200, result)
 
     async def _refused_admin(self, scope: Scope, send: Send, disabled: str) -> bool:

@@ -118,9 +118,15 @@ def _tapped_forward(model_forward):
             layout = _step_layout(self, scheduler_output)
             controller.layout_s += time.perf_counter() - reading
             controller.before_forward(layout, _capture_requests(self, layout), _steering_requests(self, layout))
+        timer, timed = controller.step_timer, None
+        if timer is not None and timer.wants(scheduler_output.total_num_scheduled_tokens):  # PROBEX_STEP_TIMING=1
+            timed = timer.begin(scheduler_output.total_num_scheduled_tokens,
+                                self.input_batch.req_ids[:self.input_batch.num_reqs])
         before = time.perf_counter()
         output = model_forward(self, *args, **kwargs)
         after = time.perf_counter()
+        if timed is not None:
+            timer.end(timed, paused=controller.paused)
         num_rows = None
         if layout is None:  # scores only: snapshot the batch now, build the layout later
             if controller.reads_scores:

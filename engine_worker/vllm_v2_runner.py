@@ -106,6 +106,8 @@ def _layout_before_forward(prepare_inputs):
                                       {r: steering[r] for r in layout.req_ids if r in steering})
             self._probex_layout = layout
             controller.engine_thread_s += time.perf_counter() - started
+        if controller is not None and controller.step_timer is not None:
+            _begin_timing(self, controller.step_timer, batch)
         return batch
 
     return wrapper
@@ -122,6 +124,9 @@ def _scores_after_forward(execute_model):
         output = execute_model(self, scheduler_output, *args, **kwargs)
         if controller is None:
             return output
+        timed, self._probex_timed_forward = getattr(self, "_probex_timed_forward", None), None
+        if timed is not None:  # the forward is enqueued: the span's end goes behind it
+            controller.step_timer.end(timed, paused=controller.paused)
         started = time.perf_counter()
         layout, self._probex_layout = self._probex_layout, None
         batch, self._probex_batch = self._probex_batch, None
@@ -144,6 +149,14 @@ def _scores_after_forward(execute_model):
         return output
 
     return wrapper
+
+
+def _begin_timing(runner, timer, batch) -> None:
+    """PROBEX_STEP_TIMING=1: the span of a prompt-sized forward begins here, once its inputs
+    are prepared and right before it is enqueued (step_timing.py)."""
+    n = batch.num_reqs
+    rows = int(batch.num_scheduled_tokens[:n].sum())
+    runner._probex_timed_forward = timer.begin(rows, batch.req_ids[:n]) if timer.wants(rows) else None
 
 
 def _step_layout(runner, batch) -> StepLayout:

@@ -262,6 +262,13 @@ class ProbexWorkerExtension:
             return {"ok": False, "error": str(exc), "paused": controller.paused}
         return {"ok": True, "paused": controller.paused, "sequence": controller.pause_changes}
 
+    def probex_step_timings(self, after: int = -1) -> dict:
+        controller = self._probex_controller()
+        try:
+            return {"ok": True, **controller.step_timings(int(after))}
+        except ValueError as exc:
+            return {"ok": False, "error": str(exc)}
+
     def probex_list_steering(self) -> dict:
         return self._probex_controller().steering_listing()
 

@@ -442,6 +442,7 @@ class RequestResult:
     prompt_scored_probes: int = 0
     score_problems: list[str] = field(default_factory=list)
     prompt_last_raw: dict[str, float] = field(default_factory=dict)  # raw score at the last prompt token
+    sent_at: float = math.nan  # time.perf_counter() at the send: CLOCK_MONOTONIC, the engine's clock too
 
     @property
     def output_tokens(self) -> int:
@@ -636,7 +637,7 @@ async def one_request(transport: _Transport, url: str, body: dict[str, Any],
     pending = b""
     done = False
     reads = last_token_read = tokens = 0
-    start = time.perf_counter()
+    start = result.sent_at = time.perf_counter()
     try:
         async for status, data in transport.stream(url, payload):
             now = time.perf_counter() - start
@@ -841,6 +842,92 @@ def paired_ttft_overhead(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]
                difference_sd_pct=sd_pct,
                pairs_for_half_width=math.ceil((1.96 * sd_pct / PAIRED_TTFT_HALF_WIDTH_PCT) ** 2))
     return out
+
+
+def step_timings(url: str, after: int) -> dict[str, Any] | None:
+    """A worker's timed prompt-sized forwards numbered above `after` (GET
+    /probex/step-timings), or None where it does not time them (started without
+    PROBEX_STEP_TIMING=1)."""
+    import httpx
+
+    answer = httpx.get(url + "/probex/step-timings", params={"after": after}, timeout=120,
+                       headers={"Authorization": f"Bearer {TOGGLE_ADMIN_TOKEN}"})
+    if answer.status_code == 409:
+        return None
+    if answer.status_code != 200:
+        raise RuntimeError(f"GET /probex/step-timings: {answer.status_code} {answer.text[:300]}")
+    return answer.json()
+
+
+def idle_forward_records(records: Sequence[dict[str, Any]], paused: Sequence[bool],
+                         lead_in: int) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """Each toggled idle request's prefill forward, from the worker's timed forwards over the
+    toggled requests (`lead_in` of them first, unmeasured), or None and why not. Lone
+    requests prefill one at a time, so the forwards line up with the requests in order; the
+    match is only taken where it cannot be wrong: one forward per request, each with one
+    request, the tap paused for exactly the forwards of the paused requests."""
+    if len(records) != len(paused) + lead_in:
+        return None, f"{len(records)} timed forwards for {len(paused) + lead_in} requests"
+    measured = list(records[lead_in:])
+    if any(len(r["requests"]) != 1 for r in records):
+        return None, "a timed forward held more than one request"
+    if [bool(r["paused"]) for r in measured] != [bool(p) for p in paused]:
+        return None, "the worker's pause state at a forward differs from the request's"
+    return measured, None
+
+
+FORWARD_SPLIT_PARTS = {"span": "the prefill forward's device span", "rest": "the rest of TTFT",
+                       "way_in": "send to the forward's launch", "way_out": "the forward's end to the first chunk"}
+
+
+def forward_span_split(ttft_ms: Sequence[float], span_ms: Sequence[float], paused: Sequence[bool],
+                       way_in_ms: Sequence[float] | None = None) -> dict[str, Any]:
+    """Idle TTFT with the tap running over paused, split into the prefill forward's device
+    span and the rest (TTFT − span: the host's path in and out, the first token's sampling),
+    pair by pair (`toggled_pairs`): for each part the mean difference in ms and in percent of
+    the paused TTFT, with a 95% interval (Student's t over pairs), and each quantity's
+    request-to-request scatter (SD, ms), which says where TTFT's noise lives. With `way_in_ms`
+    (the client's send to the forward's launch, on the clock client and engine share), the
+    rest is split again into that way in and the way out (the forward's end to the client's
+    first chunk: sampling, the token's read and output, the API server, HTTP)."""
+    ttft, span = np.asarray(ttft_ms, dtype=float), np.asarray(span_ms, dtype=float)
+    parts = {"ttft": ttft, "span": span, "rest": ttft - span}
+    if way_in_ms is not None:
+        parts["way_in"] = np.asarray(way_in_ms, dtype=float)
+        parts["way_out"] = parts["rest"] - parts["way_in"]
+    paired = {name: toggled_pairs(list(values), list(paused)) for name, values in parts.items()}
+    keep = [i for i, (r, q) in enumerate(paired["ttft"]) if math.isfinite(r) and math.isfinite(q)]
+    out: dict[str, Any] = {"pairs": len(keep)}
+    if len(keep) < 2:
+        return out
+    ok = np.isfinite(ttft)
+    out["sd_ms"] = {name: float(values[ok].std(ddof=1)) for name, values in parts.items()}
+    out["correlation_ttft_span"] = float(np.corrcoef(ttft[ok], span[ok])[0, 1])
+    base = float(np.mean([paired["ttft"][i][1] for i in keep]))
+    out["paused_ttft_mean_ms"] = base
+    for name in parts:
+        if name == "ttft":
+            continue
+        differences = np.array([paired[name][i][0] - paired[name][i][1] for i in keep])
+        mean, half = float(differences.mean()), _t_half_width(differences)
+        out[name] = {"difference_mean_ms": mean, "ci95_ms": [mean - half, mean + half],
+                     "difference_sd_ms": float(differences.std(ddof=1)),
+                     "paused_mean_ms": float(np.mean([paired[name][i][1] for i in keep])),
+                     "pct_of_ttft": mean / base * 100.0,
+                     "ci95_pct_of_ttft": [(mean - half) / base * 100.0, (mean + half) / base * 100.0]}
+    return out
+
+
+def forward_span_line(split: dict[str, Any]) -> str:
+    parts = []
+    for name, words in FORWARD_SPLIT_PARTS.items():
+        if name not in split:
+            continue
+        part = split[name]
+        parts.append(f"{words} {part['difference_mean_ms']:+.3f} ms (95% {part['ci95_ms'][0]:+.3f} … "
+                     f"{part['ci95_ms'][1]:+.3f}; {part['pct_of_ttft']:+.2f}% of TTFT)")
+    scatter = ", ".join(f"{'TTFT' if name == 'ttft' else name} {sd:.2f} ms" for name, sd in split["sd_ms"].items())
+    return f"running over paused: {'; '.join(parts)}; request-to-request SD: {scatter}"
 
 
 def arrival_spread_s(warm_results: Sequence[RequestResult]) -> float:
@@ -1582,6 +1669,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         prompts = random_prompts(2 * idle_ttft_pairs + TOGGLE_IDLE_LEAD_IN, input_len,
                                  seed * 1_000_003 + TOGGLE_IDLE_SEED)
         before = server_counters(server.url, worker)
+        timed = step_timings(server.url, after=2**62)  # None where the worker does not time forwards
         started = time.perf_counter()
         results = asyncio.run(run_idle_ttft(server.url, model, prompts, idle_ttft_pause_s, expect, xargs,
                                             paused_for=idle_toggle_paused, lead_in=TOGGLE_IDLE_LEAD_IN))
@@ -1603,6 +1691,19 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         # vLLM's own means and the worker's delivery account, over both states' requests
         fields = phase_server_fields(server.url, before, [r for _, r in toggled], False, len(probe_names))
         entry.update(server=fields["server"], **({"delivery": fields["delivery"]} if "delivery" in fields else {}))
+        if timed is not None:  # PROBEX_STEP_TIMING=1: each request's prefill forward, timed on the device
+            records = step_timings(server.url, after=timed["next"] - 1)["records"]
+            forwards, unmatched = idle_forward_records(records, paused_flags, TOGGLE_IDLE_LEAD_IN)
+            if forwards is None:
+                entry["forward_spans_unmatched"] = unmatched
+                say(f"  {plan.label:9} idle TTFT split not made: {unmatched}")
+            else:
+                spans = entry["per_request_span_ms"] = [f["span_ms"] for f in forwards]
+                way_in = entry["per_request_way_in_ms"] = [(f["began_at"] - r.sent_at) * 1e3
+                                                           for f, (_, r) in zip(forwards, toggled)]
+                entry["forward_split"] = forward_span_split(ttft_ms, spans, paused_flags, way_in)
+                if "span" in entry["forward_split"]:
+                    say(f"  {plan.label:9} idle TTFT split, " + forward_span_line(entry["forward_split"]))
         record["idle_ttft_toggle"] = entry
         save()
         overhead = entry["running_over_paused"]

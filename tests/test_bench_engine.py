@@ -678,7 +678,8 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--setups",
                            "plain,tap-toggle,eager", "--profile-requests", "1", "--idle-ttft-pairs", "3",
-                           "--toggle-first", "paused",
+                           "--toggle-first", "paused", "--worker-env", "PROBEX_STEP_TIMING=1",
+                           "--worker-env", "PROBEX_STEP_TIMING_MIN_ROWS=32",
                            "--out", str(out)],
                           capture_output=True, text=True, timeout=1500)
     tail = (proc.stdout + proc.stderr)[-4000:]
@@ -773,6 +774,19 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     assert toggled["running_without_scores"] == 0 and toggled["paused_with_scores"] == 0, toggled
     assert toggled["scores"]["coverage"] == 1.0 and toggled["scores"]["requests"] == 3, toggled["scores"]
     assert all(math.isfinite(v) and v > 0 for v in toggled["per_request_ttft_ms"]), toggled
+    # the worker timed each request's prefill forward (PROBEX_STEP_TIMING=1, prompts of 32 rows),
+    # matched to the requests in order, its pause state the request's: TTFT split into the
+    # forward's span and the rest
+    assert "forward_spans_unmatched" not in toggled, toggled.get("forward_spans_unmatched")
+    spans = toggled["per_request_span_ms"]
+    assert len(spans) == 6 and all(0 < span < ttft for span, ttft in zip(spans, toggled["per_request_ttft_ms"]))
+    # the way in (the client's send to the forward's launch, on the clock both processes read)
+    # is a part of TTFT, as the span is
+    way_in = toggled["per_request_way_in_ms"]
+    assert all(0 < w < ttft - span for w, ttft, span in zip(way_in, toggled["per_request_ttft_ms"], spans)), way_in
+    split = toggled["forward_split"]
+    assert split["pairs"] == 3 and split["sd_ms"]["ttft"] > 0 and set(split) >= {"span", "rest", "way_in", "way_out"}
+    assert "idle TTFT split, running over paused" in proc.stdout
     assert result["idle_ttft_toggle"]["all_starts"]["pairs"] == 3
     assert result["workload"]["idle_ttft_pairs"] == 3 and result["workload"]["idle_ttft_requests"] == 2
     assert "TTFT at an idle engine with the tap running over paused, request by request" in proc.stdout

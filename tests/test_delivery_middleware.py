@@ -83,11 +83,11 @@ def idle_hub() -> ScoreHub:
 
 
 async def post_through(middleware, path: str, body: bytes, method: str = "POST", headers=(),
-                       engine=None) -> list[dict]:
+                       engine=None, query: bytes = b"") -> list[dict]:
     """One request through the middleware as an ASGI server would send it; the messages sent
     back. `engine`: what the admin routes reach as vLLM's engine client."""
     sent = []
-    scope = {"type": "http", "path": path, "method": method, "headers": list(headers),
+    scope = {"type": "http", "path": path, "method": method, "headers": list(headers), "query_string": query,
              "app": type("App", (), {"state": type("State", (), {"engine_client": engine})()})()}
     queue = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -601,9 +601,9 @@ class FakeEngineClient:
         return [dict(self.answer) if self.answer else {"ok": True, "paused": args[0], "sequence": len(self.calls)}]
 
 
-async def call_route(middleware, method, path, body=b"", headers=(), engine=None):
+async def call_route(middleware, method, path, body=b"", headers=(), engine=None, query=b""):
     """An admin route's answer: (status, decoded body)."""
-    sent = await post_through(middleware, path, body, method, headers, engine)
+    sent = await post_through(middleware, path, body, method, headers, engine, query)
     return sent[0]["status"], json.loads(response_body(sent) or b"null")
 
 

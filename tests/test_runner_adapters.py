@@ -58,6 +58,8 @@ class RecordingController:
 
     submitted = 0  # steps handed over so far
     scores_ahead_of_tokens = True  # PROBEX_SCORES_AHEAD_OF_TOKENS unset
+    step_timer = None  # PROBEX_STEP_TIMING unset
+    paused = False
 
     def scores_step_mark(self):
         return self.submitted
@@ -492,3 +494,76 @@ def test_a_prompt_step_handed_beside_the_output_is_read_tokens_first_and_left_to
         assert sample(runner).get_output() == "out"
     assert controller.calls == [("consume through", 1), ("tokens read",), ("tokens waited for",), ("consume landed",),
                                 ("tokens read",), ("beside", 2)]
+
+
+class RecordingTimer:
+    """A StepTimer's calls, in order among the runner's; times forwards of at least 5 rows."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def wants(self, rows):
+        return rows >= 5
+
+    def begin(self, rows, request_ids):
+        self.calls.append(("timing begins", rows, list(request_ids)))
+        return rows
+
+    def end(self, began, paused):
+        self.calls.append(("timing ends", began, paused))
+
+
+def test_v2_adapter_times_prompt_sized_forwards_around_their_launch(monkeypatch):
+    """PROBEX_STEP_TIMING=1: the span begins once the step's inputs are prepared and ends once
+    execute_model has enqueued the forward, before any of the tap's own work on the step;
+    steps under the timer's row count are not timed."""
+    monkeypatch.setattr(v2, "install_controller", lambda runner, **_: getattr(runner, CONTROLLER_ATTR))
+    controller = RecordingController()
+    controller.step_timer = RecordingTimer(controller.calls)
+    runner = wrapped_runner_class()(controller)
+    runner.load_model()
+    original = FakeV2Runner.execute_model
+
+    def execute_model(self, scheduler_output, **kwargs):
+        result = original(self, scheduler_output, **kwargs)
+        controller.calls.append(("forward enqueued",))
+        return result
+
+    monkeypatch.setattr(FakeV2Runner, "execute_model", execute_model)
+    type(runner).execute_model = v2._scores_after_forward(FakeV2Runner.execute_model)
+    runner.execute_model(sched(new=[new_req("a"), new_req("b")], scheduled={"a": 7, "b": 3}, computed={"a": 0, "b": 0}))
+    controller.paused = True
+    runner.execute_model(sched(scheduled={"a": 1, "b": 1}, computed={"a": 7, "b": 3}))  # a decode: 2 rows
+    runner.execute_model(sched(new=[new_req("c")], scheduled={"c": 5}, computed={"c": 0}))
+    timing = [c for c in controller.calls if c[0] in ("timing begins", "timing ends", "forward enqueued", "before")]
+    assert timing == [
+        ("before", ["b", "a"], [3, 7], [0, 0], [3, 7], []), ("timing begins", 10, ["b", "a"]),
+        ("forward enqueued",), ("timing ends", 10, False),
+        ("before", ["a", "b"], [1, 1], [7, 3], [7, 3], []), ("forward enqueued",),
+        ("before", ["c"], [5], [0], [5], []), ("timing begins", 5, ["c"]), ("forward enqueued",),
+        ("timing ends", 5, True),
+    ]
+
+
+def test_v1_adapter_times_prompt_sized_forwards_around_the_model_forward(monkeypatch):
+    from engine_worker import vllm_v1_runner as v1
+
+    class Runner(FakeV1Runner):
+        def _model_forward(self):
+            self.controller_to_install.calls.append(("forward",))
+            return "hidden states"
+
+    controller = RecordingController()
+    controller.needs_layout_before_forward = False
+    controller.step_timer = RecordingTimer(controller.calls)
+    monkeypatch.setattr(v1, "install_controller", lambda runner, **kwargs: getattr(runner, CONTROLLER_ATTR))
+    cls = type("WrappedTimedRunner", (Runner,), {})
+    cls.load_model = v1._after_load_model(Runner.load_model)
+    cls.execute_model = v1._remember_scheduler_output(Runner.execute_model)
+    cls._model_forward = v1._tapped_forward(Runner._model_forward)
+    runner = cls(controller)
+    runner.load_model()
+    runner.execute_model(sched(scheduled={"a": 5, "b": 3}, computed={"a": 0, "b": 0}))
+    runner.execute_model(sched(scheduled={"a": 1, "b": 1}, computed={"a": 5, "b": 3}))
+    timing = [c for c in controller.calls if c[0] in ("timing begins", "timing ends", "forward")]
+    assert timing == [("timing begins", 8, ["a", "b"]), ("forward",), ("timing ends", 8, False), ("forward",)]
