@@ -2400,6 +2400,8 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
             start["phase_pairs"] = {name: [overhead_pct(_metric(r, OVERHEAD_METRICS[name]),
                                                         _metric(q, OVERHEAD_METRICS[name]))
                                            for r, q in zip(running, paused)] for name in PAIRED_METRICS}
+            start["ttft_where_ms"] = {name: [part(r) - part(q) for r, q in zip(running, paused)]
+                                      for name, part in TTFT_WHERE.items()}
             per_c.setdefault(c, []).append(start)
     out = {}
     for c, starts in sorted(per_c.items(), key=lambda kv: int(kv[0])):
@@ -2417,6 +2419,8 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
                                 for name in API_SERVER_LOAD}
         out[c]["ttft_p50_ms"] = {state: [[_metric(p, OVERHEAD_METRICS["ttft_p50"]) for p in x["phases"][state]]
                                          for x in starts] for state in ("running", "paused")}
+        out[c]["ttft_where_ms"] = {name: ms_difference([v for x in starts for v in x["ttft_where_ms"][name]])
+                                   for name in TTFT_WHERE}
         # Means over every phase of the state, all starts together; none where a phase lacks the figures.
         split = {state: mean_ttft_split([p for x in starts for p in x["phases"][state]]) for state in ("running", "paused")}
         if all(split.values()):
@@ -2425,6 +2429,29 @@ def toggle_overhead(setups: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any
 
 
 PAIRED_METRICS = ("tpot_p50", "ttft_p50")  # the ones held to goals
+
+# TTFT's mean in a phase, split where vLLM's own TTFT ends (its API server's output processor
+# has the first token; `server.ttft_mean_ms`, from its /metrics): vLLM's part, arrival to
+# that, and the client's beyond it (HTTP both ways, the middleware on the request's way in,
+# the chunk's way out through the API server's event loop and the relay).
+TTFT_WHERE = {
+    "client": lambda e: _metric(e, ("ttft_ms", "mean")),
+    "vllm": lambda e: _metric(e, ("server", "ttft_mean_ms")),
+    "beyond_vllm": lambda e: _metric(e, ("ttft_ms", "mean")) - _metric(e, ("server", "ttft_mean_ms")),
+}
+
+
+def ms_difference(differences: Sequence[float]) -> dict[str, Any]:
+    """Phase pairs' running − paused differences (ms; NaN where a phase lacks the figure): their
+    mean and 95% interval (Student's t over pairs; none with fewer than two)."""
+    values = np.asarray([v for v in differences if math.isfinite(v)], dtype=float)
+    out: dict[str, Any] = {"pairs": len(values)}
+    if len(values):
+        out["difference_mean_ms"] = float(values.mean())
+    if len(values) >= 2:
+        half = _t_half_width(values)
+        out["ci95_ms"] = [out["difference_mean_ms"] - half, out["difference_mean_ms"] + half]
+    return out
 
 
 def phase_pair_interval(estimate: float, pair_pcts: Sequence[float]) -> list[float] | None:
@@ -2785,6 +2812,22 @@ def markdown_tables(result: dict[str, Any]) -> str:
             cells += ([f"{split['running'][part]:.1f} / {split['paused'][part]:.1f}" for part in (*TTFT_PARTS, "api")]
                       if split else ["n/a"] * 4)
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        where = {c: o["ttft_where_ms"] for c, o in toggled.items() if o.get("ttft_where_ms", {}).get("client", {}).get("pairs")}
+        if where:
+            lines += ["", "TTFT's mean in the same phases, running − paused phase pair by phase pair (ms; 95% interval "
+                      "over the pairs): at the client, vLLM's own (arrival in its API server to its output processor "
+                      "holding the first token) and what the client sees beyond it (HTTP, the middleware, the first "
+                      "chunk's way through the API server's event loop):", "",
+                      "| concurrency | pairs | client | vLLM's own | beyond vLLM's |", "|---:|---:|---:|---:|---:|"]
+            for c, parts in where.items():
+                cells = []
+                for name in TTFT_WHERE:
+                    part = parts[name]
+                    cell = f"{part['difference_mean_ms']:+.2f}" if "difference_mean_ms" in part else "n/a"
+                    if "ci95_ms" in part:
+                        cell += f" ({part['ci95_ms'][0]:+.2f} … {part['ci95_ms'][1]:+.2f})"
+                    cells.append(cell)
+                lines.append(f"| {c} | {parts['client']['pairs']} | " + " | ".join(cells) + " |")
         began = [(s["label"], toggle_began_paused(s)) for s in result.get("setups", []) if toggled_phases(s)]
         lines += ["", "tap-toggle's starts, in the order of the lists above: " + ", ".join(
             f"{label} (began {'paused' if paused else 'running'})" for label, paused in began) + "."]
@@ -2818,6 +2861,23 @@ def markdown_tables(result: dict[str, Any]) -> str:
                          f"about {pooled['pairs_for_half_width']} pairs in all, "
                          f"{math.ceil(pooled['pairs_for_half_width'] / starts)} a start over {starts} starts "
                          "(--idle-ttft-pairs).")
+    splits = [(s["label"], s["idle_ttft_toggle"]["forward_split"]) for s in result.get("setups", [])
+              if "span" in (s.get("idle_ttft_toggle") or {}).get("forward_split", {})]
+    if splits:
+        lines += ["", "The idle pairs split by the worker's timing of each request's prefill forward on the device "
+                  "(PROBEX_STEP_TIMING=1): running − paused per pair, ms (95% interval), as a share of the paused "
+                  "TTFT, and how much each part scatters from request to request (SD, ms):", "",
+                  "| start | pairs | part | paused mean | running − paused | share of TTFT | request SD |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for label, split in splits:
+            lines.append(f"| {label} | {split['pairs']} | TTFT | {split['paused_ttft_mean_ms']:.2f} | | | "
+                         f"{split['sd_ms']['ttft']:.2f} |")
+            for name, words in FORWARD_SPLIT_PARTS.items():
+                if name in split:
+                    part = split[name]
+                    lines.append(f"| | | {words} | {part['paused_mean_ms']:.2f} | {part['difference_mean_ms']:+.3f} "
+                                 f"({part['ci95_ms'][0]:+.3f} … {part['ci95_ms'][1]:+.3f}) | "
+                                 f"{_pct2(part['pct_of_ttft'])} | {split['sd_ms'][name]:.2f} |")
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
     if spread:
         on_gpus = " (side by side, repeats ran on different GPUs: this includes the GPUs' difference)" \

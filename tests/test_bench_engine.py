@@ -1296,3 +1296,38 @@ def test_the_run_is_held_against_the_taps_goals_within_one_start_where_it_can():
                                                                 ("tap over plain, across starts", True)]
     assert be.goal_readings({}) == {"rows": [], "all_met": None, "eager_tpot_p50_pct": {}}
     assert be.goal_lines(be.goal_readings({})) == []
+
+
+def test_ttft_under_load_is_split_where_vllms_own_ttft_ends_phase_pair_by_phase_pair():
+    """Each running phase against its paused neighbour: the client's TTFT mean, vLLM's own
+    (its /metrics, `server.ttft_mean_ms`) and the difference beyond vLLM's, in ms with a 95%
+    interval over the pairs; a phase without vLLM's figure leaves its pair out of those two."""
+    def phase(paused, client, vllm):
+        entry = _entry(10.0)
+        entry["ttft_ms"] = {"p50": client, "p99": client, "mean": client}
+        if vllm is not None:
+            entry["server"] = {"ttft_mean_ms": vllm}
+        return {"paused": paused, **entry}
+
+    # (client, vLLM) running then paused, per pair: vLLM's own moves a lot, the rest by ~1.5 ms
+    readings = [((66.0, 58.0), (63.5, 57.0)), ((70.0, 61.0), (64.0, 56.5)), ((60.0, 52.5), (61.0, 55.0)),
+                ((65.0, 57.0), (62.0, 55.5))]
+    phases = []
+    for (running, paused) in readings:
+        phases += [phase(False, *running), phase(True, *paused)]
+    start = {"label": "tap-toggle", "kind": "tap-toggle", "checks": {}, "results": {"64": phases[0]},
+             "toggle": {"64": phases}}
+    where = be.toggle_overhead([start])["64"]["ttft_where_ms"]
+    beyond = [(r[0] - r[1]) - (p[0] - p[1]) for r, p in readings]
+    assert where["client"]["difference_mean_ms"] == pytest.approx(np.mean([r[0] - p[0] for r, p in readings]))
+    assert where["vllm"]["difference_mean_ms"] == pytest.approx(np.mean([r[1] - p[1] for r, p in readings]))
+    assert where["beyond_vllm"]["difference_mean_ms"] == pytest.approx(np.mean(beyond)) and where["beyond_vllm"]["pairs"] == 4
+    half = be._t_975(3) * np.std(beyond, ddof=1) / 2
+    assert where["beyond_vllm"]["ci95_ms"] == pytest.approx([np.mean(beyond) - half, np.mean(beyond) + half])
+    report = be.markdown_tables({"setups": [start], "toggle_overhead_pct": be.toggle_overhead([start])}).splitlines()
+    assert any(line.startswith("| 64 | 4 | +2.62 (") for line in report), report
+    # a phase without vLLM's own figure: its pair counts for the client's difference only
+    phases[2] = phase(False, 70.0, None)
+    where = be.toggle_overhead([start])["64"]["ttft_where_ms"]
+    assert where["client"]["pairs"] == 4 and where["vllm"]["pairs"] == where["beyond_vllm"]["pairs"] == 3
+    assert be.ms_difference([1.0]) == {"pairs": 1, "difference_mean_ms": 1.0} and be.ms_difference([]) == {"pairs": 0}

@@ -142,6 +142,12 @@ def test_the_idle_split_finds_a_small_host_cost_under_a_noisy_device_span():
     line = be.forward_span_line(split)
     assert "the rest of TTFT +0.3" in line and "the forward's end to the first chunk +0.3" in line
     assert "way_in" not in be.forward_span_split(list(ttft), list(span), paused)
+    # and in the report a re-render prints, for the start that timed its forwards
+    table = be.markdown_tables({"setups": [{"label": "tap-toggle", "results": {},
+                                            "idle_ttft_toggle": {"forward_split": split}}]}).splitlines()
+    assert "| tap-toggle | 399 | TTFT |" in "\n".join(table)
+    out_row = next(line for line in table if line.startswith("| | | the forward's end to the first chunk |"))
+    assert f"{split['way_out']['difference_mean_ms']:+.3f}" in out_row
     assert be.forward_span_split([30.0, 31.0], [20.0, 20.0], [False, True]) == {"pairs": 1}
 
 
