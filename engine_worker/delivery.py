@@ -226,6 +226,15 @@ class ScoreHub:
         # decorating first chunks (their wait for scores included).
         self.intake = {"steps": TimeStats(), "prompt_steps": TimeStats()}
         self.first_chunks = TimeStats()
+        # A streamed request's way through this process, the tap running or paused alike (the
+        # middleware times it): `request_way_in`, from the middleware's first look at the
+        # request to handing it to vLLM; `vllm_to_first_chunk`, from there to vLLM's first
+        # chunk with content reaching the middleware's send; `first_chunk_out`, that chunk's
+        # way on from there (decorated, where the tap runs) until the server took it. What
+        # the client's TTFT holds beyond these is HTTP both ways and the event loop's queue
+        # ahead of the middleware.
+        self.requests = {"request_way_in": TimeStats(), "vllm_to_first_chunk": TimeStats(),
+                         "first_chunk_out": TimeStats()}
         # How long after the step that completed a prompt vLLM's first chunk of that request
         # reached the relay: from the step's arrival (`after_prompt_step`) and from the end of
         # its intake (`after_intake`; `soon_after_intake` counts the gaps under
@@ -518,6 +527,7 @@ class ScoreHub:
         """The event-loop time of `intake`, `first_chunks` and `chunks` (see __init__), for /probex/health."""
         return {**{f"intake_{kind}": stats.as_dict() for kind, stats in self.intake.items()},
                 "first_chunks": self.first_chunks.as_dict(),
+                **{kind: stats.as_dict() for kind, stats in self.requests.items()},
                 **{f"first_chunk_{kind}": stats.as_dict() for kind, stats in self.first_chunk_gaps.items()},
                 **{f"chunks_{kind}": stats.as_dict() for kind, stats in self.chunks.items()},
                 **{f"gc_generation_{generation}": stats.as_dict()

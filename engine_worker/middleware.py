@@ -308,13 +308,15 @@ class ProbexMiddleware:
     # -- monitored completions ------------------------------------------------------------
 
     async def _monitored(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived = time.perf_counter()
         raw_body = await _read_body(receive)
         as_sent = body_as_sent(scope["path"], raw_body, self.owner) if raw_body else None
         if as_sent is not None:  # the usual request: nothing to check or rewrite beyond the token ids
             call, new_body = as_sent
             if self.hub.paused:  # passed on unmonitored, as the client sent it
-                return await self.app(scope, _replay(raw_body, receive), send)
-            return await self._relayed(scope, receive, send, call, new_body)
+                timed = FirstChunkTimer(self.hub, arrived, send) if call.stream else None
+                return await self.app(scope, _replay(raw_body, receive), timed.send if timed else send)
+            return await self._relayed(scope, receive, send, call, new_body, arrived)
         body, encode = _decode_request(raw_body) if raw_body else (None, _encode_json)
         try:
             call = inspect_request(scope["path"], body, self.owner)
@@ -337,14 +339,22 @@ class ProbexMiddleware:
             if not call.wants_token_ids:
                 call.body.pop("return_token_ids", None)
             new_body = encode(call.body)
-            return await self.app(dict(scope, headers=_body_headers(scope, new_body)), _replay(new_body, receive), send)
-        return await self._relayed(scope, receive, send, call, encode(call.body))
+            timed = FirstChunkTimer(self.hub, arrived, send) if call.stream else None
+            return await self.app(dict(scope, headers=_body_headers(scope, new_body)), _replay(new_body, receive),
+                                  timed.send if timed else send)
+        return await self._relayed(scope, receive, send, call, encode(call.body), arrived)
 
-    async def _relayed(self, scope: Scope, receive: Receive, send: Send, call: MonitoredCall, new_body: bytes) -> None:
+    async def _relayed(self, scope: Scope, receive: Receive, send: Send, call: MonitoredCall, new_body: bytes,
+                       arrived: float) -> None:
         """Hand the request to vLLM under ProbeX's id and relay its response with scores attached."""
         request_id = call.key_prefix.split("-", 1)[1]
         inner_scope = dict(scope, headers=_body_headers(scope, new_body, request_id))
-        relay = StreamRelay(self.hub, call, send, self.score_wait_s) if call.stream else BodyRelay(self.hub, call, send, self.score_wait_s)
+        if call.stream:
+            timed = FirstChunkTimer(self.hub, arrived, send)
+            relay = StreamRelay(self.hub, call, timed.send, self.score_wait_s)
+            timed.relay = relay
+        else:
+            relay = BodyRelay(self.hub, call, send, self.score_wait_s)
         try:
             await self.app(inner_scope, _replay(new_body, receive), relay.send)
         finally:
@@ -661,6 +671,34 @@ class BodyRelay:
         return _encode_json(payload)
 
 
+class FirstChunkTimer:
+    """Times a streamed request's way through this process into the hub (`ScoreHub.requests`),
+    the tap running or paused: made as the request is handed to vLLM (`arrived`: when the
+    middleware first saw it), its `send` wraps the one vLLM's response goes out through —
+    the server's, or, where the tap runs, sits under the relay, which then tells it when
+    vLLM's first chunk with content reached it (`relay` set; otherwise its own first look
+    at that chunk counts). Once the first chunk is out it only passes messages on."""
+
+    def __init__(self, hub: ScoreHub, arrived: float, send: Send) -> None:
+        self.hub, self._send = hub, send
+        self.handed = time.perf_counter()
+        hub.requests["request_way_in"].add(self.handed - arrived)
+        self.relay: "StreamRelay | None" = None
+        self._pending = True
+
+    async def send(self, message: dict) -> None:
+        if not self._pending or message["type"] != "http.response.body":
+            return await self._send(message)
+        relay = self.relay
+        reached = relay.first_content_at if relay is not None else (
+            time.perf_counter() if b"data: {" in message.get("body", b"") else 0.0)
+        await self._send(message)
+        if reached:
+            self._pending = False
+            self.hub.requests["vllm_to_first_chunk"].add(reached - self.handed)
+            self.hub.requests["first_chunk_out"].add(time.perf_counter() - reached)
+
+
 class StreamRelay:
     """Streaming: pass SSE events through one by one, each with the scores of its tokens.
 
@@ -675,6 +713,7 @@ class StreamRelay:
         self._generated: dict[int, int] = {}
         self._prompt_sent: set[int] = set()
         self._first_splice_waited = False  # the chunk being decorated waited for its scores in `_splice_first`
+        self.first_content_at = 0.0  # time.perf_counter() when vLLM's first chunk with content reached `send`
 
     @property
     def wait_s(self) -> float:
@@ -688,6 +727,8 @@ class StreamRelay:
             return await self._send(message)
         if message["type"] != "http.response.body" or not self._is_sse:
             return await self._send(message)
+        if not self.first_content_at and b"data: {" in message.get("body", b""):
+            self.first_content_at = time.perf_counter()
         events = (self._pending + message.get("body", b"")).split(b"\n\n")
         self._pending = events.pop()  # what follows the last complete event: b"" as vLLM sends them
         out = [await self._decorate_event(event) + b"\n\n" for event in events]

@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gzip
 import importlib.util
 import itertools
@@ -2434,10 +2435,30 @@ PAIRED_METRICS = ("tpot_p50", "ttft_p50")  # the ones held to goals
 # has the first token; `server.ttft_mean_ms`, from its /metrics): vLLM's part, arrival to
 # that, and the client's beyond it (HTTP both ways, the middleware on the request's way in,
 # the chunk's way out through the API server's event loop and the relay).
+# The API server processes' own timing of each streamed request (`ScoreHub.requests`, merged
+# over the processes) splits the client's TTFT again: the middleware's way in, vLLM from there
+# to its first chunk, that chunk's way out, and what is outside them all (HTTP both ways, the
+# event loop's queue ahead of the middleware).
+_API_PARTS = ("request_way_in", "vllm_to_first_chunk", "first_chunk_out")
+
+
+def _api_part(entry: dict[str, Any], part: str) -> float:
+    return _metric(entry, ("delivery", "api_loop", part, "mean_ms"))
+
+
 TTFT_WHERE = {
     "client": lambda e: _metric(e, ("ttft_ms", "mean")),
     "vllm": lambda e: _metric(e, ("server", "ttft_mean_ms")),
     "beyond_vllm": lambda e: _metric(e, ("ttft_ms", "mean")) - _metric(e, ("server", "ttft_mean_ms")),
+    **{part: functools.partial(_api_part, part=part) for part in _API_PARTS},
+    "outside_middleware": lambda e: _metric(e, ("ttft_ms", "mean")) - sum(_api_part(e, part) for part in _API_PARTS),
+}
+TTFT_WHERE_WORDS = {
+    "client": "at the client", "vllm": "vLLM's own TTFT (arrival in its API server to its output processor holding "
+    "the first token)", "beyond_vllm": "the client's beyond vLLM's own",
+    "request_way_in": "the middleware's way in (first look to vLLM)", "vllm_to_first_chunk":
+    "vLLM, from there to its first chunk at the middleware", "first_chunk_out": "the first chunk's way out of the "
+    "middleware", "outside_middleware": "outside the middleware (HTTP both ways, the event loop's queue ahead of it)",
 }
 
 
@@ -2814,20 +2835,18 @@ def markdown_tables(result: dict[str, Any]) -> str:
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         where = {c: o["ttft_where_ms"] for c, o in toggled.items() if o.get("ttft_where_ms", {}).get("client", {}).get("pairs")}
         if where:
-            lines += ["", "TTFT's mean in the same phases, running − paused phase pair by phase pair (ms; 95% interval "
-                      "over the pairs): at the client, vLLM's own (arrival in its API server to its output processor "
-                      "holding the first token) and what the client sees beyond it (HTTP, the middleware, the first "
-                      "chunk's way through the API server's event loop):", "",
-                      "| concurrency | pairs | client | vLLM's own | beyond vLLM's |", "|---:|---:|---:|---:|---:|"]
+            lines += ["", "TTFT's mean in the same phases, where it goes: running − paused, phase pair by phase pair "
+                      "(ms; 95% interval over the pairs; the API server's own parts where its processes timed them):",
+                      "", "| concurrency | part | pairs | running − paused, ms |", "|---:|---|---:|---:|"]
             for c, parts in where.items():
-                cells = []
                 for name in TTFT_WHERE:
-                    part = parts[name]
-                    cell = f"{part['difference_mean_ms']:+.2f}" if "difference_mean_ms" in part else "n/a"
+                    part = parts.get(name, {})
+                    if "difference_mean_ms" not in part:
+                        continue
+                    cell = f"{part['difference_mean_ms']:+.2f}"
                     if "ci95_ms" in part:
                         cell += f" ({part['ci95_ms'][0]:+.2f} … {part['ci95_ms'][1]:+.2f})"
-                    cells.append(cell)
-                lines.append(f"| {c} | {parts['client']['pairs']} | " + " | ".join(cells) + " |")
+                    lines.append(f"| {c} | {TTFT_WHERE_WORDS[name]} | {part['pairs']} | {cell} |")
         began = [(s["label"], toggle_began_paused(s)) for s in result.get("setups", []) if toggled_phases(s)]
         lines += ["", "tap-toggle's starts, in the order of the lists above: " + ", ".join(
             f"{label} (began {'paused' if paused else 'running'})" for label, paused in began) + "."]

@@ -764,7 +764,12 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
                 assert phase["responses_with_probex_field"] == 0 and "scores" not in phase, c
             else:
                 assert phase["scores"]["coverage"] == 1.0, (c, phase["scores"])
+            # every streamed request's way through the API server, timed running and paused alike
+            loop = phase["delivery"]["api_loop"]
+            assert all(loop[part]["count"] == phase["requests"] for part in
+                       ("request_way_in", "vllm_to_first_chunk", "first_chunk_out")), (c, phase["paused"], loop)
     assert set(result["toggle_overhead_pct"]) == {"1", "2"} and "The tap within one start" in proc.stdout
+    assert "| 2 | the middleware's way in (first look to vLLM) | 2 |" in proc.stdout
     # and at an idle engine, request by request: three pairs (--idle-ttft-pairs; two idle
     # requests before them), each one running and one paused, ABBA
     toggled = tap["idle_ttft_toggle"]
@@ -1325,7 +1330,20 @@ def test_ttft_under_load_is_split_where_vllms_own_ttft_ends_phase_pair_by_phase_
     half = be._t_975(3) * np.std(beyond, ddof=1) / 2
     assert where["beyond_vllm"]["ci95_ms"] == pytest.approx([np.mean(beyond) - half, np.mean(beyond) + half])
     report = be.markdown_tables({"setups": [start], "toggle_overhead_pct": be.toggle_overhead([start])}).splitlines()
-    assert any(line.startswith("| 64 | 4 | +2.62 (") for line in report), report
+    assert any(line.startswith("| 64 | the client's beyond vLLM's own | 4 | +1.50 (") for line in report), report
+    # phases without the API server's own timing: those parts have no pairs and no rows
+    assert where["request_way_in"] == {"pairs": 0} and not any("middleware's way in" in line for line in report)
+    # with it, the client's TTFT splits again around the middleware
+    for number, p in enumerate(phases):
+        p["delivery"] = {"api_loop": {"request_way_in": {"mean_ms": 0.1 + 0.05 * (not p["paused"])},
+                                      "vllm_to_first_chunk": {"mean_ms": 50.0 + number},
+                                      "first_chunk_out": {"mean_ms": 0.2 + 0.3 * (not p["paused"])}}}
+    where = be.toggle_overhead([start])["64"]["ttft_where_ms"]
+    assert where["request_way_in"]["difference_mean_ms"] == pytest.approx(0.05)
+    assert where["first_chunk_out"]["difference_mean_ms"] == pytest.approx(0.3)
+    assert where["vllm_to_first_chunk"]["difference_mean_ms"] == pytest.approx(-1.0)
+    assert where["outside_middleware"]["difference_mean_ms"] == pytest.approx(
+        where["client"]["difference_mean_ms"] - 0.05 - 0.3 + 1.0)
     # a phase without vLLM's own figure: its pair counts for the client's difference only
     phases[2] = phase(False, 70.0, None)
     where = be.toggle_overhead([start])["64"]["ttft_where_ms"]

@@ -1092,3 +1092,39 @@ def test_each_probe_set_swapped_in_gets_its_retention_check_once_in_every_proces
     middleware._schedule_retention(3, ["/probes/b"])          # this process's next swap
     hub.ingest(swapped_message("probes", 3, ["/probes/b"]))  # and its broadcast, after it
     assert scheduled == [["/probes/a"], ["/probes/b"]] and hub.swaps == 3
+
+
+def test_a_streamed_requests_way_through_the_process_is_timed_running_and_paused():
+    """Into the hub's loop-time stats (so /probex/health and the benchmark's phases have them),
+    for the tap running and paused alike: the way in (the middleware's look at the request),
+    vLLM's time to its first chunk (a data event; a chat stream's role chunk here), and that
+    chunk's way out (decorated, where the tap runs), once per request."""
+    _, last, _, waits = run_stream(ROLE_TWO_TEXT_CHUNKS_STOP, step_feed([[0.0, 0.0], [1.0], [2.0]]))
+    loop = waits["loop_time"]
+    assert last == "[DONE]"
+    assert all(loop[kind]["count"] == 1 for kind in ("request_way_in", "vllm_to_first_chunk", "first_chunk_out"))
+    assert loop["request_way_in"]["total_s"] < 0.04 and loop["first_chunk_out"]["total_s"] < 0.04
+
+    class SlowStream:
+        async def __call__(self, scope, receive, send):
+            await receive()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            await asyncio.sleep(0.03)  # vLLM's prefill
+            await send({"type": "http.response.body", "body": b'data: {"choices":[]}\n\n', "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def paused():
+        hub = idle_hub()
+        hub.paused = True
+        middleware = ProbexMiddleware(SlowStream(), hub=hub, tap_config=TapConfig(layers=(3,)))
+        body = json.dumps({"prompt": "x", "max_tokens": 2, "stream": True}).encode()
+        sent = await post_through(middleware, "/v1/completions", body)
+        assert response_body(sent).endswith(b"data: [DONE]\n\n")
+        # a response that is not a stream is not timed
+        await post_through(middleware, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode())
+        return hub.loop_time_stats()
+
+    loop = asyncio.run(paused())
+    assert all(loop[kind]["count"] == 1 for kind in ("request_way_in", "vllm_to_first_chunk", "first_chunk_out"))
+    assert 0.025 <= loop["vllm_to_first_chunk"]["total_s"] < 1.0 and loop["first_chunk_out"]["total_s"] < 0.025
