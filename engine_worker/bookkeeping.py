@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -372,9 +371,10 @@ class StepReader:
         self.book = ScoreBook()
         self._tables: dict[int, ProbeTable] = {}
 
-    def read(self, message: dict, owns: Callable[[str], bool] | None = None) -> StepEvents:
-        """`owns`: with several API server processes, whether a request is this process's; the
-        others' rows and ends are left out before any book is touched. None: every request."""
+    def read(self, message: dict, owner_marker: str | None = None) -> StepEvents:
+        """`owner_marker`: with several API server processes, what this process's request ids
+        hold (and no other's); the others' rows and ends are left out before any book is
+        touched. None: every request."""
         table = self._table(message["v"], message["probes"])
         step = message["step"]
         layout = StepLayout(
@@ -385,9 +385,9 @@ class StepReader:
         )
         raw = np.frombuffer(message["raw"], dtype=np.float32).reshape(layout.num_rows, len(table.slots))
         finished = message.get("finished", ())
-        if owns is not None:
-            layout, raw = _owned_rows(layout, raw, owns)
-            finished = [req for req in finished if owns(req)]
+        if owner_marker is not None:
+            layout, raw = _owned_rows(layout, raw, owner_marker)
+            finished = [req for req in finished if owner_marker in req]
         events = self.book.record_step(layout, table, raw)
         events.finished = self.book.finish(finished)
         return events
@@ -403,13 +403,15 @@ class StepReader:
         return table
 
 
-def _owned_rows(layout: StepLayout, raw: np.ndarray, owns: Callable[[str], bool]) -> tuple[StepLayout, np.ndarray]:
-    """The step's requests that `owns` accepts, and their rows (each request's rows are
-    contiguous, `num_scheduled` of them, in request order)."""
-    mine = np.fromiter((owns(req) for req in layout.req_ids), dtype=bool, count=len(layout.req_ids))
-    if mine.all():
+def _owned_rows(layout: StepLayout, raw: np.ndarray, owner_marker: str) -> tuple[StepLayout, np.ndarray]:
+    """The step's requests whose ids hold `owner_marker`, and their rows (each request's rows
+    are contiguous, `num_scheduled` of them, in request order). Runs on the API server's
+    event loop for every step, in every process: a comprehension with `in`, no call per id."""
+    flags = [owner_marker in req for req in layout.req_ids]
+    if all(flags):
         return layout, raw
-    kept = StepLayout(req_ids=[req for req, keep in zip(layout.req_ids, mine.tolist()) if keep],
+    mine = np.array(flags, dtype=bool)
+    kept = StepLayout(req_ids=[req for req, keep in zip(layout.req_ids, flags) if keep],
                       num_scheduled=layout.num_scheduled[mine], num_computed=layout.num_computed[mine],
                       num_prompt=layout.num_prompt[mine])
     return kept, raw[np.repeat(mine, layout.num_scheduled)]

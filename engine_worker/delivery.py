@@ -332,7 +332,7 @@ class ScoreHub:
         table = self._tables.get(version)
         if table is None:
             table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
-        events = self._steps.read(message, self._owned if self.owner is not None else None)
+        events = self._steps.read(message, self._owner_marker if self.owner is not None else None)
         probes = table.probes
         if len(self._external_ids) > 100_000:  # ids are never reused: forgetting them all is safe
             self._external_ids.clear()

@@ -43,7 +43,11 @@ in the JSON; medians over `--steps`), what grows with the number of streams:
 - `chunks_us`: the N one-token chunks that step produces, decorated one after another;
   `chunks_decoded_us` the same with every chunk decoded and re-encoded instead of spliced
   (`first_chunk_decoded_us` and `token_chunk_decoded_us` likewise on the first token's way),
-  timed side by side with the spliced ones, step by step.
+  timed side by side with the spliced ones, step by step;
+- and the same for one of `--api-server-count` processes (default 4; `processes` in the
+  JSON): its hub takes in each step's whole message and books its own quarter of the rows,
+  its relays decorate its quarter of the chunks, each process's load in `probex bench
+  engine`'s four-process runs.
 
     python3 -m probex.bench_handoff --out out/bench-handoff.json
 """
@@ -249,23 +253,29 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()}}
 
 
-def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dict:
+def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, processes: int = 1) -> dict:
     """Medians, in µs, of the API server's work per decode step of `requests` streams (see the
     module docstring): the worker's real step messages (prompts prefilled four to a step
     first), fed to a `ScoreHub` and `StreamRelay`s as their receive loop and vLLM would. Each
     step's chunks are decorated by relays that splice and by relays that decode (which go
-    first alternates), timed side by side (`chunks_decoded_us`)."""
+    first alternates), timed side by side (`chunks_decoded_us`).
+
+    `processes` > 1: one of that many API server processes (`--api-server-count`), whose
+    requests are every `processes`-th: its hub takes in every step's whole message and books
+    its own rows, its relays decorate its own streams' chunks (what `probex bench engine`'s
+    four-process runs load each process's event loop with)."""
     import asyncio
     import uuid
 
     from engine_worker.bookkeeping import StepLayout
-    from engine_worker.delivery import CollectionPauses, ScoreHub
+    from engine_worker.delivery import CollectionPauses, ScoreHub, owner_tag
     from engine_worker.middleware import MonitoredCall, StreamRelay
 
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
     messages: list[bytes] = []
-    calls = [MonitoredCall(key_prefix=f"cmpl-probex-{uuid.uuid4().hex}", stream=True, wants_token_ids=False)
-             for _ in range(requests)]
+    tags = [owner_tag() for _ in range(processes)]  # as middleware.inspect_request writes ids
+    calls = [MonitoredCall(key_prefix=f"cmpl-probex-{tags[i % processes]}{uuid.uuid4().hex[8:]}", stream=True,
+                           wants_token_ids=False) for i in range(requests)]
     engine_ids = [f"{call.key(0)}-0123abcd" for call in calls]
     with tempfile.TemporaryDirectory() as tmp:
         controller = _controller(False, Path(tmp))
@@ -280,7 +290,9 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
                                                 np.full(requests, prompt_tokens + step), np.full(requests, prompt_tokens)))
         controller.transfer.close()
     decoded = [decoder.decode(m) for m in messages]
-    hub = ScoreHub("inproc://unused")  # never started: fed directly, as its receive loop would
+    # never started: fed directly, as its receive loop would
+    hub = ScoreHub("inproc://unused", owner=tags[0] if processes > 1 else None)
+    own_calls = calls[::processes]
     intake: list[float] = []
     chunk_times: dict[str, list[float]] = {"chunks": [], "chunks_decoded": []}
 
@@ -293,12 +305,12 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
         gc.collect()
         gc.freeze()
         collections.attach()
-        relay_sets = [("chunks", [StreamRelay(hub, call, _discard, 1.0) for call in calls]),
-                      ("chunks_decoded", [StreamRelay(hub, call, _discard, 1.0, splice=False) for call in calls])]
+        relay_sets = [("chunks", [StreamRelay(hub, call, _discard, 1.0) for call in own_calls]),
+                      ("chunks_decoded", [StreamRelay(hub, call, _discard, 1.0, splice=False) for call in own_calls])]
         for _, relays in relay_sets:
-            for relay, call in zip(relays, calls):  # each stream's first chunk (token 0, prompt scores)
+            for relay, call in zip(relays, own_calls):  # each stream's first chunk (token 0, prompt scores)
                 await relay._decorate_event(_sse(_completion_chunk(call.key_prefix, [1, 2, 3])))
-        token_events = [_sse(_completion_chunk(call.key_prefix)) for call in calls]
+        token_events = [_sse(_completion_chunk(call.key_prefix)) for call in own_calls]
         for number, message in enumerate(decoded[len(prefills):]):
             started = time.perf_counter()
             hub.ingest(message)
@@ -316,11 +328,11 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024) -> dic
         gc.unfreeze()
     if hub.waits["tokens"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
-    if hub.chunks["spliced"].count != requests * (steps + 1):  # each stream's first chunk too
+    if hub.chunks["spliced"].count != len(own_calls) * (steps + 1):  # each stream's first chunk too
         raise RuntimeError("a chunk was decoded instead of spliced: not the path vLLM's chunks take")
     # The garbage collections these steps set off (both relay sets'), which stop the event loop.
     pauses = collections.by_generation
-    return {"requests": requests, "steps": steps, "intake_us": _median_us(intake),
+    return {"requests": requests, "processes": processes, "steps": steps, "intake_us": _median_us(intake),
             **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()},
             "gc_us_per_step": round(sum(p.total_s for p in pauses) / steps * 1e6, 1),
             "gc_longest_ms": round(max(p.max_s for p in pauses) * 1e3, 2),
@@ -341,6 +353,8 @@ def main() -> None:
                         help="engine-thread wait with the GIL released per step (µs), standing in for the GPU")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length for the first-token path")
     parser.add_argument("--repeats", type=int, default=200, help="requests timed on the first-token path")
+    parser.add_argument("--api-server-count", type=int, default=4,
+                        help="also time one of this many API server processes' share of a decode step (1: not)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     results = []
@@ -371,9 +385,12 @@ def main() -> None:
           f"with the token ids kept, the first chunk {first['first_chunk_ids_us']} µs (decoded and re-encoded: "
           f"{first['first_chunk_ids_decoded_us']} µs)", flush=True)
     api_steps = [api_decode_step(int(x), args.steps, args.prompt_tokens) for x in args.requests.split(",")]
+    api_steps += [api_decode_step(int(x), args.steps, args.prompt_tokens, processes=args.api_server_count)
+                  for x in args.requests.split(",") if args.api_server_count > 1]
     for row in api_steps:
-        print(f"API server, one decode step of {row['requests']} streams (medians of {row['steps']}): intake "
-              f"{row['intake_us']} µs, the step's {row['requests']} one-token chunks {row['chunks_us']} µs spliced "
+        one_of = f", one of {row['processes']} API server processes" if row["processes"] > 1 else ""
+        print(f"API server{one_of}, one decode step of {row['requests']} streams (medians of {row['steps']}): intake "
+              f"{row['intake_us']} µs, its {row['requests'] // row['processes']} one-token chunks {row['chunks_us']} µs spliced "
               f"({row['chunks_decoded_us']} µs decoded and re-encoded); garbage collection {row['gc_us_per_step']} "
               f"µs a step (intake and both relay sets), the longest {row['gc_longest_ms']} ms", flush=True)
     if args.out:
