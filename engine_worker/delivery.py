@@ -229,7 +229,8 @@ class ScoreHub:
         # A streamed request's way through this process, the tap running or paused alike (the
         # middleware times it): `request_way_in`, from the middleware's first look at the
         # request to handing it to vLLM; `vllm_to_first_chunk`, from there to vLLM's first
-        # chunk with content reaching the middleware's send; `first_chunk_out`, that chunk's
+        # data chunk (a completion's first token; a chat stream's role chunk) reaching the
+        # middleware's send; `first_chunk_out`, that chunk's
         # way on from there (decorated, where the tap runs) until the server took it. What
         # the client's TTFT holds beyond these is HTTP both ways and the event loop's queue
         # ahead of the middleware.

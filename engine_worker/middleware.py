@@ -676,8 +676,8 @@ class FirstChunkTimer:
     the tap running or paused: made as the request is handed to vLLM (`arrived`: when the
     middleware first saw it), its `send` wraps the one vLLM's response goes out through —
     the server's, or, where the tap runs, sits under the relay, which then tells it when
-    vLLM's first chunk with content reached it (`relay` set; otherwise its own first look
-    at that chunk counts). Once the first chunk is out it only passes messages on."""
+    vLLM's first data chunk reached it (`relay` set; otherwise its own first look at that
+    chunk counts). Once the first chunk is out it only passes messages on."""
 
     def __init__(self, hub: ScoreHub, arrived: float, send: Send) -> None:
         self.hub, self._send = hub, send
@@ -713,7 +713,7 @@ class StreamRelay:
         self._generated: dict[int, int] = {}
         self._prompt_sent: set[int] = set()
         self._first_splice_waited = False  # the chunk being decorated waited for its scores in `_splice_first`
-        self.first_content_at = 0.0  # time.perf_counter() when vLLM's first chunk with content reached `send`
+        self.first_content_at = 0.0  # time.perf_counter() when vLLM's first data chunk reached `send`
 
     @property
     def wait_s(self) -> float:

@@ -1,13 +1,14 @@
 """The device time of prompt-sized forwards, to tell a prefill's GPU work from the host's (a diagnostic).
 
-On the H200 a lone 1024-token request's TTFT scatters by about 17% from one request to the
-next (7 ms of 40; `probex bench engine`'s idle pairs), while what the tap adds on the first
-token's way is a few tenths of a millisecond of host work: thousands of request pairs per
-reading, and no way to tell which part of the host's path moved. Decode steps, which are
-memory-bound, scatter by under 0.1%; the prefill is compute-bound, so the suspicion is the
-device's own pace. Timing each prompt-sized forward on the device (two CUDA events around
-its launch) and taking that span out of each request's TTFT leaves what the host and the
-rest of the path add, which can then be compared with the tap running and paused.
+On the H200 a lone 1024-token request's TTFT scatters by 10-17% from one request to the
+next (4-7 ms of 35-40; `probex bench engine`'s idle pairs), while what the tap adds on the
+first token's way is a few tenths of a millisecond of host work: thousands of request pairs
+per reading, and no way to tell which part of the path moved. Timing each prompt-sized
+forward on the device (two CUDA events around its launch) and taking that span out of each
+request's TTFT splits it into the device's part and the host's way in and out, each of which
+can be compared with the tap running and paused. (Measured so, session 24: the scatter sits
+about evenly in the prefill's span and in the way out, and the tap's cost all on the way
+out; docs/benchmarks.md.)
 
 Switched on by PROBEX_STEP_TIMING=1 in the engine's environment; off, the runner adapters
 make one attribute check per step. On, a forward of at least `min_rows` rows costs two event
