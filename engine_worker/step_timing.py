@@ -54,8 +54,8 @@ def step_timing_min_rows(environ: Any = None) -> int:
 class _TimedForward:
     rows: int
     request_ids: list[str]
-    began: Any  # a device event, or the host clock's reading on the CPU
     began_at: float  # time.perf_counter() as the span began (CLOCK_MONOTONIC: other processes' clock too)
+    began: Any = None  # the device event the span begins at (none on the CPU: `began_at` times it)
     ended: Any = None
     paused: bool = False
     launched_at: float = 0.0  # time.perf_counter() once the launch returned
@@ -87,15 +87,15 @@ class StepTimer:
 
     def begin(self, rows: int, request_ids: Sequence[str]) -> _TimedForward:
         began_at = time.perf_counter()
-        began = self._record_event() if self._events is not None else began_at
-        return _TimedForward(int(rows), list(request_ids), began, began_at)
+        began = self._record_event() if self._events is not None else None
+        return _TimedForward(int(rows), list(request_ids), began_at, began)
 
     def end(self, forward: _TimedForward, paused: bool) -> None:
         forward.launched_at = time.perf_counter()
         if self._events is not None:
             forward.ended = self._record_event()
         else:
-            forward.span_ms = (forward.launched_at - forward.began) * 1e3
+            forward.span_ms = (forward.launched_at - forward.began_at) * 1e3
         forward.paused = bool(paused)
         forward.sequence = self.recorded
         self._kept.append(forward)

@@ -64,6 +64,7 @@ def _after_load_model(load_model):
             self._probex_steering = {}  # req id -> SteerRequest, steered requests only
             self._probex_layout = None  # built before the forward (steering or capture on)
             self._probex_batch = None  # or the step's batch, to build it after the launch
+            self._probex_timed_forward = None  # PROBEX_STEP_TIMING=1: the span begun before the forward
             log.info("probex: tap attached to vLLM model runner V2")
         return result
 
@@ -124,9 +125,10 @@ def _scores_after_forward(execute_model):
         output = execute_model(self, scheduler_output, *args, **kwargs)
         if controller is None:
             return output
-        timed, self._probex_timed_forward = getattr(self, "_probex_timed_forward", None), None
-        if timed is not None:  # the forward is enqueued: the span's end goes behind it
-            controller.step_timer.end(timed, paused=controller.paused)
+        if controller.step_timer is not None:
+            timed, self._probex_timed_forward = self._probex_timed_forward, None
+            if timed is not None:  # the forward is enqueued: the span's end goes behind it
+                controller.step_timer.end(timed, paused=controller.paused)
         started = time.perf_counter()
         layout, self._probex_layout = self._probex_layout, None
         batch, self._probex_batch = self._probex_batch, None

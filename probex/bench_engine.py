@@ -909,13 +909,14 @@ def forward_span_split(ttft_ms: Sequence[float], span_ms: Sequence[float], pause
     for name in parts:
         if name == "ttft":
             continue
-        differences = np.array([paired[name][i][0] - paired[name][i][1] for i in keep])
-        mean, half = float(differences.mean()), _t_half_width(differences)
-        out[name] = {"difference_mean_ms": mean, "ci95_ms": [mean - half, mean + half],
-                     "difference_sd_ms": float(differences.std(ddof=1)),
+        differences = [paired[name][i][0] - paired[name][i][1] for i in keep]
+        difference = ms_difference(differences)
+        mean, (low, high) = difference["difference_mean_ms"], difference["ci95_ms"]
+        out[name] = {"difference_mean_ms": mean, "ci95_ms": [low, high],
+                     "difference_sd_ms": float(np.std(differences, ddof=1)),
                      "paused_mean_ms": float(np.mean([paired[name][i][1] for i in keep])),
                      "pct_of_ttft": mean / base * 100.0,
-                     "ci95_pct_of_ttft": [(mean - half) / base * 100.0, (mean + half) / base * 100.0]}
+                     "ci95_pct_of_ttft": [low / base * 100.0, high / base * 100.0]}
     return out
 
 

@@ -381,6 +381,19 @@ class FakeV1Runner:
         return SimpleNamespace(get_output=lambda: controller.calls.append(("tokens read",)) or "runner output")
 
 
+def wrapped_v1_runner_class(base):
+    """`base` (a FakeV1Runner) with the V1 adapter's wrappers, as `patch_v1_runner` puts them
+    on vLLM's runner class."""
+    from engine_worker import vllm_v1_runner as v1
+
+    cls = type(f"Wrapped{base.__name__}", (base,), {})
+    cls.load_model = v1._after_load_model(base.load_model)
+    cls.execute_model = v1._remember_scheduler_output(base.execute_model)
+    cls._model_forward = v1._tapped_forward(base._model_forward)
+    cls.sample_tokens = scores_with_sampled_tokens(base.sample_tokens)
+    return cls
+
+
 def test_v1_adapter_consumes_each_steps_scores_where_the_engine_reads_its_tokens(monkeypatch):
     """Runner V1 with the engine consumer, through the adapter's real step hooks: the step
     handed over at a forward's launch is the one consumed when that step's tokens are read,
@@ -397,11 +410,7 @@ def test_v1_adapter_consumes_each_steps_scores_where_the_engine_reads_its_tokens
     asked = []
     monkeypatch.setattr(v1, "install_controller",
                         lambda runner, **kwargs: (asked.append(kwargs), getattr(runner, CONTROLLER_ATTR))[1])
-    cls = type("WrappedFakeV1Runner", (FakeV1Runner,), {})
-    cls.load_model = v1._after_load_model(FakeV1Runner.load_model)
-    cls.execute_model = v1._remember_scheduler_output(FakeV1Runner.execute_model)
-    cls._model_forward = v1._tapped_forward(FakeV1Runner._model_forward)
-    cls.sample_tokens = scores_with_sampled_tokens(FakeV1Runner.sample_tokens)
+    cls = wrapped_v1_runner_class(FakeV1Runner)
     controller = Controller()
     controller.needs_layout_before_forward = False  # scores only: the layout is read after the launch
     runner = cls(controller)
@@ -454,11 +463,7 @@ def test_v1_adapter_snapshots_the_persistent_batch_and_hands_the_step_over_when_
     controller = Controller()
     controller.needs_layout_before_forward = False
     monkeypatch.setattr(v1, "install_controller", lambda runner, **kwargs: getattr(runner, CONTROLLER_ATTR))
-    cls = type("WrappedPersistentBatchRunner", (PersistentBatchRunner,), {})
-    cls.load_model = v1._after_load_model(PersistentBatchRunner.load_model)
-    cls.execute_model = v1._remember_scheduler_output(PersistentBatchRunner.execute_model)
-    cls._model_forward = v1._tapped_forward(PersistentBatchRunner._model_forward)
-    runner = cls(controller)
+    runner = wrapped_v1_runner_class(PersistentBatchRunner)(controller)
     runner.load_model()
     runner.execute_model(sched(scheduled={"a": 5, "b": 3}, computed={"a": 0, "b": 0}))
     assert controller.calls == [("logits launched",), ("handed over", 8)]
@@ -557,11 +562,7 @@ def test_v1_adapter_times_prompt_sized_forwards_around_the_model_forward(monkeyp
     controller.needs_layout_before_forward = False
     controller.step_timer = RecordingTimer(controller.calls)
     monkeypatch.setattr(v1, "install_controller", lambda runner, **kwargs: getattr(runner, CONTROLLER_ATTR))
-    cls = type("WrappedTimedRunner", (Runner,), {})
-    cls.load_model = v1._after_load_model(Runner.load_model)
-    cls.execute_model = v1._remember_scheduler_output(Runner.execute_model)
-    cls._model_forward = v1._tapped_forward(Runner._model_forward)
-    runner = cls(controller)
+    runner = wrapped_v1_runner_class(Runner)(controller)
     runner.load_model()
     runner.execute_model(sched(scheduled={"a": 5, "b": 3}, computed={"a": 0, "b": 0}))
     runner.execute_model(sched(scheduled={"a": 1, "b": 1}, computed={"a": 5, "b": 3}))
