@@ -629,59 +629,86 @@ class _ScoreCheck:
         result.prompt_last_raw = dict(self.prompt_last_raw)
 
 
-async def one_request(transport: _Transport, url: str, body: dict[str, Any],
-                      probe_names: Sequence[str] | None) -> RequestResult:
-    """One streamed completion; timestamps are taken when a network read delivers the event."""
-    result = RequestResult()
-    check = _ScoreCheck(probe_names) if probe_names else None
-    payload = json.dumps(body).encode()
-    pending = b""
-    done = False
-    reads = last_token_read = tokens = 0
-    start = result.sent_at = time.perf_counter()
+@dataclass
+class StreamRecord:
+    """One streamed request as the network delivered it, read later (`read_stream`).
+
+    While a phase runs the client only stamps and keeps each network read: one event loop
+    carries every stream, and a chunk it parses is time another stream's reads wait. Parsed
+    inline, the tap's chunks (each with 8 probes' scores) kept the loop busy 0.35 of a core
+    against 0.22 for the same chunks without scores at 64 streams (session 24's runs,
+    `client_busy_cores`), and that wait landed in the TTFT and ITL the client records."""
+
+    sent_at: float  # time.perf_counter() at the send
+    reads: list[tuple[float, bytes]] = field(default_factory=list)  # (seconds after the send, bytes)
+    status: int = 200
+    error: str | None = None  # the request failed on the way (a dropped connection)
+    e2e_s: float = math.nan
+
+
+async def stream_request(transport: _Transport, url: str, payload: bytes) -> StreamRecord:
+    """Send one streamed completion and keep its reads, each stamped when it arrived."""
+    record = StreamRecord(sent_at=time.perf_counter())
+    start, reads = record.sent_at, record.reads
     try:
         async for status, data in transport.stream(url, payload):
-            now = time.perf_counter() - start
-            reads += 1
+            reads.append((time.perf_counter() - start, data))
             if status != 200:
-                result.error = f"HTTP {status}: {data[:200].decode(errors='replace')}"
-                return result
-            pending += data
-            while (cut := pending.find(b"\n\n")) >= 0:
-                event, pending = pending[:cut], pending[cut + 2:]
-                if not event.startswith(b"data: "):
-                    continue
-                if event == b"data: [DONE]":
-                    done = True
-                    continue
-                chunk = _loads(event[6:])
-                if "error" in chunk:
-                    result.error = f"stream error: {str(chunk['error'])[:200]}"
-                    return result
-                if chunk.get("usage"):
-                    result.usage_tokens = chunk["usage"].get("completion_tokens")
-                choices = chunk.get("choices") or ()
-                ids = (choices[0].get("token_ids") or ()) if choices else ()
-                count = len(ids)
-                probex = chunk.get("probex")
-                if probex is not None:
-                    result.has_scores = True
-                    if check is not None:
-                        check.chunk(probex, tokens, count)
-                if count:
-                    if not result.chunk_tokens:
-                        result.ttft_s = now
-                    elif reads == last_token_read:
-                        result.same_read_chunks += 1
-                    last_token_read = reads
-                    result.token_times_s.append(now)
-                    result.chunk_tokens.append(count)
-                    result.max_token_id = max(result.max_token_id, *ids)
-                    tokens += count
-        result.e2e_s = time.perf_counter() - start
+                record.status = status
+                return record
+        record.e2e_s = time.perf_counter() - start
     except Exception as exc:  # a dropped connection is a failed request, not a failed benchmark
-        result.error = f"{type(exc).__name__}: {exc}"[:300]
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+    return record
+
+
+def read_stream(record: StreamRecord, probe_names: Sequence[str] | None) -> RequestResult:
+    """A request's result from its reads: each token chunk timed by the read that completed it."""
+    result = RequestResult(sent_at=record.sent_at, e2e_s=record.e2e_s)
+    if record.status != 200:
+        body = b"".join(data for _, data in record.reads)
+        result.error = f"HTTP {record.status}: {body[:200].decode(errors='replace')}"
         return result
+    if record.error is not None:
+        result.error = record.error
+        return result
+    check = _ScoreCheck(probe_names) if probe_names else None
+    pending = b""
+    done = False
+    last_token_read = tokens = 0
+    for reads, (now, data) in enumerate(record.reads, 1):
+        pending += data
+        while (cut := pending.find(b"\n\n")) >= 0:
+            event, pending = pending[:cut], pending[cut + 2:]
+            if not event.startswith(b"data: "):
+                continue
+            if event == b"data: [DONE]":
+                done = True
+                continue
+            chunk = _loads(event[6:])
+            if "error" in chunk:
+                result.error = f"stream error: {str(chunk['error'])[:200]}"
+                return result
+            if chunk.get("usage"):
+                result.usage_tokens = chunk["usage"].get("completion_tokens")
+            choices = chunk.get("choices") or ()
+            ids = (choices[0].get("token_ids") or ()) if choices else ()
+            count = len(ids)
+            probex = chunk.get("probex")
+            if probex is not None:
+                result.has_scores = True
+                if check is not None:
+                    check.chunk(probex, tokens, count)
+            if count:
+                if not result.chunk_tokens:
+                    result.ttft_s = now
+                elif reads == last_token_read:
+                    result.same_read_chunks += 1
+                last_token_read = reads
+                result.token_times_s.append(now)
+                result.chunk_tokens.append(count)
+                result.max_token_id = max(result.max_token_id, *ids)
+                tokens += count
     if not done:
         result.error = "stream ended without [DONE]"
     elif not result.chunk_tokens:
@@ -691,6 +718,12 @@ async def one_request(transport: _Transport, url: str, body: dict[str, Any],
     if check is not None:
         check.finish(result)
     return result
+
+
+async def one_request(transport: _Transport, url: str, body: dict[str, Any],
+                      probe_names: Sequence[str] | None) -> RequestResult:
+    """One streamed completion, sent, received and then read (`stream_request`, `read_stream`)."""
+    return read_stream(await stream_request(transport, url, json.dumps(body).encode()), probe_names)
 
 
 def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -719,26 +752,36 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
     """All prompts, `concurrency` in flight at a time; returns results, wall seconds, client CPU seconds.
 
     `spread_s` > 0 starts the `concurrency` clients evenly over that many seconds instead of
-    all at once (see `arrival_spread_s`)."""
-    results: list[RequestResult | None] = [None] * len(prompts)
+    all at once (see `arrival_spread_s`).
+
+    Bodies are encoded before the phase and the streams read after it (`StreamRecord`): while
+    it runs the client's event loop only sends and stamps reads, the same work whether the
+    chunks carry scores or not, so what it records is the server's timing, not the client's
+    own queue."""
+    records: list[StreamRecord | None] = [None] * len(prompts)
     order = iter(range(len(prompts)))  # shared by the workers: one event loop, no locking needed
     lengths = [int(max_tokens)] * len(prompts) if np.ndim(max_tokens) == 0 else [int(n) for n in max_tokens]
+    payloads = [json.dumps(completion_body(model, prompt, length, xargs)).encode()
+                for prompt, length in zip(prompts, lengths)]
 
     async with _Transport(concurrency) as transport:
         async def worker(k: int) -> None:
             if spread_s > 0:
                 await asyncio.sleep(k * spread_s / concurrency)
             for i in order:
-                results[i] = await one_request(transport, url + "/v1/completions",
-                                               completion_body(model, prompts[i], lengths[i], xargs), probe_names)
-                results[i].expected_tokens = lengths[i]
+                records[i] = await stream_request(transport, url + "/v1/completions", payloads[i])
 
         # This thread's CPU: the phase's event loop runs here, and with set-ups side by side
         # (--gpus) another lane's client runs in another thread of this process.
         cpu0, t0 = time.thread_time(), time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
         wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-    return [r for r in results if r is not None], wall, cpu
+    results = []
+    for record, length in zip(records, lengths):
+        if record is not None:
+            results.append(read_stream(record, probe_names))
+            results[-1].expected_tokens = length
+    return results, wall, cpu
 
 
 # Tokens each idle-TTFT request asks for: two, so its first chunk is followed by another,

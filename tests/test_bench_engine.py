@@ -342,6 +342,28 @@ def test_client_reports_a_stream_without_done_as_failed():
     assert not r.ok and "[DONE]" in r.error
 
 
+def test_a_phase_reads_its_streams_only_after_every_stream_ended(monkeypatch):
+    # The client's one event loop carries every stream: a chunk parsed while others stream
+    # would delay their reads, and by more for chunks that carry scores.
+    probes = ("p1",)
+    script = [(0.0, _sse(_token_chunk([5], 0, probes))), (0.05, _sse(_token_chunk([6], 1, probes))),
+              (0.0, b"data: [DONE]\n\n")]
+    parsed_at: list[float] = []
+    loads = be._loads
+    monkeypatch.setattr(be, "_loads", lambda raw: parsed_at.append(time.perf_counter()) or loads(raw))
+
+    async def go():
+        server, port = await _serve_script(script)
+        async with server:
+            return await be.run_phase(f"http://127.0.0.1:{port}", "m", [[1], [2], [3]], 2, 2, probes)
+
+    results, _, _ = asyncio.run(go())
+    assert all(r.ok and r.scored_tokens == 2 for r in results) and len(results) == 3
+    assert all(r.token_times_s[1] - r.token_times_s[0] >= 0.04 for r in results)  # stamped at the reads
+    last_read = max(r.sent_at + r.e2e_s for r in results)
+    assert len(parsed_at) == 6 and min(parsed_at) >= last_read
+
+
 def _run_phase_arrivals(concurrency: int, spread_s: float) -> list[float]:
     """Each request's arrival at the server, in seconds after the phase was started, sorted."""
     arrivals: list[float] = []
