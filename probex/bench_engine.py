@@ -2493,13 +2493,18 @@ def _api_part(entry: dict[str, Any], part: str) -> float:
 TTFT_WHERE = {
     "client": lambda e: _metric(e, ("ttft_ms", "mean")),
     "vllm": lambda e: _metric(e, ("server", "ttft_mean_ms")),
+    # vLLM's own TTFT by its stage histograms (`phase_ttft_split`): the engine's part, scheduled
+    # to the first token's output, and the rest, its API server's side and the trips between
+    "vllm_prefill": lambda e: phase_ttft_split(e)["prefill"],
+    "vllm_api": lambda e: phase_ttft_split(e)["api"],
     "beyond_vllm": lambda e: _metric(e, ("ttft_ms", "mean")) - _metric(e, ("server", "ttft_mean_ms")),
     **{part: functools.partial(_api_part, part=part) for part in _API_PARTS},
     "outside_middleware": lambda e: _metric(e, ("ttft_ms", "mean")) - sum(_api_part(e, part) for part in _API_PARTS),
 }
 TTFT_WHERE_WORDS = {
     "client": "at the client", "vllm": "vLLM's own TTFT (arrival in its API server to its output processor holding "
-    "the first token)", "beyond_vllm": "the client's beyond vLLM's own",
+    "the first token)", "vllm_prefill": "... of it, the engine's: scheduled to the first token's output",
+    "vllm_api": "... of it, the rest: its API server's side and the trips", "beyond_vllm": "the client's beyond vLLM's own",
     "request_way_in": "the middleware's way in (first look to vLLM)", "vllm_to_first_chunk":
     "vLLM, from there to its first chunk at the middleware", "first_chunk_out": "the first chunk's way out of the "
     "middleware", "outside_middleware": "outside the middleware (HTTP both ways, the event loop's queue ahead of it)",
