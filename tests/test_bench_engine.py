@@ -1355,6 +1355,15 @@ def test_ttft_under_load_is_split_where_vllms_own_ttft_ends_phase_pair_by_phase_
     assert any(line.startswith("| 64 | the client's beyond vLLM's own | 4 | +1.50 (") for line in report), report
     # phases without the API server's own timing: those parts have no pairs and no rows
     assert where["request_way_in"] == {"pairs": 0} and not any("middleware's way in" in line for line in report)
+    # ... nor without vLLM's stage histograms; with them, vLLM's own TTFT splits into the
+    # engine's stage (scheduled to the first token) and the rest
+    assert where["vllm_prefill"] == {"pairs": 0} and not any("of it, the engine's" in line for line in report)
+    for number, p in enumerate(phases):
+        p["server"].update(queue_mean_ms=0.5, prefill_mean_ms=40.0 + 0.8 * (not p["paused"]) + number)
+    where = be.toggle_overhead([start])["64"]["ttft_where_ms"]
+    assert where["vllm_prefill"]["difference_mean_ms"] == pytest.approx(0.8 - 1.0)
+    assert where["vllm_api"]["difference_mean_ms"] == pytest.approx(
+        where["vllm"]["difference_mean_ms"] - where["vllm_prefill"]["difference_mean_ms"])
     # with it, the client's TTFT splits again around the middleware
     for number, p in enumerate(phases):
         p["delivery"] = {"api_loop": {"request_way_in": {"mean_ms": 0.1 + 0.05 * (not p["paused"])},
