@@ -136,6 +136,7 @@ class RequestScores:
     prompt: dict | None = None  # the summary of the prompt's raw scores (bookkeeping._prompt_summary)
     prompt_fields: dict[str, dict] | None = None  # and each probe's calibrated part (responses.prompt_fields)
     prompt_probes: ProbeColumns | None = None  # the probe set `prompt_fields` were laid out for
+    prompt_json_parts: list[bytes | None] | None = None  # and as the first chunk writes them (responses.prompt_json_parts)
     # Each generated token's calibrated scores, a tuple of floats: the garbage collector stops
     # tracking such a tuple the first time it sees it, so a long stream's tokens do not add to
     # what every later collection of the API server scans (a list, or a tuple holding the
@@ -347,9 +348,10 @@ class ScoreHub:
             # sending that token out.
             try:
                 fields = responses.prompt_fields(event, probes)
+                state.prompt_json_parts = responses.prompt_json_parts(fields)
             except Exception:  # one prompt's bad summary must not cost the step's other scores
                 log.exception("probex: could not lay out a prompt's scores")
-                fields = {}
+                fields, state.prompt_json_parts = {}, None
             state.prompt, state.prompt_fields, state.prompt_probes = event, fields, probes
             state.changed.set()
         if events.token_req_ids:

@@ -97,19 +97,33 @@ def generated_scores_json(state: RequestScores, start: int, stop: int) -> bytes:
         return _json_encoder.encode(chunk_scores(state, start, stop, False)["scores"])
     probes, rows = uniform
     parts = probes.generated_json_parts.copy()
-    if len(rows) == 1:  # JSON numbers hold no commas: one encoded row splits into its values
-        parts[3::4] = _json_encoder.encode(rows[0])[1:-1].split(b",") if rows[0] else []
-    else:
-        parts[3::4] = [_json_encoder.encode(column)[1:-1] for column in zip(*rows)]
+    parts[3::4] = _column_json(rows)
     parts[1::4] = [b"%d" % start] * len(probes)
     return b"".join(parts)
+
+
+def prompt_json_parts(fields: dict[str, dict]) -> list[bytes | None]:
+    """The JSON of a stream's first chunk's scores with the tokens' part left open, laid out as
+    `ProbeColumns.generated_json_parts` is (each probe's offset at [1::4], its scores at
+    [3::4]): `{"<name>":{<prompt part>,"generated":{"offset":` OFFSET `,"scores":[` SCORES
+    `]}},...}`. Built by the hub as the prompt's scores come in, so the first chunk, on the way
+    to the client's first token, only fills in its tokens (`first_chunk_scores_json`)."""
+    parts: list[bytes | None] = []
+    for number, (name, part) in enumerate(fields.items()):
+        opening = b"{" if number == 0 else b"]}},"
+        # a dict's JSON without its closing brace, then the member chunk_scores adds last
+        parts += [opening + _json_encoder.encode(name) + b":" + _json_encoder.encode(part)[:-1]
+                  + b',"generated":{"offset":', None, b',"scores":[', None]
+    return parts + [b"]}}}"] if parts else [b"{}"]
 
 
 def first_chunk_scores_json(state: RequestScores, start: int, stop: int) -> bytes | None:
     """`chunk_scores(state, start, stop, True)["scores"]` as compact JSON, for a stream's
     first chunk with tokens [start, stop): each probe's prompt part and its tokens' scores.
     None unless the prompt's part is in and every token is in, scored by the probe set that
-    scored the prompt (the usual case; anything else goes through `chunk_scores`)."""
+    scored the prompt (the usual case; anything else goes through `chunk_scores`). Where the
+    hub laid out the prompt's part already (`prompt_json_parts`), only the tokens' scores
+    are written here."""
     fields = state.prompt_fields
     uniform = _scored_by_one_set(state, start, stop) if fields else None
     if uniform is None:
@@ -117,8 +131,21 @@ def first_chunk_scores_json(state: RequestScores, start: int, stop: int) -> byte
     probes, rows = uniform
     if probes is not state.prompt_probes:
         return None  # a probe swap between the prompt and these tokens
-    return _json_encoder.encode({name: {**part, "generated": {"offset": start, "scores": list(column)}}
-                                 for (name, part), column in zip(fields.items(), zip(*rows))})
+    parts = state.prompt_json_parts
+    if parts is None or len(parts) != 4 * len(fields) + 1:
+        return _json_encoder.encode({name: {**part, "generated": {"offset": start, "scores": list(column)}}
+                                     for (name, part), column in zip(fields.items(), zip(*rows))})
+    parts = parts.copy()
+    parts[3::4] = _column_json(rows)
+    parts[1::4] = [b"%d" % start] * len(fields)
+    return b"".join(parts)
+
+
+def _column_json(rows: list[tuple[float, ...]]) -> list[bytes]:
+    """Each probe's scores over `rows` (one tuple per token), as the JSON between a list's brackets."""
+    if len(rows) == 1:  # JSON numbers hold no commas: one encoded row splits into its values
+        return _json_encoder.encode(rows[0])[1:-1].split(b",") if rows[0] else []
+    return [_json_encoder.encode(column)[1:-1] for column in zip(*rows)]
 
 
 def _scored_by_one_set(state: RequestScores,

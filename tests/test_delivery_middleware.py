@@ -233,7 +233,7 @@ def test_a_first_chunks_scores_written_directly_equal_the_general_path():
     with the prompt encoded; None, for the decoded path, where the prompt's part is missing,
     a token is missing or a swap came between the prompt and the tokens."""
     from engine_worker.delivery import ProbeInfo, ProbeColumns, RequestScores
-    from engine_worker.responses import chunk_scores, first_chunk_scores_json, prompt_fields
+    from engine_worker.responses import chunk_scores, first_chunk_scores_json, prompt_fields, prompt_json_parts
 
     probes = ProbeColumns([ProbeInfo('a "q"', "last_prompt_token", 1.0, 0.0, 3), ProbeInfo("b", "prompt_mean", 2.0, -1.0, 3)])
     summary = {"req": "r", "prompt_tokens": 5, "tokens_scored": 5, "last_raw": [0.5, -1.0], "mean_raw": [0.25, 0.0],
@@ -247,6 +247,12 @@ def test_a_first_chunks_scores_written_directly_equal_the_general_path():
     for start, stop in ((0, 1), (0, 2)):
         written = first_chunk_scores_json(state, start, stop)
         assert written == msgspec.json.encode(chunk_scores(state, start, stop, True)["scores"]), (start, stop)
+    # as the hub leaves it: the prompt's part laid out already, the tokens filled in, the same bytes
+    state.prompt_json_parts = prompt_json_parts(state.prompt_fields)
+    for start, stop in ((0, 1), (0, 2)):
+        written = first_chunk_scores_json(state, start, stop)
+        assert written == msgspec.json.encode(chunk_scores(state, start, stop, True)["scores"]), (start, stop)
+    assert prompt_json_parts({}) == [b"{}"]
     assert first_chunk_scores_json(state, 0, 3) is None  # token 2 not in
     swapped = ProbeColumns([ProbeInfo('a "q"', "last_prompt_token", 1.0, 0.0, 3), ProbeInfo("b", "prompt_mean", 2.0, -1.0, 3)])
     later = RequestScores(prompt=summary, prompt_fields=state.prompt_fields, prompt_probes=probes)
