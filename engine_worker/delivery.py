@@ -137,6 +137,12 @@ class RequestScores:
     prompt_fields: dict[str, dict] | None = None  # and each probe's calibrated part (responses.prompt_fields)
     prompt_probes: ProbeColumns | None = None  # the probe set `prompt_fields` were laid out for
     prompt_json_parts: list[bytes | None] | None = None  # and as the first chunk writes them (responses.prompt_json_parts)
+    # A spliced stream's tokens' scores as their one-token chunks carry them, written as each
+    # token comes in (responses.token_scores_json) and taken by the chunk: the hub takes in a
+    # step's scores well ahead of the step's chunks, which come in a burst, one per stream,
+    # where a first token can wait behind the others. None: not written (not a spliced
+    # stream, or its first chunk has not gone out).
+    token_json: dict[int, bytes] | None = None
     # Each generated token's calibrated scores, a tuple of floats: the garbage collector stops
     # tracking such a tuple the first time it sees it, so a long stream's tokens do not add to
     # what every later collection of the API server scans (a list, or a tuple holding the
@@ -366,6 +372,8 @@ class ScoreHub:
                 state = requests.get(key) or self._state(key, now)
                 state.touched = now
                 state.add_token(index, values, probes)
+                if state.token_json is not None:
+                    state.token_json[index] = responses.token_scores_json(index, values, probes)
                 state.changed.set()
         self._mark_finished(events.finished)
         done = time.perf_counter()

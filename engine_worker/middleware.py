@@ -765,7 +765,15 @@ class StreamRelay:
         state = self.hub.get(key)
         if not self.hub.scores_in(state, prompt=False, tokens=stop):
             await self.hub.wait_more(key, prompt=False, tokens=stop, timeout=self.wait_s)
-        scores = responses.generated_scores_json(state, start, stop)
+        written, scores = state.token_json, None
+        if written:  # the hub wrote each token's as it came in
+            if new_tokens == 1:
+                scores = written.pop(start, None)
+            else:  # vLLM merged tokens into this chunk: theirs are written together below
+                for token in range(start, stop):
+                    written.pop(token, None)
+        if scores is None:
+            scores = responses.generated_scores_json(state, start, stop)
         if not self.call.wants_token_ids:
             event = event[:cut_from] + event[cut_to:]
         decorated = event[:-1] + b',"probex":{"scores":' + scores + b"}}"
@@ -802,6 +810,8 @@ class StreamRelay:
             return None
         self._generated[index] = stop
         self._prompt_sent.add(index)
+        if state.token_json is None:  # its later chunks are spliced: the hub writes their scores ahead
+            state.token_json = {}
         self.hub.first_chunk_came(state, started)
         # The client's token ids stay as vLLM wrote them, or go, the prompt's with the chunk's
         base = event if self.call.wants_token_ids else cut[:cut_from] + cut[cut_to:]

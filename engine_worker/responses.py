@@ -96,6 +96,17 @@ def generated_scores_json(state: RequestScores, start: int, stop: int) -> bytes:
     if uniform is None:
         return _json_encoder.encode(chunk_scores(state, start, stop, False)["scores"])
     probes, rows = uniform
+    return _filled_in(probes, start, rows)
+
+
+def token_scores_json(index: int, scores: tuple[float, ...], probes: ProbeColumns) -> bytes:
+    """`generated_scores_json` of a one-token chunk carrying token `index`, from the token's
+    calibrated scores and the probe set that scored it: what the hub writes as each token of a
+    stream comes in (`RequestScores.token_json`), ahead of the chunk that will carry it."""
+    return _filled_in(probes, index, [scores])
+
+
+def _filled_in(probes: ProbeColumns, start: int, rows: list[tuple[float, ...]]) -> bytes:
     parts = probes.generated_json_parts.copy()
     parts[3::4] = _column_json(rows)
     parts[1::4] = [b"%d" % start] * len(probes)

@@ -260,6 +260,61 @@ def test_a_first_chunks_scores_written_directly_equal_the_general_path():
     assert first_chunk_scores_json(later, 0, 1) is None
 
 
+def _completion_event(token_ids: list[int], prompt_ids: list[int] | None = None) -> bytes:
+    """One `/v1/completions` stream event in vLLM's compact form (with `return_token_ids`)."""
+    choice = {"index": 0, "text": " a", "logprobs": None, "finish_reason": None, "stop_reason": None,
+              "prompt_token_ids": prompt_ids, "token_ids": token_ids}
+    return b"data: " + json.dumps({"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m",
+                                   "choices": [choice]}, separators=(",", ":")).encode()
+
+
+def test_a_spliced_streams_token_scores_are_written_as_they_come_in_and_taken_by_their_chunks():
+    """After a stream's first chunk went out spliced, the hub writes each later token's
+    one-token scores JSON as the token comes in; the chunk carrying it takes it (a chunk of
+    several tokens takes all of theirs), and the chunks read as the decoded path writes them."""
+    from engine_worker.middleware import MonitoredCall, StreamRelay
+    from engine_worker.responses import generated_scores_json
+
+    async def discard(message):
+        pass
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),
+                                         ProbeSlot('q "2"', 3, 1, "prompt_mean", 2.0, -1.0)))
+    call = MonitoredCall(key_prefix="cmpl-probex-0123456789abcdef", stream=True, wants_token_ids=False)
+    engine_id = f"{call.key(0)}-0123abcd"
+
+    def step(computed: int, scheduled: int, rows: list[list[float]]) -> None:
+        layout = StepLayout([engine_id], np.array([scheduled]), np.array([computed]), np.array([2]))
+        hub.ingest(step_message(table, layout, np.array(rows, np.float32), []))
+
+    async def go():
+        spliced, decoded = StreamRelay(hub, call, discard, 1.0), StreamRelay(hub, call, discard, 1.0, splice=False)
+        step(0, 2, [[0.1, 0.2], [0.3, 0.4]])  # the prompt, and token 0 from its last row
+        step(2, 1, [[0.5, 0.6]])  # token 1, before the first chunk went out: not written
+        state = hub.get(call.key(0))
+        assert state.token_json is None
+        first = _completion_event([42], [1, 2])
+        out = [(await spliced._decorate_event(first), await decoded._decorate_event(first))]
+        assert state.token_json == {}
+        for computed, rows in ((3, [[0.7, 0.8]]), (4, [[0.9, 1.0]]), (5, [[1.1, 1.2]])):  # tokens 2, 3, 4
+            step(computed, 1, rows)
+        assert sorted(state.token_json) == [2, 3, 4]
+        assert state.token_json[3] == generated_scores_json(state, 3, 4)
+        for ids in ([43], [44], [45, 46]):  # token 1 (not written), 2, then 3 and 4 in one chunk
+            event = _completion_event(ids)
+            out.append((await spliced._decorate_event(event), await decoded._decorate_event(event)))
+        assert state.token_json == {}
+        return out
+
+    hub = idle_hub()
+    out = asyncio.run(go())
+    for spliced_event, decoded_event in out:
+        assert json.loads(spliced_event[6:]) == json.loads(decoded_event[6:])
+    assert [json.loads(e[6:])["probex"]["scores"]["p"]["generated"]["offset"] for e, _ in out] == [0, 1, 2, 3]
+    assert json.loads(out[-1][0][6:])["probex"]["scores"]['q "2"']["generated"]["scores"] == [
+        pytest.approx(calibrate(1.0, 2.0, -1.0)), pytest.approx(calibrate(1.2, 2.0, -1.0))]
+
+
 def test_a_streams_token_scores_leave_the_garbage_collectors_books():
     """A long stream's scores must not add to what every collection of the API server scans:
     each token's are a tuple of floats, which a collection stops tracking the first time."""
