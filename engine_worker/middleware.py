@@ -840,6 +840,9 @@ class StreamRelay:
             if wait and (need_prompt or stop > start) and not self.hub.scores_in(state, prompt=bool(need_prompt),
                                                                                   tokens=stop):
                 await self.hub.wait_more(key, prompt=bool(need_prompt), tokens=stop, timeout=self.wait_s)
+            if state.token_json:  # written ahead for spliced chunks: this one is decoded
+                for token in range(start, stop):
+                    state.token_json.pop(token, None)
             include_prompt = index not in self._prompt_sent and state.prompt is not None
             if include_prompt:
                 self._prompt_sent.add(index)

@@ -304,6 +304,10 @@ def test_a_spliced_streams_token_scores_are_written_as_they_come_in_and_taken_by
             event = _completion_event(ids)
             out.append((await spliced._decorate_event(event), await decoded._decorate_event(event)))
         assert state.token_json == {}
+        # a chunk in another form takes the decoded path, and takes its token's JSON out too
+        step(6, 1, [[1.3, 1.4]])  # token 5
+        loose = b"data: " + json.dumps(json.loads(_completion_event([47])[6:])).encode()
+        assert b'"probex"' in await spliced._decorate_event(loose) and state.token_json == {}
         return out
 
     hub = idle_hub()
