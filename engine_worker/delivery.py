@@ -141,8 +141,10 @@ class RequestScores:
     # token comes in (responses.token_scores_json) and taken by the chunk: the hub takes in a
     # step's scores well ahead of the step's chunks, which come in a burst, one per stream,
     # where a first token can wait behind the others. None: not written (not a spliced
-    # stream, or its first chunk has not gone out).
+    # stream, or its first chunk has not gone out). Only tokens from `token_json_from` on, the
+    # first whose chunk has not gone out, are written: one that came in late stays out.
     token_json: dict[int, bytes] | None = None
+    token_json_from: int = 0
     # Each generated token's calibrated scores, a tuple of floats: the garbage collector stops
     # tracking such a tuple the first time it sees it, so a long stream's tokens do not add to
     # what every later collection of the API server scans (a list, or a tuple holding the
@@ -354,10 +356,14 @@ class ScoreHub:
             # sending that token out.
             try:
                 fields = responses.prompt_fields(event, probes)
-                state.prompt_json_parts = responses.prompt_json_parts(fields)
             except Exception:  # one prompt's bad summary must not cost the step's other scores
                 log.exception("probex: could not lay out a prompt's scores")
-                fields, state.prompt_json_parts = {}, None
+                fields = {}
+            try:
+                state.prompt_json_parts = responses.prompt_json_parts(fields)
+            except Exception:  # the first chunk then writes them itself
+                log.exception("probex: could not write a prompt's scores as JSON")
+                state.prompt_json_parts = None
             state.prompt, state.prompt_fields, state.prompt_probes = event, fields, probes
             state.changed.set()
         if events.token_req_ids:
@@ -372,7 +378,7 @@ class ScoreHub:
                 state = requests.get(key) or self._state(key, now)
                 state.touched = now
                 state.add_token(index, values, probes)
-                if state.token_json is not None:
+                if state.token_json is not None and index >= state.token_json_from:
                     state.token_json[index] = responses.token_scores_json(index, values, probes)
                 state.changed.set()
         self._mark_finished(events.finished)

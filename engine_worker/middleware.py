@@ -36,7 +36,7 @@ from urllib.parse import parse_qs
 import msgspec
 
 from engine_worker import responses
-from engine_worker.delivery import ScoreHub, owner_tag
+from engine_worker.delivery import RequestScores, ScoreHub, owner_tag
 from engine_worker.steering import STEERING_XARGS, SteeringError, SteerRequest, cache_salt, steering_from_xargs
 from engine_worker.tap_config import ENV_ADMIN_TOKEN, ENV_API_SERVER_COUNT, ENV_TAP_CONFIG, TapConfig, scores_delivered
 
@@ -766,6 +766,8 @@ class StreamRelay:
         if not self.hub.scores_in(state, prompt=False, tokens=stop):
             await self.hub.wait_more(key, prompt=False, tokens=stop, timeout=self.wait_s)
         written, scores = state.token_json, None
+        if written is not None:
+            state.token_json_from = stop
         if written:  # the hub wrote each token's as it came in
             if new_tokens == 1:
                 scores = written.pop(start, None)
@@ -810,8 +812,7 @@ class StreamRelay:
             return None
         self._generated[index] = stop
         self._prompt_sent.add(index)
-        if state.token_json is None:  # its later chunks are spliced: the hub writes their scores ahead
-            state.token_json = {}
+        _write_tokens_ahead(state, stop)
         self.hub.first_chunk_came(state, started)
         # The client's token ids stay as vLLM wrote them, or go, the prompt's with the chunk's
         base = event if self.call.wants_token_ids else cut[:cut_from] + cut[cut_to:]
@@ -844,6 +845,8 @@ class StreamRelay:
                 for token in range(start, stop):
                     state.token_json.pop(token, None)
             include_prompt = index not in self._prompt_sent and state.prompt is not None
+            if include_prompt or state.token_json is not None:
+                _write_tokens_ahead(state, stop)  # a chat stream's role chunk comes this way
             if include_prompt:
                 self._prompt_sent.add(index)
                 self.hub.first_chunk_came(state, started)
@@ -858,6 +861,15 @@ class StreamRelay:
         if include_prompt:  # the request's first chunk with scores: on its way to the client's TTFT
             self.hub.first_chunks.add(time.perf_counter() - started)
         return encoded
+
+
+def _write_tokens_ahead(state: RequestScores, sent_through: int) -> None:
+    """A stream's chunks up to token `sent_through` (exclusive) have gone out, its prompt's
+    scores with them: the hub writes the later tokens' JSON as they come in
+    (`RequestScores.token_json`), for the chunks that will carry them."""
+    if state.token_json is None:
+        state.token_json = {}
+    state.token_json_from = sent_through
 
 
 # Request bodies, and the stream chunks that are not spliced, are decoded and re-encoded on

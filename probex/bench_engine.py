@@ -673,7 +673,15 @@ def read_stream(record: StreamRecord, probe_names: Sequence[str] | None) -> Requ
     if record.error is not None:
         result.error = record.error
         return result
-    check = _ScoreCheck(probe_names) if probe_names else None
+    try:
+        return _read_events(record, result, _ScoreCheck(probe_names) if probe_names else None)
+    except Exception as exc:  # a malformed chunk fails its request, not the phase
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+        result.ok = False
+        return result
+
+
+def _read_events(record: StreamRecord, result: RequestResult, check: _ScoreCheck | None) -> RequestResult:
     pending = b""
     done = False
     last_token_read = tokens = 0

@@ -342,6 +342,19 @@ def test_client_reports_a_stream_without_done_as_failed():
     assert not r.ok and "[DONE]" in r.error
 
 
+def test_a_malformed_chunk_fails_its_request_not_the_phase():
+    script = [(0.0, _sse(_token_chunk([5], 0))), (0.0, b'data: {"choices":[{"index":0\n\n'), (0.0, b"data: [DONE]\n\n")]
+
+    async def go():
+        server, port = await _serve_script(script)
+        async with server:
+            return await be.run_phase(f"http://127.0.0.1:{port}", "m", [[1], [2]], 2, 2, None)
+
+    results, _, _ = asyncio.run(go())
+    assert len(results) == 2 and all(not r.ok and r.error.startswith(("JSONDecodeError", "ValueError", "DecodeError"))
+                                      for r in results), [r.error for r in results]
+
+
 def test_a_phase_reads_its_streams_only_after_every_stream_ended(monkeypatch):
     # The client's one event loop carries every stream: a chunk parsed while others stream
     # would delay their reads, and by more for chunks that carry scores.

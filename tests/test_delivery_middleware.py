@@ -319,6 +319,52 @@ def test_a_spliced_streams_token_scores_are_written_as_they_come_in_and_taken_by
         pytest.approx(calibrate(1.0, 2.0, -1.0)), pytest.approx(calibrate(1.2, 2.0, -1.0))]
 
 
+def test_tokens_whose_chunk_went_out_are_not_written_and_a_chat_streams_role_chunk_starts_the_writing():
+    """A token whose scores come in after its chunk went out (no wait, a pause, a loss) is not
+    written: nothing would take it. A chat stream's first chunk, the role, carries the
+    prompt's scores on the decoded path; the later tokens are written from there on."""
+    from engine_worker.middleware import MonitoredCall, StreamRelay
+
+    async def discard(message):
+        pass
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    call = MonitoredCall(key_prefix="chatcmpl-probex-0123456789abcdef", stream=True, wants_token_ids=False)
+    engine_id = f"{call.key(0)}-0123abcd"
+
+    def step(computed: int, scheduled: int, rows: list[list[float]]) -> None:
+        layout = StepLayout([engine_id], np.array([scheduled]), np.array([computed]), np.array([2]))
+        hub.ingest(step_message(table, layout, np.array(rows, np.float32), []))
+
+    def chat_event(delta: dict, token_ids: list[int], prompt_ids: list[int] | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, "token_ids": token_ids}
+        payload = {"id": "chatcmpl-x", "choices": [choice], **({"prompt_token_ids": prompt_ids} if prompt_ids else {})}
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode()
+
+    async def go():
+        relay = StreamRelay(hub, call, discard, 0.0)  # no wait: a chunk whose scores are not in goes without
+        step(0, 2, [[0.1], [0.3]])  # the prompt, token 0
+        state = hub.get(call.key(0))
+        role = json.loads((await relay._decorate_event(chat_event({"role": "assistant"}, [], [1, 2])))[6:])
+        assert role["probex"]["scores"]["p"]["prompt"]["prompt_tokens"] == 2 and state.token_json == {}
+        step(2, 1, [[0.5]])  # token 1 comes before token 0's chunk went out
+        assert sorted(state.token_json) == [1]
+        for ids in ([7], [8]):  # tokens 0 and 1: token 0's chunk takes the generated path
+            await relay._decorate_event(chat_event({"content": "a"}, ids))
+        assert state.token_json == {} and state.token_json_from == 2
+        late = json.loads((await relay._decorate_event(chat_event({"content": "b"}, [9])))[6:])  # token 2, no scores
+        assert "p" not in late["probex"]["scores"]  # went out without its scores
+        step(3, 1, [[0.7]])  # token 2's scores, after its chunk: nothing will take them
+        step(4, 1, [[0.9]])  # token 3's, ahead of its chunk: written
+        assert sorted(state.token_json) == [3]
+        taken = json.loads((await relay._decorate_event(chat_event({"content": "c"}, [10])))[6:])
+        assert taken["probex"]["scores"]["p"]["generated"] == {"offset": 3, "scores": [pytest.approx(calibrate(0.9, 1.0, 0.0))]}
+        assert state.token_json == {}
+
+    hub = idle_hub()
+    asyncio.run(go())
+
+
 def test_a_streams_token_scores_leave_the_garbage_collectors_books():
     """A long stream's scores must not add to what every collection of the API server scans:
     each token's are a tuple of floats, which a collection stops tracking the first time."""
