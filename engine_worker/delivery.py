@@ -140,9 +140,9 @@ class RequestScores:
     # A spliced stream's tokens' scores as their one-token chunks carry them, written as each
     # token comes in (responses.token_scores_json) and taken by the chunk: the hub takes in a
     # step's scores well ahead of the step's chunks, which come in a burst, one per stream,
-    # where a first token can wait behind the others. None: not written (not a spliced
-    # stream, or its first chunk has not gone out). Only tokens from `token_json_from` on, the
-    # first whose chunk has not gone out, are written: one that came in late stays out.
+    # where a first token can wait behind the others. None: not written (not a stream, or its
+    # chunk with the prompt's scores has not gone out). Only tokens from `token_json_from` on,
+    # the first whose chunk has not gone out, are written: one that came in late stays out.
     token_json: dict[int, bytes] | None = None
     token_json_from: int = 0
     # Each generated token's calibrated scores, a tuple of floats: the garbage collector stops
