@@ -292,6 +292,9 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, proces
     decoded = [decoder.decode(m) for m in messages]
     # never started: fed directly, as its receive loop would
     hub = ScoreHub("inproc://unused", owner=tags[0] if processes > 1 else None)
+    # The decoding relays read a hub of their own, fed the same messages (untimed): a relay
+    # takes the token JSON its hub wrote ahead, which the other set's would then not find.
+    decoded_hub = ScoreHub("inproc://unused", owner=hub.owner)
     own_calls = calls[::processes]
     intake: list[float] = []
     chunk_times: dict[str, list[float]] = {"chunks": [], "chunks_decoded": []}
@@ -301,12 +304,14 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, proces
     async def all_steps() -> None:
         for message in decoded[:len(prefills)]:
             hub.ingest(message)
+            decoded_hub.ingest(message)
         # As vLLM's API server does once started: what exists now is left out of collections.
         gc.collect()
         gc.freeze()
         collections.attach()
         relay_sets = [("chunks", [StreamRelay(hub, call, _discard, 1.0) for call in own_calls]),
-                      ("chunks_decoded", [StreamRelay(hub, call, _discard, 1.0, splice=False) for call in own_calls])]
+                      ("chunks_decoded", [StreamRelay(decoded_hub, call, _discard, 1.0, splice=False)
+                                          for call in own_calls])]
         for _, relays in relay_sets:
             for relay, call in zip(relays, own_calls):  # each stream's first chunk (token 0, prompt scores)
                 await relay._decorate_event(_sse(_completion_chunk(call.key_prefix, [1, 2, 3])))
@@ -315,6 +320,7 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, proces
             started = time.perf_counter()
             hub.ingest(message)
             intake.append(time.perf_counter() - started)
+            decoded_hub.ingest(message)
             for name, relays in relay_sets[:: 1 if number % 2 else -1]:
                 started = time.perf_counter()
                 for relay, token in zip(relays, token_events):
@@ -326,11 +332,13 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, proces
     finally:
         collections.detach()
         gc.unfreeze()
-    if hub.waits["tokens"].count:
+    if hub.waits["tokens"].count or decoded_hub.waits["tokens"].count:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
     if hub.chunks["spliced"].count != len(own_calls) * (steps + 1):  # each stream's first chunk too
         raise RuntimeError("a chunk was decoded instead of spliced: not the path vLLM's chunks take")
-    # The garbage collections these steps set off (both relay sets'), which stop the event loop.
+    if any(hub.get(call.key(0)).token_json != {} for call in own_calls):
+        raise RuntimeError("the spliced chunks did not take the token JSON written ahead: not the path served")
+    # The garbage collections these steps set off (both hubs' and both relay sets'), which stop the event loop.
     pauses = collections.by_generation
     return {"requests": requests, "processes": processes, "steps": steps, "intake_us": _median_us(intake),
             **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()},
