@@ -765,17 +765,7 @@ class StreamRelay:
         state = self.hub.get(key)
         if not self.hub.scores_in(state, prompt=False, tokens=stop):
             await self.hub.wait_more(key, prompt=False, tokens=stop, timeout=self.wait_s)
-        written, scores = state.token_json, None
-        if written is not None:
-            state.token_json_from = stop
-        if written:  # the hub wrote each token's as it came in
-            if new_tokens == 1:
-                scores = written.pop(start, None)
-            else:  # vLLM merged tokens into this chunk: theirs are written together below
-                for token in range(start, stop):
-                    written.pop(token, None)
-        if scores is None:
-            scores = responses.generated_scores_json(state, start, stop)
+        scores = _take_written(state, start, stop) or responses.generated_scores_json(state, start, stop)
         if not self.call.wants_token_ids:
             event = event[:cut_from] + event[cut_to:]
         decorated = event[:-1] + b',"probex":{"scores":' + scores + b"}}"
@@ -841,13 +831,10 @@ class StreamRelay:
             if wait and (need_prompt or stop > start) and not self.hub.scores_in(state, prompt=bool(need_prompt),
                                                                                   tokens=stop):
                 await self.hub.wait_more(key, prompt=bool(need_prompt), tokens=stop, timeout=self.wait_s)
-            if state.token_json:  # written ahead for spliced chunks: this one is decoded
-                for token in range(start, stop):
-                    state.token_json.pop(token, None)
+            _take_written(state, start, stop)  # written ahead for spliced chunks: this one is decoded
             include_prompt = index not in self._prompt_sent and state.prompt is not None
-            if include_prompt or state.token_json is not None:
-                _write_tokens_ahead(state, stop)  # a chat stream's role chunk comes this way
             if include_prompt:
+                _write_tokens_ahead(state, stop)  # a chat stream's role chunk comes this way
                 self._prompt_sent.add(index)
                 self.hub.first_chunk_came(state, started)
             if include_prompt or stop > start:
@@ -870,6 +857,21 @@ def _write_tokens_ahead(state: RequestScores, sent_through: int) -> None:
     if state.token_json is None:
         state.token_json = {}
     state.token_json_from = sent_through
+
+
+def _take_written(state: RequestScores, start: int, stop: int) -> bytes | None:
+    """A chunk carrying tokens [start, stop) goes out: the JSON the hub wrote ahead for it if it
+    holds one token (None if none was written), and none is written for those tokens from now on
+    (a chunk of several, where vLLM merged tokens, has its own written at once by the caller)."""
+    written = state.token_json
+    if written is None:
+        return None
+    state.token_json_from = stop
+    if stop == start + 1:
+        return written.pop(start, None)
+    for token in range(start, stop):
+        written.pop(token, None)
+    return None
 
 
 # Request bodies, and the stream chunks that are not spliced, are decoded and re-encoded on

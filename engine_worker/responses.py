@@ -96,20 +96,22 @@ def generated_scores_json(state: RequestScores, start: int, stop: int) -> bytes:
     if uniform is None:
         return _json_encoder.encode(chunk_scores(state, start, stop, False)["scores"])
     probes, rows = uniform
-    return _filled_in(probes, start, rows)
+    return _filled_in(probes.generated_json_parts, start, rows)
 
 
 def token_scores_json(index: int, scores: tuple[float, ...], probes: ProbeColumns) -> bytes:
     """`generated_scores_json` of a one-token chunk carrying token `index`, from the token's
     calibrated scores and the probe set that scored it: what the hub writes as each token of a
     stream comes in (`RequestScores.token_json`), ahead of the chunk that will carry it."""
-    return _filled_in(probes, index, [scores])
+    return _filled_in(probes.generated_json_parts, index, [scores])
 
 
-def _filled_in(probes: ProbeColumns, start: int, rows: list[tuple[float, ...]]) -> bytes:
-    parts = probes.generated_json_parts.copy()
+def _filled_in(template: list[bytes | None], start: int, rows: list[tuple[float, ...]]) -> bytes:
+    """`template` (`ProbeColumns.generated_json_parts`, `prompt_json_parts`) with each probe's
+    offset and its scores over `rows` (one tuple per token) filled in."""
+    parts = template.copy()
     parts[3::4] = _column_json(rows)
-    parts[1::4] = [b"%d" % start] * len(probes)
+    parts[1::4] = [b"%d" % start] * (len(template) // 4)
     return b"".join(parts)
 
 
@@ -146,10 +148,7 @@ def first_chunk_scores_json(state: RequestScores, start: int, stop: int) -> byte
     if parts is None or len(parts) != 4 * len(fields) + 1:
         return _json_encoder.encode({name: {**part, "generated": {"offset": start, "scores": list(column)}}
                                      for (name, part), column in zip(fields.items(), zip(*rows))})
-    parts = parts.copy()
-    parts[3::4] = _column_json(rows)
-    parts[1::4] = [b"%d" % start] * len(fields)
-    return b"".join(parts)
+    return _filled_in(parts, start, rows)
 
 
 def _column_json(rows: list[tuple[float, ...]]) -> list[bytes]:
