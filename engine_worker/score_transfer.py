@@ -55,6 +55,8 @@ engine has not come by for that long (an engine that stopped calling the hook); 
 for the device outside the lock, so an engine that comes back never waits for it. On the H200 the two consumers measured
 the same speed (docs/benchmarks.md, session 8); the engine consumer wakes no second
 thread per step.
+PROBEX_COPY_WAIT=spin (an experiment, off) has the engine consumer's waits spin in the driver
+instead of sleeping there (`ScoreTransfer`'s `wait`).
 """
 
 from __future__ import annotations
@@ -222,11 +224,12 @@ def _device_calls(device: torch.device):
 
 
 class _DeviceEvent:
-    """A slot's CUDA event as the transfer thread sees it: something to wait for."""
+    """A slot's CUDA event as the transfer thread sees it: something to wait for.
+    `blocking`: a waiter sleeps until woken; otherwise it spins (`ScoreTransfer`'s `wait`)."""
 
-    def __init__(self, driver) -> None:
+    def __init__(self, driver, blocking: bool = True) -> None:
         self.driver = driver
-        self.handle = driver.event()
+        self.handle = driver.event(blocking=blocking)
 
     def synchronize(self) -> None:
         self.driver.synchronize(self.handle)  # releases the GIL while it waits
@@ -252,7 +255,8 @@ class StagedStep:
 
 
 class _StagingSlot:
-    def __init__(self, sources: dict[int, torch.Tensor], driver, pin: bool, side_stream: bool = False) -> None:
+    def __init__(self, sources: dict[int, torch.Tensor], driver, pin: bool, side_stream: bool = False,
+                 sleeping_wait: bool = True) -> None:
         # Pinned: the device writes into them by DMA, and an asynchronous copy needs that.
         self.buffers = {
             layer: torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
@@ -265,7 +269,7 @@ class _StagingSlot:
                                   src.stride(0) * src.element_size()) for layer, src in sources.items()]
         # One event per slot, re-recorded each use: creating a CUDA event every step costs
         # engine-thread time for nothing.
-        self.ready = _DeviceEvent(driver) if driver is not None else None
+        self.ready = _DeviceEvent(driver, blocking=sleeping_wait) if driver is not None else None
         # side-stream copies: marks the forward's end on the engine stream, for the side stream to wait on
         self.launched = driver.event(blocking=False) if driver is not None and side_stream else None
 
@@ -288,19 +292,31 @@ class ScoreTransfer:
         copy_stream: str = "same",
         consumer: str = "thread",
         stale_after_s: float = 0.05,
+        wait: str = "sleep",
     ) -> None:
         """`driver`: the device calls (tests pass a recording stand-in); made from libcuda
         when the sources are on a CUDA device. `copy_stream`: "same" (the engine's stream)
         or "side" (see the module docstring; a device only). `consumer`: "thread" (the
         transfer thread consumes every step) or "engine" (the engine thread consumes landed
-        steps, a watchdog those left longer than `stale_after_s`; see the module docstring)."""
+        steps, a watchdog those left longer than `stale_after_s`; see the module docstring).
+        `wait`: how a thread waits for a step's copies, "sleep" (woken by the driver) or "spin"
+        (polling in the driver, GIL released: no wake-up, the core kept awake), an experiment
+        for the engine consumer only, whose wait stands in for vLLM's own spinning wait for the
+        step's tokens; the transfer thread always sleeps (`wait` then reads "sleep")."""
         if depth < 1:
             raise ValueError("ScoreTransfer needs at least one staging buffer")
         if copy_stream not in ("same", "side"):
             raise ValueError(f"copy_stream must be 'same' or 'side', not {copy_stream!r}")
         if consumer not in ("thread", "engine"):
             raise ValueError(f"consumer must be 'thread' or 'engine', not {consumer!r}")
+        if wait not in ("sleep", "spin"):
+            raise ValueError(f"wait must be 'sleep' or 'spin', not {wait!r}")
+        if wait == "spin" and consumer != "engine":
+            log.warning("probex: a spinning wait for the score copies is for the engine consumer only; the transfer"
+                        " thread sleeps")
+            wait = "sleep"
         self.consumer = consumer
+        self.wait = wait
         self._consume = consume
         device = next(iter(sources.values())).device if sources else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -317,7 +333,8 @@ class ScoreTransfer:
         # the engine thread instead of ~3 µs for queue.Queue.
         self._free: queue.SimpleQueue[_StagingSlot] = queue.SimpleQueue()
         for _ in range(depth):
-            self._free.put(_StagingSlot(sources, self._driver, pin=self._cuda, side_stream=self._side is not None))
+            self._free.put(_StagingSlot(sources, self._driver, pin=self._cuda, side_stream=self._side is not None,
+                                        sleeping_wait=wait == "sleep"))
         self._work: queue.SimpleQueue[StagedStep | None] = queue.SimpleQueue()
         self._submitted = 0  # steps handed to the transfer thread (engine thread writes)
         self._processed = 0  # steps it has finished with (transfer thread writes)
@@ -636,7 +653,8 @@ class ScoreTransfer:
 
     def describe(self) -> dict[str, Any]:
         return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
-                "consumer": self.consumer, "stale_steps": self.stale_steps, "beside_steps": self.beside_steps,
+                "consumer": self.consumer, "copy_wait": self.wait, "stale_steps": self.stale_steps,
+                "beside_steps": self.beside_steps,
                 "query_errors": self.query_errors,
                 "unguarded_forwards": self.unguarded_forwards, "waits_for_staging": self.waits_for_staging,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,

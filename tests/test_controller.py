@@ -958,6 +958,39 @@ def test_consume_beside_without_a_watchdog_consumes_on_the_calling_thread():
     assert seen == ["prompt"] and transfer.beside_steps == 0
 
 
+def test_the_engine_consumer_spins_for_its_copies_only_when_asked_and_the_transfer_thread_never_does(monkeypatch):
+    def events_made(consumer: str, wait: str) -> tuple[str, list[str]]:
+        driver = RecordingDriver()
+        made = []
+        plain_event = driver.event
+
+        def event(blocking=True):
+            made.append(plain_event(blocking))
+            return made[-1]
+
+        driver.event = event
+        transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, depth=3, threaded=False, driver=driver,
+                                 consumer=consumer, wait=wait)
+        return transfer.describe()["copy_wait"], made
+
+    assert events_made("engine", "sleep") == ("sleep", ["event-1", "event-2", "event-3"])
+    assert events_made("engine", "spin") == ("spin", [f"event-{n}-device-only" for n in (1, 2, 3)])
+    assert events_made("thread", "spin") == ("sleep", ["event-1", "event-2", "event-3"])
+    with pytest.raises(ValueError, match="wait must be 'sleep' or 'spin'"):
+        events_made("engine", "busy")
+
+    from engine_worker.tap_config import ENV_COPY_WAIT, copy_wait
+
+    monkeypatch.delenv(ENV_COPY_WAIT, raising=False)
+    assert copy_wait() == "sleep"
+    for value, expected in (("", "sleep"), (" Spin ", "spin"), ("sleep", "sleep")):
+        monkeypatch.setenv(ENV_COPY_WAIT, value)
+        assert copy_wait() == expected, value
+    monkeypatch.setenv(ENV_COPY_WAIT, "yes")
+    with pytest.raises(ValueError, match="PROBEX_COPY_WAIT must be one of sleep, spin, not 'yes'"):
+        copy_wait()
+
+
 def test_prompt_scores_beside_the_output_is_an_experiment_off_unless_asked(monkeypatch):
     from engine_worker.tap_config import ENV_PROMPT_SCORES_BESIDE, prompt_scores_beside_output, scores_ahead_of_tokens
 
