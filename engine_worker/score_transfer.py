@@ -12,8 +12,8 @@ The wait must not compete with the engine thread for the GIL. `Event.query()` ho
 GIL, so polling it (even with sleeps between polls) wakes the thread thousands of times a
 second and each wake-up takes the GIL from the engine loop — measured on the H200 as a few
 percent of decode speed at batch 8. Waiting in the driver (`cuEventSynchronize`) releases
-the GIL, and events created with CU_EVENT_BLOCKING_SYNC put the waiting thread to sleep
-instead of spinning: one GIL acquisition per step, after the scores have landed.
+the GIL, and events created with CU_EVENT_BLOCKING_SYNC (the default here) put the waiting
+thread to sleep instead of spinning: one GIL acquisition per step, after the scores have landed.
 
 The copies and the event go to the CUDA driver directly (`_CudaDriver`), not through
 torch: on the H200 host the engine thread spent two thirds of its hook in these calls,
@@ -55,8 +55,9 @@ engine has not come by for that long (an engine that stopped calling the hook); 
 for the device outside the lock, so an engine that comes back never waits for it. On the H200 the two consumers measured
 the same speed (docs/benchmarks.md, session 8); the engine consumer wakes no second
 thread per step.
-PROBEX_COPY_WAIT=spin (an experiment, off) has the engine consumer's waits spin in the driver
-instead of sleeping there (`ScoreTransfer`'s `wait`).
+PROBEX_COPY_WAIT=spin (an experiment, off) has the engine consumer's waits busy-wait in the
+driver instead of sleeping there (`ScoreTransfer`'s `wait`); the watchdog then never waits on
+an event, it checks whether the step landed and comes back at its next round.
 """
 
 from __future__ import annotations
@@ -224,8 +225,10 @@ def _device_calls(device: torch.device):
 
 
 class _DeviceEvent:
-    """A slot's CUDA event as the transfer thread sees it: something to wait for.
-    `blocking`: a waiter sleeps until woken; otherwise it spins (`ScoreTransfer`'s `wait`)."""
+    """A slot's CUDA event as its consumers see it: something to wait for. `blocking`: a waiter
+    sleeps until woken; otherwise it busy-waits in the driver (spinning, or yielding its core
+    where the context's scheduling mode says so; the default, CU_CTX_SCHED_AUTO, spins while
+    the active contexts are fewer than the cores), `ScoreTransfer`'s `wait`."""
 
     def __init__(self, driver, blocking: bool = True) -> None:
         self.driver = driver
@@ -299,10 +302,12 @@ class ScoreTransfer:
         or "side" (see the module docstring; a device only). `consumer`: "thread" (the
         transfer thread consumes every step) or "engine" (the engine thread consumes landed
         steps, a watchdog those left longer than `stale_after_s`; see the module docstring).
-        `wait`: how a thread waits for a step's copies, "sleep" (woken by the driver) or "spin"
-        (polling in the driver, GIL released: no wake-up, the core kept awake), an experiment
-        for the engine consumer only, whose wait stands in for vLLM's own spinning wait for the
-        step's tokens; the transfer thread always sleeps (`wait` then reads "sleep")."""
+        `wait`: how the engine thread waits for a step's copies, "sleep" (woken by the driver)
+        or "spin" (busy-waiting in the driver, GIL released: no wake-up, the core kept awake;
+        see `_DeviceEvent`), an experiment for the engine consumer only
+        (tap_config.ENV_COPY_WAIT). The watchdog then only checks whether a step landed (two
+        threads busy-waiting for one step would poll the driver against each other); the
+        transfer thread always sleeps (`wait` then reads "sleep")."""
         if depth < 1:
             raise ValueError("ScoreTransfer needs at least one staging buffer")
         if copy_stream not in ("same", "side"):
@@ -607,10 +612,16 @@ class ScoreTransfer:
         except IndexError:
             return
         if head._ready is not None:
-            # Outside the lock, so an engine that comes back meanwhile never waits for this.
-            # (Should the engine consume the step and reuse its buffer, this waits for that
-            # buffer's next copy instead: harmless.)
-            head._ready.synchronize()
+            if self.wait == "spin":
+                # Its events busy-wait, and the engine thread may be waiting on this one
+                # already (a forward longer than the interval): look, and come back next round.
+                if not self._landed(head._ready):
+                    return
+            else:
+                # Outside the lock, so an engine that comes back meanwhile never waits for this.
+                # (Should the engine consume the step and reuse its buffer, this waits for that
+                # buffer's next copy instead: harmless.)
+                head._ready.synchronize()
         with self._pending_lock:
             if time.perf_counter() - self._last_submit <= self.stale_after_s:
                 return

@@ -74,12 +74,13 @@ ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
 # How the engine consumer waits for a step's score copies to land (score_transfer.py):
 # "sleep" (the default, as measured through session 26): the thread sleeps in the driver
 # until woken (CU_EVENT_BLOCKING_SYNC), as vLLM's own wait for the step's tokens does
-# (`torch.cuda.Event(blocking=True)` in vLLM 0.25); "spin", an experiment: it polls in the
-# driver with the GIL released, so the scores' consume starts the moment the copies land,
-# with no wake-up, on a core that stayed awake (a prompt step's consume is on the first
+# (`torch.cuda.Event(blocking=True)` in vLLM 0.25); "spin", an experiment: it busy-waits in
+# the driver with the GIL released (spinning, as the context's default scheduling mode does
+# with fewer active contexts than cores), so the scores' consume starts the moment the copies
+# land, with no wake-up, on a core that stayed awake (a prompt step's consume is on the first
 # token's way whenever the tokens are ready by its end). It holds a core while the forward
-# runs. The transfer thread always sleeps: it waits for every step, beside the engine
-# thread's own wait.
+# runs. The watchdog then only looks whether a step landed; the transfer thread always
+# sleeps: it waits for every step, beside the engine thread's own wait.
 ENV_COPY_WAIT = "PROBEX_COPY_WAIT"
 COPY_WAITS = ("sleep", "spin")
 

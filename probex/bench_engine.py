@@ -2684,9 +2684,9 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
             problems.append(f"{label}: the worker's tap buffers were allocated "
                             f"{'among' if among else 'after'} the model's weights, not as the set-up asks "
                             f"({ENV_TAP_BUFFERS})")
-        asked_wait = (s.get("env") or {}).get(ENV_COPY_WAIT)
+        asked_wait = ((s.get("env") or {}).get(ENV_COPY_WAIT) or "").strip().lower()
         seen_wait = (checks.get("probex_transfer_settings") or {}).get("copy_wait")
-        if s["kind"] in WORKER_KINDS and asked_wait and seen_wait is not None and seen_wait != asked_wait.strip().lower():
+        if s["kind"] in WORKER_KINDS and asked_wait and seen_wait is not None and seen_wait != asked_wait:
             problems.append(f"{label}: the worker waits for its score copies with {seen_wait!r}, not the "
                             f"{asked_wait!r} {ENV_COPY_WAIT} asked for (the transfer thread consumed, which "
                             f"always sleeps)")

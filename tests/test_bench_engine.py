@@ -540,6 +540,7 @@ def test_a_worker_that_did_not_wait_as_its_environment_asked_is_reported():
     for setup, seen in ((asked, "spin"), (slept, "sleep")):
         setup["env"] = {"PROBEX_COPY_WAIT": "spin"}
         setup["checks"]["probex_transfer_settings"] = {"scores_ahead_of_tokens": True, "copy_wait": seen}
+    assert "copy_wait" in be.RECORDED_TRANSFER_SETTINGS  # what the worker's listing is read for
     unasked = _setup("tap", "tap#3", {"1": 5.0})
     unasked["checks"]["probex_transfer_settings"] = {"copy_wait": "sleep"}
     assert [p for p in be.find_problems([asked, slept, unasked]) if "waits for its score copies" in p] == [
@@ -1408,3 +1409,16 @@ def test_ttft_under_load_is_split_where_vllms_own_ttft_ends_phase_pair_by_phase_
     where = be.toggle_overhead([start])["64"]["ttft_where_ms"]
     assert where["client"]["pairs"] == 4 and where["vllm"]["pairs"] == where["beyond_vllm"]["pairs"] == 3
     assert be.ms_difference([1.0]) == {"pairs": 1, "difference_mean_ms": 1.0} and be.ms_difference([]) == {"pairs": 0}
+
+
+def test_a_poll_on_a_machine_without_the_run_says_so_at_once(tmp_path):
+    """On the GPU machine a poll that lands on a fresh machine (the one running the job was
+    given back) must not wait out its seconds for a run that is gone."""
+    import uuid
+
+    name = f"never-started-{uuid.uuid4().hex}"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "poll.sh"
+    done = subprocess.run(["bash", str(script), "600", name], env={**os.environ, "OUT": str(tmp_path)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3
+    assert f"poll: no run {name} on this machine" in done.stdout

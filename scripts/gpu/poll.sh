@@ -9,6 +9,12 @@
 # between two calls is given back, and the runs on it are lost.
 set -u
 limit=$1; name=$2
+# A machine given back (idle for 30 s between calls) is replaced by a fresh, bare one: the run
+# is gone, and waiting would spend device time on nothing. Say so at once.
+if [ ! -f "/root/runs/.$name.sh" ]; then
+  echo "poll: no run $name on this machine (a fresh one: the machine that ran it was given back)"
+  exit 3
+fi
 for ((waited = 0; waited < limit; waited += 5)); do
   grep -q "^$name done" /root/runs/all.log 2>/dev/null && break
   sleep 5
