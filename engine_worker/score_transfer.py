@@ -125,6 +125,24 @@ class _CudaDriver:
             self.check(self.lib.cuCtxGetCurrent(ctypes.byref(self.context)), "cuCtxGetCurrent")
         if not self.context.value:
             raise RuntimeError(f"probex: no CUDA context is current for {device} on the engine thread")
+        self.scheduling = self._scheduling_mode()
+
+    _SCHEDULING_MODES = {0: "auto", 1: "spin", 2: "yield", 4: "blocking_sync"}  # CU_CTX_SCHED_*
+
+    def _scheduling_mode(self) -> str:
+        """The context's CU_CTX_SCHED_* mode, read once: how a wait on an event made without
+        CU_EVENT_BLOCKING_SYNC behaves ("auto" spins while the active contexts are fewer than
+        the cores), so a run says what PROBEX_COPY_WAIT=spin did rather than what it asked."""
+        flags = ctypes.c_uint()
+        try:
+            get_flags = self.lib.cuCtxGetFlags
+            get_flags.argtypes = [ctypes.POINTER(ctypes.c_uint)]
+            with torch.cuda.device(self.device):
+                if get_flags(ctypes.byref(flags)) != 0:
+                    return "unknown"
+        except AttributeError:  # a driver without it: the run only misses the record
+            return "unknown"
+        return self._SCHEDULING_MODES.get(flags.value & 0x7, f"flags {flags.value:#x}")
 
     def bind_thread(self) -> None:
         """Make the engine's context current on the calling (transfer) thread."""
@@ -664,7 +682,10 @@ class ScoreTransfer:
 
     def describe(self) -> dict[str, Any]:
         return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
-                "consumer": self.consumer, "copy_wait": self.wait, "stale_steps": self.stale_steps,
+                "consumer": self.consumer, "copy_wait": self.wait,
+                # the CUDA context's scheduling mode, where the driver was asked (None: no CUDA)
+                "context_scheduling": getattr(self._driver, "scheduling", None),
+                "stale_steps": self.stale_steps,
                 "beside_steps": self.beside_steps,
                 "query_errors": self.query_errors,
                 "unguarded_forwards": self.unguarded_forwards, "waits_for_staging": self.waits_for_staging,

@@ -178,7 +178,7 @@ KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", 
 # Recorded for every worker set-up; the last two are experiments set with --worker-env
 # (PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1, PROBEX_COPY_WAIT=spin; engine_worker/tap_config.py).
 RECORDED_TRANSFER_SETTINGS = (*(key for key, _ in KIND_TRANSFER_SETTINGS.values()), "prompt_scores_beside_output",
-                              "copy_wait")
+                              "copy_wait", "context_scheduling")  # how a non-sleeping wait behaves: spin or yield
 # The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
 # the runner is vLLM's choice, so the bench cannot tell which adapter runs): the engine thread
 # (engine_worker.vllm_worker.default_score_consumer). With tensor parallelism, and on runner V1
@@ -2686,6 +2686,10 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                             f"({ENV_TAP_BUFFERS})")
         asked_wait = ((s.get("env") or {}).get(ENV_COPY_WAIT) or "").strip().lower()
         seen_wait = (checks.get("probex_transfer_settings") or {}).get("copy_wait")
+        scheduling = (checks.get("probex_transfer_settings") or {}).get("context_scheduling")
+        if s["kind"] in WORKER_KINDS and seen_wait == "spin" and scheduling == "blocking_sync":
+            problems.append(f"{label}: the worker's CUDA context schedules by blocking sync, so its "
+                            f"{ENV_COPY_WAIT}=spin waits slept all the same")
         if s["kind"] in WORKER_KINDS and asked_wait and seen_wait is not None and seen_wait != asked_wait:
             problems.append(f"{label}: the worker waits for its score copies with {seen_wait!r}, not the "
                             f"{asked_wait!r} {ENV_COPY_WAIT} asked for (the transfer thread consumed, which "

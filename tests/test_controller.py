@@ -989,6 +989,13 @@ def test_the_engine_consumer_spins_for_its_copies_only_when_asked_and_the_transf
     assert events_made("engine", "sleep") == ("sleep", ["event-1", "event-2", "event-3"])
     assert events_made("engine", "spin") == ("spin", [f"event-{n}-device-only" for n in (1, 2, 3)])
     assert events_made("thread", "spin") == ("sleep", ["event-1", "event-2", "event-3"])
+    # what a non-sleeping wait does is the CUDA context's to say: the run records it
+    driver = RecordingDriver()
+    driver.scheduling = "auto"
+    described = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, threaded=False, driver=driver,
+                              consumer="engine", wait="spin").describe()
+    assert described["context_scheduling"] == "auto"
+    assert ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, threaded=False).describe()["context_scheduling"] is None
     with pytest.raises(ValueError, match="wait must be 'sleep' or 'spin'"):
         events_made("engine", "busy")
 
