@@ -175,10 +175,12 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
                           "tap-side-copies": ("copy_stream", "side")}
-# Recorded for every worker set-up; the last two are experiments set with --worker-env
-# (PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1, PROBEX_COPY_WAIT=spin; engine_worker/tap_config.py).
+# Recorded for every worker set-up: the set-up kinds' settings, two experiments set with
+# --worker-env (PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1, PROBEX_COPY_WAIT=spin;
+# engine_worker/tap_config.py), and the CUDA context's scheduling mode (what a wait that does
+# not sleep does: spin or yield).
 RECORDED_TRANSFER_SETTINGS = (*(key for key, _ in KIND_TRANSFER_SETTINGS.values()), "prompt_scores_beside_output",
-                              "copy_wait", "context_scheduling")  # how a non-sleeping wait behaves: spin or yield
+                              "copy_wait", "context_scheduling")
 # The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
 # the runner is vLLM's choice, so the bench cannot tell which adapter runs): the engine thread
 # (engine_worker.vllm_worker.default_score_consumer). With tensor parallelism, and on runner V1
