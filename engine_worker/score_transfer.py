@@ -123,24 +123,24 @@ class _CudaDriver:
             torch.cuda.current_stream(device).synchronize()  # the device's context exists and is current here
             self.context = ctypes.c_void_p()
             self.check(self.lib.cuCtxGetCurrent(ctypes.byref(self.context)), "cuCtxGetCurrent")
+            self.scheduling = self._scheduling_mode()
         if not self.context.value:
             raise RuntimeError(f"probex: no CUDA context is current for {device} on the engine thread")
-        self.scheduling = self._scheduling_mode()
 
     _SCHEDULING_MODES = {0: "auto", 1: "spin", 2: "yield", 4: "blocking_sync"}  # CU_CTX_SCHED_*
 
     def _scheduling_mode(self) -> str:
         """The context's CU_CTX_SCHED_* mode, read once: how a wait on an event made without
         CU_EVENT_BLOCKING_SYNC behaves ("auto" spins while the active contexts are fewer than
-        the cores), so a run says what PROBEX_COPY_WAIT=spin did rather than what it asked."""
+        the cores), so a run says what PROBEX_COPY_WAIT=spin did rather than what it asked.
+        With the device's context current (the constructor's)."""
         flags = ctypes.c_uint()
         try:
             get_flags = self.lib.cuCtxGetFlags
-            get_flags.argtypes = [ctypes.POINTER(ctypes.c_uint)]
-            with torch.cuda.device(self.device):
-                if get_flags(ctypes.byref(flags)) != 0:
-                    return "unknown"
         except AttributeError:  # a driver without it: the run only misses the record
+            return "unknown"
+        get_flags.argtypes = [ctypes.POINTER(ctypes.c_uint)]
+        if get_flags(ctypes.byref(flags)) != 0:
             return "unknown"
         return self._SCHEDULING_MODES.get(flags.value & 0x7, f"flags {flags.value:#x}")
 

@@ -2687,8 +2687,8 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                             f"{'among' if among else 'after'} the model's weights, not as the set-up asks "
                             f"({ENV_TAP_BUFFERS})")
         asked_wait = ((s.get("env") or {}).get(ENV_COPY_WAIT) or "").strip().lower()
-        seen_wait = (checks.get("probex_transfer_settings") or {}).get("copy_wait")
-        scheduling = (checks.get("probex_transfer_settings") or {}).get("context_scheduling")
+        settings = checks.get("probex_transfer_settings") or {}
+        seen_wait, scheduling = settings.get("copy_wait"), settings.get("context_scheduling")
         if s["kind"] in WORKER_KINDS and seen_wait == "spin" and scheduling == "blocking_sync":
             problems.append(f"{label}: the worker's CUDA context schedules by blocking sync, so its "
                             f"{ENV_COPY_WAIT}=spin waits slept all the same")
