@@ -33,7 +33,7 @@ from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
 from engine_worker.tap_config import (ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_spin_s, prompt_scores_beside_output,
-                                      copy_wait, scores_ahead_of_tokens)
+                                      scores_ahead_of_tokens)
 
 log = logging.getLogger("probex.controller")
 
@@ -113,8 +113,7 @@ class TapController:
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
                                       self._consume_step, threaded=threaded,
                                       copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
-                                      consumer=os.environ.get(ENV_SCORE_CONSUMER, "").strip().lower() or consumer,
-                                      wait=copy_wait())  # PROBEX_COPY_WAIT=spin: an experiment
+                                      consumer=os.environ.get(ENV_SCORE_CONSUMER, "").strip().lower() or consumer)
 
     # -- probe sets ------------------------------------------------------------------------
 

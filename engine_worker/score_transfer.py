@@ -12,8 +12,11 @@ The wait must not compete with the engine thread for the GIL. `Event.query()` ho
 GIL, so polling it (even with sleeps between polls) wakes the thread thousands of times a
 second and each wake-up takes the GIL from the engine loop — measured on the H200 as a few
 percent of decode speed at batch 8. Waiting in the driver (`cuEventSynchronize`) releases
-the GIL, and events created with CU_EVENT_BLOCKING_SYNC (the default here) put the waiting
-thread to sleep instead of spinning: one GIL acquisition per step, after the scores have landed.
+the GIL, and events created with CU_EVENT_BLOCKING_SYNC put the waiting thread to sleep
+instead of spinning: one GIL acquisition per step, after the scores have landed. (Spinning
+instead, so a prompt step's consume would start with no wake-up, was measured on the H200 in
+session 27: the consume was no quicker and the first token no sooner, while a core spun through
+every forward; see docs/benchmarks.md.)
 
 The copies and the event go to the CUDA driver directly (`_CudaDriver`), not through
 torch: on the H200 host the engine thread spent two thirds of its hook in these calls,
@@ -55,9 +58,6 @@ engine has not come by for that long (an engine that stopped calling the hook); 
 for the device outside the lock, so an engine that comes back never waits for it. On the H200 the two consumers measured
 the same speed (docs/benchmarks.md, session 8); the engine consumer wakes no second
 thread per step.
-PROBEX_COPY_WAIT=spin (an experiment, off) has the engine consumer's waits busy-wait in the
-driver instead of sleeping there (`ScoreTransfer`'s `wait`); the watchdog then never waits on
-an event, it checks whether the step landed and comes back at its next round.
 """
 
 from __future__ import annotations
@@ -123,26 +123,8 @@ class _CudaDriver:
             torch.cuda.current_stream(device).synchronize()  # the device's context exists and is current here
             self.context = ctypes.c_void_p()
             self.check(self.lib.cuCtxGetCurrent(ctypes.byref(self.context)), "cuCtxGetCurrent")
-            self.scheduling = self._scheduling_mode()
         if not self.context.value:
             raise RuntimeError(f"probex: no CUDA context is current for {device} on the engine thread")
-
-    _SCHEDULING_MODES = {0: "auto", 1: "spin", 2: "yield", 4: "blocking_sync"}  # CU_CTX_SCHED_*
-
-    def _scheduling_mode(self) -> str:
-        """The context's CU_CTX_SCHED_* mode, read once: how a wait on an event made without
-        CU_EVENT_BLOCKING_SYNC behaves ("auto" spins while the active contexts are fewer than
-        the cores), so a run says what PROBEX_COPY_WAIT=spin did rather than what it asked.
-        With the device's context current (the constructor's)."""
-        flags = ctypes.c_uint()
-        try:
-            get_flags = self.lib.cuCtxGetFlags
-        except AttributeError:  # a driver without it: the run only misses the record
-            return "unknown"
-        get_flags.argtypes = [ctypes.POINTER(ctypes.c_uint)]
-        if get_flags(ctypes.byref(flags)) != 0:
-            return "unknown"
-        return self._SCHEDULING_MODES.get(flags.value & 0x7, f"flags {flags.value:#x}")
 
     def bind_thread(self) -> None:
         """Make the engine's context current on the calling (transfer) thread."""
@@ -243,14 +225,11 @@ def _device_calls(device: torch.device):
 
 
 class _DeviceEvent:
-    """A slot's CUDA event as its consumers see it: something to wait for. `blocking`: a waiter
-    sleeps until woken; otherwise it busy-waits in the driver (spinning, or yielding its core
-    where the context's scheduling mode says so; the default, CU_CTX_SCHED_AUTO, spins while
-    the active contexts are fewer than the cores), `ScoreTransfer`'s `wait`."""
+    """A slot's CUDA event as its consumers see it: something to wait for (asleep)."""
 
-    def __init__(self, driver, blocking: bool = True) -> None:
+    def __init__(self, driver) -> None:
         self.driver = driver
-        self.handle = driver.event(blocking=blocking)
+        self.handle = driver.event()
 
     def synchronize(self) -> None:
         self.driver.synchronize(self.handle)  # releases the GIL while it waits
@@ -276,8 +255,7 @@ class StagedStep:
 
 
 class _StagingSlot:
-    def __init__(self, sources: dict[int, torch.Tensor], driver, pin: bool, side_stream: bool = False,
-                 sleeping_wait: bool = True) -> None:
+    def __init__(self, sources: dict[int, torch.Tensor], driver, pin: bool, side_stream: bool = False) -> None:
         # Pinned: the device writes into them by DMA, and an asynchronous copy needs that.
         self.buffers = {
             layer: torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
@@ -290,7 +268,7 @@ class _StagingSlot:
                                   src.stride(0) * src.element_size()) for layer, src in sources.items()]
         # One event per slot, re-recorded each use: creating a CUDA event every step costs
         # engine-thread time for nothing.
-        self.ready = _DeviceEvent(driver, blocking=sleeping_wait) if driver is not None else None
+        self.ready = _DeviceEvent(driver) if driver is not None else None
         # side-stream copies: marks the forward's end on the engine stream, for the side stream to wait on
         self.launched = driver.event(blocking=False) if driver is not None and side_stream else None
 
@@ -313,33 +291,19 @@ class ScoreTransfer:
         copy_stream: str = "same",
         consumer: str = "thread",
         stale_after_s: float = 0.05,
-        wait: str = "sleep",
     ) -> None:
         """`driver`: the device calls (tests pass a recording stand-in); made from libcuda
         when the sources are on a CUDA device. `copy_stream`: "same" (the engine's stream)
         or "side" (see the module docstring; a device only). `consumer`: "thread" (the
         transfer thread consumes every step) or "engine" (the engine thread consumes landed
-        steps, a watchdog those left longer than `stale_after_s`; see the module docstring).
-        `wait`: how the engine thread waits for a step's copies, "sleep" (woken by the driver)
-        or "spin" (busy-waiting in the driver, GIL released: no wake-up, the core kept awake;
-        see `_DeviceEvent`), an experiment for the engine consumer only
-        (tap_config.ENV_COPY_WAIT). The watchdog then only checks whether a step landed (two
-        threads busy-waiting for one step would poll the driver against each other); the
-        transfer thread always sleeps (`wait` then reads "sleep")."""
+        steps, a watchdog those left longer than `stale_after_s`; see the module docstring)."""
         if depth < 1:
             raise ValueError("ScoreTransfer needs at least one staging buffer")
         if copy_stream not in ("same", "side"):
             raise ValueError(f"copy_stream must be 'same' or 'side', not {copy_stream!r}")
         if consumer not in ("thread", "engine"):
             raise ValueError(f"consumer must be 'thread' or 'engine', not {consumer!r}")
-        if wait not in ("sleep", "spin"):
-            raise ValueError(f"wait must be 'sleep' or 'spin', not {wait!r}")
-        if wait == "spin" and consumer != "engine":
-            log.warning("probex: a spinning wait for the score copies is for the engine consumer only; the transfer"
-                        " thread sleeps")
-            wait = "sleep"
         self.consumer = consumer
-        self.wait = wait
         self._consume = consume
         device = next(iter(sources.values())).device if sources else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -356,8 +320,7 @@ class ScoreTransfer:
         # the engine thread instead of ~3 µs for queue.Queue.
         self._free: queue.SimpleQueue[_StagingSlot] = queue.SimpleQueue()
         for _ in range(depth):
-            self._free.put(_StagingSlot(sources, self._driver, pin=self._cuda, side_stream=self._side is not None,
-                                        sleeping_wait=wait == "sleep"))
+            self._free.put(_StagingSlot(sources, self._driver, pin=self._cuda, side_stream=self._side is not None))
         self._work: queue.SimpleQueue[StagedStep | None] = queue.SimpleQueue()
         self._submitted = 0  # steps handed to the transfer thread (engine thread writes)
         self._processed = 0  # steps it has finished with (transfer thread writes)
@@ -630,16 +593,10 @@ class ScoreTransfer:
         except IndexError:
             return
         if head._ready is not None:
-            if self.wait == "spin":
-                # Its events busy-wait, and the engine thread may be waiting on this one
-                # already (a forward longer than the interval): look, and come back next round.
-                if not self._landed(head._ready):
-                    return
-            else:
-                # Outside the lock, so an engine that comes back meanwhile never waits for this.
-                # (Should the engine consume the step and reuse its buffer, this waits for that
-                # buffer's next copy instead: harmless.)
-                head._ready.synchronize()
+            # Outside the lock, so an engine that comes back meanwhile never waits for this.
+            # (Should the engine consume the step and reuse its buffer, this waits for that
+            # buffer's next copy instead: harmless.)
+            head._ready.synchronize()
         with self._pending_lock:
             if time.perf_counter() - self._last_submit <= self.stale_after_s:
                 return
@@ -682,11 +639,7 @@ class ScoreTransfer:
 
     def describe(self) -> dict[str, Any]:
         return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
-                "consumer": self.consumer, "copy_wait": self.wait,
-                # the CUDA context's scheduling mode, where the driver was asked (None: no CUDA)
-                "context_scheduling": getattr(self._driver, "scheduling", None),
-                "stale_steps": self.stale_steps,
-                "beside_steps": self.beside_steps,
+                "consumer": self.consumer, "stale_steps": self.stale_steps, "beside_steps": self.beside_steps,
                 "query_errors": self.query_errors,
                 "unguarded_forwards": self.unguarded_forwards, "waits_for_staging": self.waits_for_staging,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,

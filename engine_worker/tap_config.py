@@ -71,20 +71,6 @@ ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
 ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
 
 
-# How the engine consumer waits for a step's score copies to land (score_transfer.py):
-# "sleep" (the default, as measured through session 26): the thread sleeps in the driver
-# until woken (CU_EVENT_BLOCKING_SYNC), as vLLM's own wait for the step's tokens does
-# (`torch.cuda.Event(blocking=True)` in vLLM 0.25); "spin", an experiment: it busy-waits in
-# the driver with the GIL released (spinning, as the context's default scheduling mode does
-# with fewer active contexts than cores), so the scores' consume starts the moment the copies
-# land, with no wake-up, on a core that stayed awake (a prompt step's consume is on the first
-# token's way whenever the tokens are ready by its end). It holds a core while the forward
-# runs. The watchdog then only looks whether a step landed; the transfer thread always
-# sleeps: it waits for every step, beside the engine thread's own wait.
-ENV_COPY_WAIT = "PROBEX_COPY_WAIT"
-COPY_WAITS = ("sleep", "spin")
-
-
 # Diagnostic: "in-model" allocates the tap's and steering's buffers while the model is built,
 # between the tapped layer's weights and the next layer's (before session 11); by default they
 # are allocated once the weights are loaded, so the weights are allocated as in plain vLLM
@@ -95,10 +81,6 @@ TAP_BUFFER_PLACES = ("after-weights", "in-model")
 
 def buffers_after_weights() -> bool:
     return _env_choice(ENV_TAP_BUFFERS, TAP_BUFFER_PLACES) == "after-weights"
-
-
-def copy_wait() -> str:
-    return _env_choice(ENV_COPY_WAIT, COPY_WAITS)
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:

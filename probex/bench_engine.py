@@ -122,8 +122,7 @@ import numpy as np
 
 from engine_worker.launch import api_server_count, vllm_server_entry  # torch-free, as is tap_config
 from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY,
-                                      ENV_COPY_WAIT, ENV_HOOK_SPIN_US, ENV_SCORE_CONSUMER, ENV_SCORES_AHEAD,
-                                      ENV_TAP_BUFFERS)
+                                      ENV_HOOK_SPIN_US, ENV_SCORE_CONSUMER, ENV_SCORES_AHEAD, ENV_TAP_BUFFERS)
 
 from probex.processes import free_port
 
@@ -175,12 +174,9 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
                           "tap-side-copies": ("copy_stream", "side")}
-# Recorded for every worker set-up: the set-up kinds' settings, two experiments set with
-# --worker-env (PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1, PROBEX_COPY_WAIT=spin;
-# engine_worker/tap_config.py), and the CUDA context's scheduling mode (what a wait that does
-# not sleep does: spin or yield).
-RECORDED_TRANSFER_SETTINGS = (*(key for key, _ in KIND_TRANSFER_SETTINGS.values()), "prompt_scores_beside_output",
-                              "copy_wait", "context_scheduling")
+# Recorded for every worker set-up: the set-up kinds' settings and an experiment set with
+# --worker-env (PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1; engine_worker/tap_config.py).
+RECORDED_TRANSFER_SETTINGS = (*(key for key, _ in KIND_TRANSFER_SETTINGS.values()), "prompt_scores_beside_output")
 # The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
 # the runner is vLLM's choice, so the bench cannot tell which adapter runs): the engine thread
 # (engine_worker.vllm_worker.default_score_consumer). With tensor parallelism, and on runner V1
@@ -2686,16 +2682,6 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
             problems.append(f"{label}: the worker's tap buffers were allocated "
                             f"{'among' if among else 'after'} the model's weights, not as the set-up asks "
                             f"({ENV_TAP_BUFFERS})")
-        asked_wait = ((s.get("env") or {}).get(ENV_COPY_WAIT) or "").strip().lower()
-        settings = checks.get("probex_transfer_settings") or {}
-        seen_wait, scheduling = settings.get("copy_wait"), settings.get("context_scheduling")
-        if s["kind"] in WORKER_KINDS and seen_wait == "spin" and scheduling == "blocking_sync":
-            problems.append(f"{label}: the worker's CUDA context schedules by blocking sync, so its "
-                            f"{ENV_COPY_WAIT}=spin waits slept all the same")
-        if s["kind"] in WORKER_KINDS and asked_wait and seen_wait is not None and seen_wait != asked_wait:
-            problems.append(f"{label}: the worker waits for its score copies with {seen_wait!r}, not the "
-                            f"{asked_wait!r} {ENV_COPY_WAIT} asked for (the transfer thread consumed, which "
-                            f"always sleeps)")
         if s["kind"] in KIND_TRANSFER_SETTINGS and "probex_transfer_settings" in checks:
             key, wanted_value = KIND_TRANSFER_SETTINGS[s["kind"]]
             seen = checks["probex_transfer_settings"].get(key)

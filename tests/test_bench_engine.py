@@ -532,26 +532,6 @@ def test_a_diagnostic_set_up_that_ran_the_default_is_reported():
         " instead of the set-up's {'PROBEX_SCORES_AHEAD_OF_TOKENS': '0'}"]
 
 
-def test_a_worker_that_did_not_wait_as_its_environment_asked_is_reported():
-    """PROBEX_COPY_WAIT=spin through --worker-env is an experiment read against other runs:
-    a worker whose consumer sleeps all the same (the transfer thread's always does) must not
-    pass for it."""
-    asked, slept = (_setup("tap-toggle", f"tap-toggle#{n}", {"1": 5.0}) for n in (1, 2))
-    for setup, seen in ((asked, "spin"), (slept, "sleep")):
-        setup["env"] = {"PROBEX_COPY_WAIT": "spin"}
-        setup["checks"]["probex_transfer_settings"] = {"scores_ahead_of_tokens": True, "copy_wait": seen}
-    assert {"copy_wait", "context_scheduling"} <= set(be.RECORDED_TRANSFER_SETTINGS)  # read from the listing
-    unasked = _setup("tap", "tap#3", {"1": 5.0})
-    unasked["checks"]["probex_transfer_settings"] = {"copy_wait": "sleep"}
-    assert [p for p in be.find_problems([asked, slept, unasked]) if "PROBEX_COPY_WAIT" in p] == [
-        "tap-toggle#2: the worker waits for its score copies with 'sleep', not the 'spin' PROBEX_COPY_WAIT asked"
-        " for (the transfer thread consumed, which always sleeps)"]
-    asked["checks"]["probex_transfer_settings"]["context_scheduling"] = "blocking_sync"
-    assert [p for p in be.find_problems([asked]) if "PROBEX_COPY_WAIT" in p] == [
-        "tap-toggle#1: the worker's CUDA context schedules by blocking sync, so its PROBEX_COPY_WAIT=spin waits"
-        " slept all the same"]
-
-
 def test_vllms_ttft_is_split_by_its_stage_histograms_per_phase():
     def server(ttft, queue, prefill):
         return {"server": {"ttft_mean_ms": ttft, "queue_mean_ms": queue, "prefill_mean_ms": prefill}}

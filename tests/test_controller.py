@@ -163,19 +163,6 @@ def test_the_adapter_picks_the_consumer_and_the_environment_overrides_it(setup, 
         controller.transfer.close()
 
 
-def test_the_environment_chooses_how_the_engine_consumer_waits_for_its_copies(setup, monkeypatch):
-    taps, _, _ = setup
-    monkeypatch.delenv("PROBEX_SCORE_CONSUMER", raising=False)
-    monkeypatch.setenv("PROBEX_COPY_WAIT", "spin")
-    spinning = TapController(taps, served(), None, threaded=False, consumer="engine")
-    assert spinning.transfer.wait == "spin" and spinning.listing()["transfer"]["copy_wait"] == "spin"
-    monkeypatch.delenv("PROBEX_COPY_WAIT")
-    sleeping = TapController(taps, served(), None, threaded=False, consumer="engine")
-    assert sleeping.transfer.wait == "sleep"
-    for controller in (spinning, sleeping):
-        controller.transfer.close()
-
-
 def test_with_the_engine_as_consumer_steps_are_published_in_order_on_the_engine_thread(setup, monkeypatch):
     """PROBEX_SCORE_CONSUMER=engine on the CPU: copies are synchronous there, so each step is
     consumed inside its own hook, on the engine thread, with the same messages."""
@@ -969,67 +956,6 @@ def test_consume_beside_without_a_watchdog_consumes_on_the_calling_thread():
     transfer.submit(3, "prompt")
     transfer.consume_beside(1)
     assert seen == ["prompt"] and transfer.beside_steps == 0
-
-
-def test_the_engine_consumer_spins_for_its_copies_only_when_asked_and_the_transfer_thread_never_does(monkeypatch):
-    def events_made(consumer: str, wait: str) -> tuple[str, list[str]]:
-        driver = RecordingDriver()
-        made = []
-        plain_event = driver.event
-
-        def event(blocking=True):
-            made.append(plain_event(blocking))
-            return made[-1]
-
-        driver.event = event
-        transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, depth=3, threaded=False, driver=driver,
-                                 consumer=consumer, wait=wait)
-        return transfer.describe()["copy_wait"], made
-
-    assert events_made("engine", "sleep") == ("sleep", ["event-1", "event-2", "event-3"])
-    assert events_made("engine", "spin") == ("spin", [f"event-{n}-device-only" for n in (1, 2, 3)])
-    assert events_made("thread", "spin") == ("sleep", ["event-1", "event-2", "event-3"])
-    # what a non-sleeping wait does is the CUDA context's to say: the run records it
-    driver = RecordingDriver()
-    driver.scheduling = "auto"
-    described = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, threaded=False, driver=driver,
-                              consumer="engine", wait="spin").describe()
-    assert described["context_scheduling"] == "auto"
-    assert ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: None, threaded=False).describe()["context_scheduling"] is None
-    with pytest.raises(ValueError, match="wait must be 'sleep' or 'spin'"):
-        events_made("engine", "busy")
-
-    from engine_worker.tap_config import ENV_COPY_WAIT, copy_wait
-
-    monkeypatch.delenv(ENV_COPY_WAIT, raising=False)
-    assert copy_wait() == "sleep"
-    for value, expected in (("", "sleep"), (" Spin ", "spin"), ("sleep", "sleep")):
-        monkeypatch.setenv(ENV_COPY_WAIT, value)
-        assert copy_wait() == expected, value
-    monkeypatch.setenv(ENV_COPY_WAIT, "yes")
-    with pytest.raises(ValueError, match="PROBEX_COPY_WAIT must be one of sleep, spin, not 'yes'"):
-        copy_wait()
-
-
-def test_with_spinning_waits_the_watchdog_only_looks_whether_a_step_landed():
-    """Two threads busy-waiting for one step would poll the driver against each other: with
-    PROBEX_COPY_WAIT=spin the watchdog never waits on an event, it takes a stale step once it
-    has landed; with sleeping waits it waits for it, outside the lock."""
-    for wait in ("spin", "sleep"):
-        driver, seen = LandingDriver(), []
-        transfer = ScoreTransfer({0: torch.zeros(8, 1)}, lambda step: seen.append(step.context), depth=2,
-                                 threaded=False, driver=driver, consumer="engine", stale_after_s=0.0, wait=wait)
-        transfer.submit(3, "stale")
-        transfer._consume_if_engine_away()
-        waited = [call for call in driver.calls if call[0] == "wait"]
-        if wait == "spin":
-            assert waited == [] and seen == []
-            driver.land(*driver.recorded)
-            transfer._consume_if_engine_away()
-            assert [call for call in driver.calls if call[0] == "wait"] == []
-        else:
-            assert len(waited) == 1
-        assert seen == ["stale"] and transfer.stale_steps == 1
 
 
 def test_prompt_scores_beside_the_output_is_an_experiment_off_unless_asked(monkeypatch):

@@ -225,8 +225,9 @@ def test_buffers_built_as_shapes_get_zeroed_storage_once_the_weights_are_in(monk
 
     monkeypatch.delenv(ENV_TAP_BUFFERS, raising=False)
     assert buffers_after_weights()
-    monkeypatch.setenv(ENV_TAP_BUFFERS, "in-model")
-    assert not buffers_after_weights()
+    for value, after in (("in-model", False), (" In-Model ", False), ("", True), ("after-weights", True)):
+        monkeypatch.setenv(ENV_TAP_BUFFERS, value)  # any case, spaces ignored; empty: the default
+        assert buffers_after_weights() is after, value
     monkeypatch.setenv(ENV_TAP_BUFFERS, "elsewhere")
     with pytest.raises(ValueError, match="after-weights, in-model"):
         buffers_after_weights()
