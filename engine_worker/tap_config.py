@@ -85,7 +85,7 @@ def buffers_after_weights() -> bool:
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
     """One of `choices` (any case, spaces ignored); unset or empty, the first. Anything else
-    refuses the start: an experiment must not run the default under its name."""
+    refuses the start: a diagnostic must not run the default under its name."""
     value = os.environ.get(name, "").strip().lower() or choices[0]
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
