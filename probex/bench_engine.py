@@ -69,6 +69,13 @@ plain on the same GPU: two GPUs of one host can differ by more than the tap cost
 profiler (its ``--profiler-config``, engine worker only); the trace's device timeline says
 how busy the device was per CUDA-graph step, how long it sat waiting for work (host work
 not hidden behind it) and what ProbeX's kernels and copies took (``probex.profile_trace``).
+``--server-cpus 0-7`` and ``--client-cpus 8-15`` keep the servers' processes and this
+client on CPUs of their own (by default both run anywhere, as the OS places them); the run
+records the host's logical CPUs grouped by the core they share (``cpus`` in the JSON), and a
+server whose processes ran elsewhere is a problem. At an idle engine the host-side half of a
+request's TTFT swings between two levels some 4 ms apart, in runs of several requests,
+together with the prefill's device span (session 27, docs/benchmarks.md): pinning is how to
+test whether threads sharing a core are why.
 
 The model is a real architecture with ``--load-format dummy`` (timings do not depend on
 weight values): ``--model-config llama-3.1-8b`` writes Llama-3.1-8B's config.json next to
@@ -956,6 +963,8 @@ def forward_span_split(ttft_ms: Sequence[float], span_ms: Sequence[float], pause
     ok = np.isfinite(ttft)
     out["sd_ms"] = {name: float(values[ok].std(ddof=1)) for name, values in parts.items()}
     out["correlation_ttft_span"] = float(np.corrcoef(ttft[ok], span[ok])[0, 1])
+    if way_in_ms is not None:
+        out["way_out_levels"] = way_out_levels(parts["way_out"][ok], span[ok])
     base = float(np.mean([paired["ttft"][i][1] for i in keep]))
     out["paused_ttft_mean_ms"] = base
     for name in parts:
@@ -970,6 +979,29 @@ def forward_span_split(ttft_ms: Sequence[float], span_ms: Sequence[float], pause
                      "pct_of_ttft": mean / base * 100.0,
                      "ci95_pct_of_ttft": [low / base * 100.0, high / base * 100.0]}
     return out
+
+
+def way_out_levels(way_out: np.ndarray, span: np.ndarray) -> dict[str, Any]:
+    """How a lone request's way out (the forward's end to its first chunk) varies, in request
+    order, the tap running and paused alike: its quartiles, how much one request's way out
+    says about the next's (lag-1 correlation: near 0 for noise that comes and goes request by
+    request, high for a state of the host that lasts several requests), and its correlation
+    with the same request's prefill span on the device (something that slows both)."""
+    if len(way_out) < 3:
+        return {}
+    return {"quartiles_ms": [float(q) for q in np.percentile(way_out, [25, 50, 75])],
+            "lag1_correlation": float(np.corrcoef(way_out[:-1], way_out[1:])[0, 1]),
+            "correlation_with_span": float(np.corrcoef(way_out, span)[0, 1])}
+
+
+def _forward_split_of(entry: dict[str, Any]) -> dict[str, Any]:
+    """An idle toggle entry's split, made again from its per-request times where the run kept
+    them (so a saved run gets what later versions of `forward_span_split` report), else as saved."""
+    try:
+        return forward_span_split(entry["per_request_ttft_ms"], entry["per_request_span_ms"], entry["paused"],
+                                  entry.get("per_request_way_in_ms"))
+    except (KeyError, ValueError, TypeError):
+        return entry["forward_split"]
 
 
 def forward_span_line(split: dict[str, Any]) -> str:
@@ -1147,10 +1179,101 @@ def rounds_of(plans: Sequence[SetupPlan], lanes: int) -> list[list[SetupPlan]]:
     return [list(plans[i:i + lanes]) for i in range(0, len(plans), lanes)]
 
 
-class Server:
-    """One server in its own process group, so stopping it stops the engine core and workers too."""
+def parse_cpu_list(text: str | None) -> list[int] | None:
+    """A CPU list as taskset and /proc write it ("0-7,12") -> [0, ..., 7, 12]; None or blank
+    -> None (nothing pinned). Refuses CPUs this process may not run on: pinning to one would
+    fail in the child, after the server had started."""
+    if text is None or not text.strip():
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            raise SystemExit(f"CPU list {text!r}: expected numbers and ranges such as 0-7,12") from None
+        if low < 0 or high < low:
+            raise SystemExit(f"CPU list {text!r}: {part.strip()!r} is not a range of CPUs")
+        cpus.update(range(low, high + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise SystemExit(f"CPU list {text!r}: CPUs {sorted(cpus - allowed)} are not available here "
+                         f"(this process may run on {format_cpu_list(sorted(allowed))})")
+    return sorted(cpus)
 
-    def __init__(self, plan: SetupPlan, log_path: Path) -> None:
+
+def format_cpu_list(cpus: Sequence[int]) -> str:
+    """[0, 1, 2, 3, 8] -> "0-3,8", the form `parse_cpu_list` reads."""
+    parts, run = [], []
+    for cpu in sorted(cpus):
+        if run and cpu != run[-1] + 1:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(cpu)
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts)
+
+
+def parse_cpu_list_unchecked(text: str) -> list[int]:
+    """A CPU list from sysfs ("0,8" or "0-1"), without `parse_cpu_list`'s checks."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def host_cpu_layout(cpu_root: Path = Path("/sys/devices/system/cpu"),
+                    cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The host's CPUs as a run's host-side timings depend on them: the model, the logical CPUs
+    grouped by the physical core they share (SMT siblings: two threads on one core slow each
+    other), and the frequency governor where the kernel exposes one. Read from sysfs; fields
+    it does not have are left out (a VM may hide the topology)."""
+    layout: dict[str, Any] = {}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                layout["model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores: set[tuple[int, ...]] = set()
+    for siblings in sorted(cpu_root.glob("cpu[0-9]*/topology/thread_siblings_list")):
+        try:
+            cores.add(tuple(parse_cpu_list_unchecked(siblings.read_text())))
+        except (OSError, ValueError):
+            continue
+    if cores:
+        layout["logical_cpus"] = sum(len(core) for core in cores)
+        layout["physical_cores"] = len(cores)
+        layout["cores"] = [format_cpu_list(core) for core in sorted(cores)]
+    try:
+        layout["governor"] = (cpu_root / "cpu0" / "cpufreq" / "scaling_governor").read_text().strip()
+    except OSError:
+        pass
+    return layout
+
+
+def group_affinity(pgid: int) -> list[str]:
+    """The distinct CPU lists the processes of a server's group may run on (one entry when they
+    all share one), as `format_cpu_list` writes them. Linux only; [] elsewhere."""
+    seen = set()
+    for pid in _group_members(pgid):
+        try:
+            seen.add(format_cpu_list(sorted(os.sched_getaffinity(pid))))
+        except OSError:  # ended meanwhile
+            continue
+    return sorted(seen)
+
+
+class Server:
+    """One server in its own process group, so stopping it stops the engine core and workers too.
+    `cpus`: the CPUs it runs on (--server-cpus), set on its first process as it starts, so the
+    engine core and API server processes it forks later inherit them."""
+
+    def __init__(self, plan: SetupPlan, log_path: Path, cpus: Sequence[int] | None = None) -> None:
         self.plan, self.log_path = plan, log_path
         self.url = f"http://127.0.0.1:{plan.port}"
         self._stop_lock, self._stopped = threading.Lock(), False
@@ -1163,6 +1286,10 @@ class Server:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(plan.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
+        if cpus:
+            # Right after the exec, before Python has imported vLLM, let alone forked its engine
+            # core: everything the server starts from here on inherits the set.
+            os.sched_setaffinity(self.proc.pid, cpus)
         # If this benchmark dies without stopping the server (SIGKILL at a time limit), nothing
         # would: vLLM's engine processes outlive a killed API server, and a starting server
         # ignores SIGTERM. The watchdog, in a session of its own, reads a pipe only we hold and
@@ -1932,6 +2059,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     num_prompts = {c: args.num_prompts or max(16, 4 * c) for c in concurrencies}
     worker_env = parse_worker_env(args.worker_env)
     gpus = parse_gpus(args.gpus)
+    server_cpus, client_cpus = parse_cpu_list(args.server_cpus), parse_cpu_list(args.client_cpus)
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)  # this process, and the client threads it starts later
     warmup = {c: args.warmup if args.warmup is not None else max(2, c) for c in concurrencies}
     config = MODEL_CONFIGS[args.model_config]
     layers = tuple(args.probe_layers) if args.probe_layers else default_probe_layers(config["num_hidden_layers"])
@@ -1965,6 +2095,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "runner": args.runner,
             "worker_env": worker_env,
             "side_by_side_gpus": gpus or None,
+            # where the servers and this client ran (--server-cpus, --client-cpus; None: anywhere)
+            "cpus": {"server": format_cpu_list(server_cpus) if server_cpus else None,
+                     "client": format_cpu_list(client_cpus) if client_cpus else None,
+                     "host": host_cpu_layout()},
             "env": {"VLLM_DISABLE_COMPILE_CACHE": "1", RUNNER_ENV: RUNNERS[args.runner],
                     **{k: os.environ[k] for k in ("VLLM_ATTENTION_BACKEND", "VLLM_USE_FLASHINFER_SAMPLER")
                        if k in os.environ}},
@@ -2032,12 +2166,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             say(f"{plan.label}: starting ({' '.join(plan.argv[2:6])} ...)"
                 + (f" on GPU {record['gpu']}" if gpus else ""))
             started = time.monotonic()
-            server = servers[plan.label] = Server(plan, out / record["log"])
+            server = servers[plan.label] = Server(plan, out / record["log"], cpus=server_cpus)
             try:
                 if stopping.is_set():  # the interrupt came while this lane was starting its server
                     raise SetupCancelled("before start-up")
                 server.wait_ready(args.startup_timeout)
                 record["startup_s"] = round(time.monotonic() - started, 1)
+                record["checks"]["server_cpus_asked"] = format_cpu_list(server_cpus) if server_cpus else None
+                record["checks"]["server_cpus_seen"] = group_affinity(server.proc.pid)
                 say(f"{plan.label}: ready in {record['startup_s']} s")
                 measure_setup(server, plan, concurrencies, num_prompts, warmup, args.input_len, args.output_len,
                               args.seed, probe_names, record, save, args.save_itl,
@@ -2682,6 +2818,10 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
             problems.append(f"{label}: the worker's tap buffers were allocated "
                             f"{'among' if among else 'after'} the model's weights, not as the set-up asks "
                             f"({ENV_TAP_BUFFERS})")
+        asked_cpus, seen_cpus = checks.get("server_cpus_asked"), checks.get("server_cpus_seen")
+        if asked_cpus and seen_cpus is not None and seen_cpus != [asked_cpus]:
+            problems.append(f"{label}: the server's processes ran on CPUs {', '.join(seen_cpus) or 'unknown'}, not "
+                            f"only the {asked_cpus} --server-cpus asked for")
         if s["kind"] in KIND_TRANSFER_SETTINGS and "probex_transfer_settings" in checks:
             key, wanted_value = KIND_TRANSFER_SETTINGS[s["kind"]]
             seen = checks["probex_transfer_settings"].get(key)
@@ -2938,7 +3078,7 @@ def markdown_tables(result: dict[str, Any]) -> str:
                          f"about {pooled['pairs_for_half_width']} pairs in all, "
                          f"{math.ceil(pooled['pairs_for_half_width'] / starts)} a start over {starts} starts "
                          "(--idle-ttft-pairs).")
-    splits = [(s["label"], s["idle_ttft_toggle"]["forward_split"]) for s in result.get("setups", [])
+    splits = [(s["label"], _forward_split_of(s["idle_ttft_toggle"])) for s in result.get("setups", [])
               if "span" in (s.get("idle_ttft_toggle") or {}).get("forward_split", {})]
     if splits:
         lines += ["", "The idle pairs split by the worker's timing of each request's prefill forward on the device "
@@ -2955,6 +3095,14 @@ def markdown_tables(result: dict[str, Any]) -> str:
                     lines.append(f"| | | {words} | {part['paused_mean_ms']:.2f} | {part['difference_mean_ms']:+.3f} "
                                  f"({part['ci95_ms'][0]:+.3f} … {part['ci95_ms'][1]:+.3f}) | "
                                  f"{_pct2(part['pct_of_ttft'])} | {split['sd_ms'][name]:.2f} |")
+        levels = [(label, split["way_out_levels"]) for label, split in splits if split.get("way_out_levels")]
+        if levels:
+            lines += ["", "The way out in request order, the tap running and paused alike: quartiles (ms), the "
+                      "correlation of one request's way out with the next's (lag 1: a host state lasting several "
+                      "requests reads high) and with its own prefill span:", ""]
+            lines += [f"- {label}: {' / '.join(f'{q:.2f}' for q in lv['quartiles_ms'])} ms; lag 1 "
+                      f"{lv['lag1_correlation']:.2f}; with the span {lv['correlation_with_span']:.2f}"
+                      for label, lv in levels]
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
     if spread:
         on_gpus = " (side by side, repeats ran on different GPUs: this includes the GPUs' difference)" \
@@ -3225,6 +3373,11 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run set-ups side by side, one per GPU, in rounds of as many as GPUs given; each "
                              "round shifts which set-up gets which GPU, so plain,tap,plain,tap on 0,1 runs each "
                              "set-up once on each GPU (default: one set-up at a time on the visible devices)")
+    parser.add_argument("--server-cpus", default=None, metavar="0-7",
+                        help="run every server (engine core and API server processes) on these CPUs only "
+                             "(default: anywhere); the run records the host's cores and SMT siblings")
+    parser.add_argument("--client-cpus", default=None, metavar="8-15",
+                        help="run this benchmark's client on these CPUs only (default: anywhere)")
     parser.add_argument("--startup-timeout", type=float, default=None, help="seconds per server start")
     parser.add_argument("--save-itl", action="store_true", help="keep every request's ITL list in the JSON")
     parser.add_argument("--reanalyze", type=Path, nargs="+", default=None, metavar="JSON",

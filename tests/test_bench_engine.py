@@ -1406,3 +1406,56 @@ def test_a_poll_on_a_machine_without_the_run_says_so_at_once(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 3
     assert f"poll: no run {name} on this machine" in done.stdout
+
+
+def test_cpu_lists_read_and_write_as_taskset_does_and_refuse_cpus_this_host_lacks():
+    assert be.format_cpu_list([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11" and be.format_cpu_list([5]) == "5"
+    assert be.parse_cpu_list(None) is None and be.parse_cpu_list("  ") is None
+    allowed = sorted(os.sched_getaffinity(0))
+    text = be.format_cpu_list(allowed)
+    assert be.parse_cpu_list(text) == allowed and be.parse_cpu_list(f" {allowed[-1]} ") == [allowed[-1]]
+    missing = max(allowed) + 1
+    with pytest.raises(SystemExit, match=rf"CPUs \[{missing}\] are not available here"):
+        be.parse_cpu_list(f"{allowed[0]},{missing}")
+    for bad in ("a-b", "3-1", "-1"):
+        with pytest.raises(SystemExit, match="CPU list"):
+            be.parse_cpu_list(bad)
+
+
+def test_the_host_layout_groups_logical_cpus_by_the_core_they_share(tmp_path):
+    """A run records which logical CPUs are SMT siblings (two busy threads on one core slow
+    each other): read from sysfs, so a run on another host can be compared by its layout."""
+    for cpu, siblings in enumerate(["0,2", "1,3", "0,2", "1,3"]):
+        topology = tmp_path / "cpu" / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "thread_siblings_list").write_text(siblings + "\n")
+    (tmp_path / "cpu" / "cpu0" / "cpufreq").mkdir()
+    (tmp_path / "cpu" / "cpu0" / "cpufreq" / "scaling_governor").write_text("performance\n")
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\n")
+    assert be.host_cpu_layout(tmp_path / "cpu", tmp_path / "cpuinfo") == {
+        "model": "Some CPU @ 2.0GHz", "logical_cpus": 4, "physical_cores": 2, "cores": ["0,2", "1,3"],
+        "governor": "performance"}
+    assert be.host_cpu_layout(tmp_path / "nothing", tmp_path / "none") == {}  # a VM that hides it all
+
+
+def test_a_server_runs_where_it_was_pinned_and_a_server_that_did_not_is_reported(tmp_path):
+    """--server-cpus: the server's first process is pinned as it starts, so what it forks later
+    (vLLM's engine core, its API server processes) runs there too; the run checks it."""
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    forks = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    plan = be.SetupPlan(label="pinned", kind="plain", argv=[sys.executable, "-c", forks], env_changes={}, port=1)
+    server = be.Server(plan, tmp_path / "server.log", cpus=[cpu])
+    try:
+        deadline = time.monotonic() + 30
+        while len(be._group_members(server.proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(be._group_members(server.proc.pid)) == 2  # the server and the process it forked
+        assert be.group_affinity(server.proc.pid) == [str(cpu)]
+    finally:
+        server.stop()
+    setup = _setup("plain", "plain#1", {"1": 5.0})
+    setup["checks"].update(server_cpus_asked=str(cpu), server_cpus_seen=[str(cpu)])
+    assert not [p for p in be.find_problems([setup]) if "--server-cpus" in p]
+    setup["checks"]["server_cpus_seen"] = [str(cpu), "0-15"]
+    assert [p for p in be.find_problems([setup]) if "--server-cpus" in p] == [
+        f"plain#1: the server's processes ran on CPUs {cpu}, 0-15, not only the {cpu} --server-cpus asked for"]
