@@ -72,8 +72,8 @@ not hidden behind it) and what ProbeX's kernels and copies took (``probex.profil
 ``--server-cpus 0-7`` and ``--client-cpus 8-15`` keep the servers' processes and this
 client on CPUs of their own (by default both run anywhere, as the OS places them); the run
 records the host's logical CPUs grouped by the core they share (``cpus`` in the JSON), and a
-server whose processes ran elsewhere is a problem. At an idle engine the host-side half of a
-request's TTFT swings between two levels some 4 ms apart, in runs of several requests,
+server with a thread allowed elsewhere is a problem. At an idle engine a request's way out (the
+prefill's end to its first chunk) swings between two levels some 4 ms apart, in runs of requests,
 together with the prefill's device span (session 27, docs/benchmarks.md): pinning is how to
 test whether threads sharing a core are why.
 
@@ -964,7 +964,7 @@ def forward_span_split(ttft_ms: Sequence[float], span_ms: Sequence[float], pause
     out["sd_ms"] = {name: float(values[ok].std(ddof=1)) for name, values in parts.items()}
     out["correlation_ttft_span"] = float(np.corrcoef(ttft[ok], span[ok])[0, 1])
     if way_in_ms is not None:
-        out["way_out_levels"] = way_out_levels(parts["way_out"][ok], span[ok])
+        out["way_out_in_order"] = way_out_in_order(parts["way_out"][ok], span[ok])
     base = float(np.mean([paired["ttft"][i][1] for i in keep]))
     out["paused_ttft_mean_ms"] = base
     for name in parts:
@@ -981,7 +981,7 @@ def forward_span_split(ttft_ms: Sequence[float], span_ms: Sequence[float], pause
     return out
 
 
-def way_out_levels(way_out: np.ndarray, span: np.ndarray) -> dict[str, Any]:
+def way_out_in_order(way_out: np.ndarray, span: np.ndarray) -> dict[str, Any]:
     """How a lone request's way out (the forward's end to its first chunk) varies, in request
     order, the tap running and paused alike: its quartiles, how much one request's way out
     says about the next's (lag-1 correlation: near 0 for noise that comes and goes request by
@@ -996,12 +996,12 @@ def way_out_levels(way_out: np.ndarray, span: np.ndarray) -> dict[str, Any]:
 
 def _forward_split_of(entry: dict[str, Any]) -> dict[str, Any]:
     """An idle toggle entry's split, made again from its per-request times where the run kept
-    them (so a saved run gets what later versions of `forward_span_split` report), else as saved."""
-    try:
-        return forward_span_split(entry["per_request_ttft_ms"], entry["per_request_span_ms"], entry["paused"],
-                                  entry.get("per_request_way_in_ms"))
-    except (KeyError, ValueError, TypeError):
+    them (so a saved run gets what later versions of `forward_span_split` report), else as saved
+    (every run that saved a split also kept its per-request times, so that is a run's own edit)."""
+    if not all(key in entry for key in ("per_request_ttft_ms", "per_request_span_ms", "paused")):
         return entry["forward_split"]
+    return forward_span_split(entry["per_request_ttft_ms"], entry["per_request_span_ms"], entry["paused"],
+                              entry.get("per_request_way_in_ms"))
 
 
 def forward_span_line(split: dict[str, Any]) -> str:
@@ -1181,23 +1181,27 @@ def rounds_of(plans: Sequence[SetupPlan], lanes: int) -> list[list[SetupPlan]]:
 
 def parse_cpu_list(text: str | None) -> list[int] | None:
     """A CPU list as taskset and /proc write it ("0-7,12") -> [0, ..., 7, 12]; None or blank
-    -> None (nothing pinned). Refuses CPUs this process may not run on: pinning to one would
-    fail in the child, after the server had started."""
+    -> None (nothing pinned). Refuses CPUs this process may not run on here, before any
+    server starts, rather than at each server's start."""
     if text is None or not text.strip():
         return None
+    allowed = os.sched_getaffinity(0)
     cpus: set[int] = set()
+    beyond = False  # a range reaching past every CPU here, cut short before it is expanded
     for part in text.split(","):
-        first, _, last = part.strip().partition("-")
+        first, dash, last = part.strip().partition("-")
         try:
-            low, high = int(first), int(last or first)
+            low, high = int(first), int(last if dash else first)
         except ValueError:
             raise SystemExit(f"CPU list {text!r}: expected numbers and ranges such as 0-7,12") from None
         if low < 0 or high < low:
             raise SystemExit(f"CPU list {text!r}: {part.strip()!r} is not a range of CPUs")
-        cpus.update(range(low, high + 1))
-    allowed = os.sched_getaffinity(0)
+        cap = max(allowed) + 1  # the first CPU past those here: enough to refuse the range
+        beyond = beyond or high > cap
+        cpus.update(range(min(low, cap), min(high, cap) + 1))
     if not cpus <= allowed:
-        raise SystemExit(f"CPU list {text!r}: CPUs {sorted(cpus - allowed)} are not available here "
+        raise SystemExit(f"CPU list {text!r}: CPUs {format_cpu_list(sorted(cpus - allowed))}"
+                         f"{' and above' if beyond else ''} are not available here "
                          f"(this process may run on {format_cpu_list(sorted(allowed))})")
     return sorted(cpus)
 
@@ -1257,21 +1261,51 @@ def host_cpu_layout(cpu_root: Path = Path("/sys/devices/system/cpu"),
 
 
 def group_affinity(pgid: int) -> list[str]:
-    """The distinct CPU lists the processes of a server's group may run on (one entry when they
-    all share one), as `format_cpu_list` writes them. Linux only; [] elsewhere."""
+    """The distinct CPU lists the threads of a server group's processes may run on (one entry
+    when they all share one), as `format_cpu_list` writes them; read when asked, not where
+    they ran. Linux only; [] elsewhere."""
     seen = set()
     for pid in _group_members(pgid):
-        try:
-            seen.add(format_cpu_list(sorted(os.sched_getaffinity(pid))))
-        except OSError:  # ended meanwhile
-            continue
+        for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+            try:
+                seen.add(format_cpu_list(sorted(os.sched_getaffinity(int(task.name)))))
+            except OSError:  # ended meanwhile
+                continue
     return sorted(seen)
+
+
+def cpu_sets(server: str | None, client: str | None) -> tuple[list[int] | None, list[int] | None]:
+    """The CPUs for the servers and for this client (--server-cpus, --client-cpus; None: not
+    set). The servers are started from this process and would inherit a pinned client's CPUs:
+    with only --client-cpus they are given the ones this process has before it is pinned."""
+    server_cpus, client_cpus = parse_cpu_list(server), parse_cpu_list(client)
+    if client_cpus and not server_cpus:
+        server_cpus = sorted(os.sched_getaffinity(0))
+    return server_cpus, client_cpus
+
+
+def pin_this_process(cpus: Sequence[int]) -> None:
+    """This process on `cpus`: every thread it has now (numpy's pool started at import, among
+    others) and, through inheritance, every thread and process it starts later."""
+    for task in Path("/proc/self/task").glob("[0-9]*"):
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except OSError:  # a thread that ended meanwhile
+            continue
+    os.sched_setaffinity(0, cpus)
+
+
+# Runs a server's command on the CPUs given first: the affinity is set in the server's own
+# process before it execs its command (same pid, one thread), so nothing it ever starts escapes
+# it, and a set the kernel refuses fails the start instead of leaving a server running loose.
+_ON_CPUS = ("import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')]); "
+            "os.execvp(sys.argv[2], sys.argv[2:])")
 
 
 class Server:
     """One server in its own process group, so stopping it stops the engine core and workers too.
-    `cpus`: the CPUs it runs on (--server-cpus), set on its first process as it starts, so the
-    engine core and API server processes it forks later inherit them."""
+    `cpus`: the CPUs it runs on (--server-cpus), set in its first process before its command
+    runs (`_ON_CPUS`), so the engine core and API server processes it forks inherit them."""
 
     def __init__(self, plan: SetupPlan, log_path: Path, cpus: Sequence[int] | None = None) -> None:
         self.plan, self.log_path = plan, log_path
@@ -1284,12 +1318,9 @@ class Server:
             else:
                 env[key] = value
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(plan.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        argv = [sys.executable, "-c", _ON_CPUS, ",".join(map(str, cpus)), *plan.argv] if cpus else plan.argv
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
-        if cpus:
-            # Right after the exec, before Python has imported vLLM, let alone forked its engine
-            # core: everything the server starts from here on inherits the set.
-            os.sched_setaffinity(self.proc.pid, cpus)
         # If this benchmark dies without stopping the server (SIGKILL at a time limit), nothing
         # would: vLLM's engine processes outlive a killed API server, and a starting server
         # ignores SIGTERM. The watchdog, in a session of its own, reads a pipe only we hold and
@@ -2059,9 +2090,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     num_prompts = {c: args.num_prompts or max(16, 4 * c) for c in concurrencies}
     worker_env = parse_worker_env(args.worker_env)
     gpus = parse_gpus(args.gpus)
-    server_cpus, client_cpus = parse_cpu_list(args.server_cpus), parse_cpu_list(args.client_cpus)
+    server_cpus, client_cpus = cpu_sets(args.server_cpus, args.client_cpus)
     if client_cpus:
-        os.sched_setaffinity(0, client_cpus)  # this process, and the client threads it starts later
+        pin_this_process(client_cpus)
     warmup = {c: args.warmup if args.warmup is not None else max(2, c) for c in concurrencies}
     config = MODEL_CONFIGS[args.model_config]
     layers = tuple(args.probe_layers) if args.probe_layers else default_probe_layers(config["num_hidden_layers"])
@@ -2095,7 +2126,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "runner": args.runner,
             "worker_env": worker_env,
             "side_by_side_gpus": gpus or None,
-            # where the servers and this client ran (--server-cpus, --client-cpus; None: anywhere)
+            # the CPUs the servers and this client may run on (--server-cpus, --client-cpus; None: not set)
             "cpus": {"server": format_cpu_list(server_cpus) if server_cpus else None,
                      "client": format_cpu_list(client_cpus) if client_cpus else None,
                      "host": host_cpu_layout()},
@@ -2820,8 +2851,8 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                             f"({ENV_TAP_BUFFERS})")
         asked_cpus, seen_cpus = checks.get("server_cpus_asked"), checks.get("server_cpus_seen")
         if asked_cpus and seen_cpus is not None and seen_cpus != [asked_cpus]:
-            problems.append(f"{label}: the server's processes ran on CPUs {', '.join(seen_cpus) or 'unknown'}, not "
-                            f"only the {asked_cpus} --server-cpus asked for")
+            problems.append(f"{label}: the server's threads may run on CPUs {', '.join(seen_cpus) or 'unknown'}, "
+                            f"not only the {asked_cpus} --server-cpus asked for")
         if s["kind"] in KIND_TRANSFER_SETTINGS and "probex_transfer_settings" in checks:
             key, wanted_value = KIND_TRANSFER_SETTINGS[s["kind"]]
             seen = checks["probex_transfer_settings"].get(key)
@@ -3095,7 +3126,7 @@ def markdown_tables(result: dict[str, Any]) -> str:
                     lines.append(f"| | | {words} | {part['paused_mean_ms']:.2f} | {part['difference_mean_ms']:+.3f} "
                                  f"({part['ci95_ms'][0]:+.3f} … {part['ci95_ms'][1]:+.3f}) | "
                                  f"{_pct2(part['pct_of_ttft'])} | {split['sd_ms'][name]:.2f} |")
-        levels = [(label, split["way_out_levels"]) for label, split in splits if split.get("way_out_levels")]
+        levels = [(label, split["way_out_in_order"]) for label, split in splits if split.get("way_out_in_order")]
         if levels:
             lines += ["", "The way out in request order, the tap running and paused alike: quartiles (ms), the "
                       "correlation of one request's way out with the next's (lag 1: a host state lasting several "

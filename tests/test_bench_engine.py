@@ -1415,17 +1415,24 @@ def test_cpu_lists_read_and_write_as_taskset_does_and_refuse_cpus_this_host_lack
     text = be.format_cpu_list(allowed)
     assert be.parse_cpu_list(text) == allowed and be.parse_cpu_list(f" {allowed[-1]} ") == [allowed[-1]]
     missing = max(allowed) + 1
-    with pytest.raises(SystemExit, match=rf"CPUs \[{missing}\] are not available here"):
+    with pytest.raises(SystemExit, match=rf"CPUs {missing} are not available here"):
         be.parse_cpu_list(f"{allowed[0]},{missing}")
-    for bad in ("a-b", "3-1", "-1"):
+    for huge in ("0-30000000", "99999999"):  # refused at once, never expanded
+        with pytest.raises(SystemExit, match=rf"CPUs {missing} and above are not available here"):
+            be.parse_cpu_list(huge)
+    for bad in ("a-b", "3-1", "-1", "0-", "0,,1"):
         with pytest.raises(SystemExit, match="CPU list"):
             be.parse_cpu_list(bad)
+    # a pinned client would hand its CPUs down to the servers it starts: they keep this process's
+    assert be.cpu_sets(None, text) == (allowed, allowed)
+    assert be.cpu_sets(str(allowed[0]), text) == ([allowed[0]], allowed)
+    assert be.cpu_sets(None, None) == (None, None)
 
 
 def test_the_host_layout_groups_logical_cpus_by_the_core_they_share(tmp_path):
     """A run records which logical CPUs are SMT siblings (two busy threads on one core slow
     each other): read from sysfs, so a run on another host can be compared by its layout."""
-    for cpu, siblings in enumerate(["0,2", "1,3", "0,2", "1,3"]):
+    for cpu, siblings in enumerate(["0,2", "1,3", "0,2", "1,3", "4-5", "4-5"]):  # sysfs writes both forms
         topology = tmp_path / "cpu" / f"cpu{cpu}" / "topology"
         topology.mkdir(parents=True)
         (topology / "thread_siblings_list").write_text(siblings + "\n")
@@ -1433,7 +1440,7 @@ def test_the_host_layout_groups_logical_cpus_by_the_core_they_share(tmp_path):
     (tmp_path / "cpu" / "cpu0" / "cpufreq" / "scaling_governor").write_text("performance\n")
     (tmp_path / "cpuinfo").write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\n")
     assert be.host_cpu_layout(tmp_path / "cpu", tmp_path / "cpuinfo") == {
-        "model": "Some CPU @ 2.0GHz", "logical_cpus": 4, "physical_cores": 2, "cores": ["0,2", "1,3"],
+        "model": "Some CPU @ 2.0GHz", "logical_cpus": 6, "physical_cores": 3, "cores": ["0,2", "1,3", "4-5"],
         "governor": "performance"}
     assert be.host_cpu_layout(tmp_path / "nothing", tmp_path / "none") == {}  # a VM that hides it all
 
@@ -1458,4 +1465,11 @@ def test_a_server_runs_where_it_was_pinned_and_a_server_that_did_not_is_reported
     assert not [p for p in be.find_problems([setup]) if "--server-cpus" in p]
     setup["checks"]["server_cpus_seen"] = [str(cpu), "0-15"]
     assert [p for p in be.find_problems([setup]) if "--server-cpus" in p] == [
-        f"plain#1: the server's processes ran on CPUs {cpu}, 0-15, not only the {cpu} --server-cpus asked for"]
+        f"plain#1: the server's threads may run on CPUs {cpu}, 0-15, not only the {cpu} --server-cpus asked for"]
+    # CPUs the kernel refuses fail the server's start; nothing is left running
+    refused = be.Server(plan, tmp_path / "refused.log", cpus=[max(os.sched_getaffinity(0)) + 1])
+    try:
+        assert refused.proc.wait(timeout=30) != 0
+    finally:
+        refused.stop()
+    assert "Invalid argument" in (tmp_path / "refused.log").read_text() and not be._group_members(refused.proc.pid)

@@ -187,7 +187,7 @@ def test_the_step_timings_route_is_for_admins_and_says_when_timing_is_off(monkey
 
 def test_the_way_out_tells_a_host_state_that_lasts_from_noise_that_does_not():
     """Session 27's idle runs: the way out sits at two levels some 4 ms apart, in runs of
-    several requests, moving with the prefill's span. `way_out_levels` says so from the
+    several requests, moving with the prefill's span. `way_out_in_order` says so from the
     per-request times, and a re-render works it out again for a saved run."""
     rng = np.random.default_rng(1)
     slow = np.repeat(rng.integers(0, 2, 40), 10).astype(bool)  # a state lasting 10 requests at a time
@@ -196,16 +196,16 @@ def test_the_way_out_tells_a_host_state_that_lasts_from_noise_that_does_not():
     span = 23.0 + 3.0 * slow + rng.normal(0.0, 0.5, 400)
     way_out = 3.5 + 4.0 * slow + rng.normal(0.0, 0.5, 400)
     split = be.forward_span_split(list(way_in + span + way_out), list(span), paused, list(way_in))
-    levels = split["way_out_levels"]
+    levels = split["way_out_in_order"]
     assert levels["lag1_correlation"] > 0.7 and levels["correlation_with_span"] > 0.7
     assert levels["quartiles_ms"][0] < 4.0 < 7.0 < levels["quartiles_ms"][2]
     shuffled = rng.permutation(400)  # the same values, the state no longer lasting
-    noise = be.way_out_levels(way_out[shuffled], span[shuffled])
+    noise = be.way_out_in_order(way_out[shuffled], span[shuffled])
     assert abs(noise["lag1_correlation"]) < 0.2 and noise["correlation_with_span"] > 0.7
-    assert be.way_out_levels(np.array([1.0, 2.0]), np.array([1.0, 2.0])) == {}
-    assert "way_out_levels" not in be.forward_span_split(list(span + 5.0), list(span), paused)
+    assert be.way_out_in_order(np.array([1.0, 2.0]), np.array([1.0, 2.0])) == {}
+    assert "way_out_in_order" not in be.forward_span_split(list(span + 5.0), list(span), paused)
     # a run saved before the statistic existed: the re-render makes it from the per-request times
-    saved = {k: v for k, v in split.items() if k != "way_out_levels"}
+    saved = {k: v for k, v in split.items() if k != "way_out_in_order"}
     entry = {"forward_split": saved, "per_request_ttft_ms": list(way_in + span + way_out),
              "per_request_span_ms": list(span), "per_request_way_in_ms": list(way_in), "paused": paused}
     text = be.markdown_tables({"setups": [{"label": "tap-toggle", "results": {}, "idle_ttft_toggle": entry}]})
