@@ -80,16 +80,10 @@ TAP_BUFFER_PLACES = ("after-weights", "in-model")
 
 
 def buffers_after_weights() -> bool:
-    return _env_choice(ENV_TAP_BUFFERS, TAP_BUFFER_PLACES) == "after-weights"
-
-
-def _env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """One of `choices` (any case, spaces ignored); unset or empty, the first. Anything else
-    refuses the start: a diagnostic must not run the default under its name."""
-    value = os.environ.get(name, "").strip().lower() or choices[0]
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
-    return value
+    value = os.environ.get(ENV_TAP_BUFFERS, "after-weights").strip().lower() or "after-weights"
+    if value not in TAP_BUFFER_PLACES:
+        raise ValueError(f"{ENV_TAP_BUFFERS} must be one of {', '.join(TAP_BUFFER_PLACES)}, not {value!r}")
+    return value == "after-weights"
 
 
 def scores_ahead_of_tokens() -> bool:

@@ -1186,16 +1186,15 @@ def parse_cpu_list(text: str | None) -> list[int] | None:
     if text is None or not text.strip():
         return None
     allowed = os.sched_getaffinity(0)
+    try:
+        ranges = _cpu_ranges(text)
+    except ValueError:
+        raise SystemExit(f"CPU list {text!r}: expected numbers and ranges such as 0-7,12") from None
     cpus: set[int] = set()
     beyond = False  # a range reaching past every CPU here, cut short before it is expanded
-    for part in text.split(","):
-        first, dash, last = part.strip().partition("-")
-        try:
-            low, high = int(first), int(last if dash else first)
-        except ValueError:
-            raise SystemExit(f"CPU list {text!r}: expected numbers and ranges such as 0-7,12") from None
-        if low < 0 or high < low:
-            raise SystemExit(f"CPU list {text!r}: {part.strip()!r} is not a range of CPUs")
+    for low, high in ranges:
+        if high < low:  # (no part can start below 0: a leading '-' is not a number here)
+            raise SystemExit(f"CPU list {text!r}: {low}-{high} is not a range of CPUs")
         cap = max(allowed) + 1  # the first CPU past those here: enough to refuse the range
         beyond = beyond or high > cap
         cpus.update(range(min(low, cap), min(high, cap) + 1))
@@ -1219,14 +1218,19 @@ def format_cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+def _cpu_ranges(text: str) -> list[tuple[int, int]]:
+    """The (first, last) CPU of each comma-separated part of a CPU list ("0-7,12" -> (0, 7),
+    (12, 12)); ValueError for a part that is not a number or a range of two ("0-", "a", "")."""
+    ranges = []
+    for part in text.strip().split(","):
+        first, dash, last = part.strip().partition("-")
+        ranges.append((int(first), int(last if dash else first)))
+    return ranges
+
+
 def parse_cpu_list_unchecked(text: str) -> list[int]:
     """A CPU list from sysfs ("0,8" or "0-1"), without `parse_cpu_list`'s checks."""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if part:
-            first, _, last = part.partition("-")
-            cpus.extend(range(int(first), int(last or first) + 1))
-    return cpus
+    return [cpu for low, high in _cpu_ranges(text) for cpu in range(low, high + 1)]
 
 
 def host_cpu_layout(cpu_root: Path = Path("/sys/devices/system/cpu"),
