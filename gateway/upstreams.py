@@ -62,7 +62,7 @@ class UpstreamPool:
             upstream.healthy, upstream.last_error = True, None
         except (httpx.HTTPError, ValueError) as exc:
             if upstream.healthy:
-                log.warning("probex: upstream %s failed its health check: %s", upstream.url, exc)
+                log.warning("probex: upstream %s failed its health check: %s: %s", upstream.url, type(exc).__name__, exc)
             upstream.healthy, upstream.last_error = False, f"{type(exc).__name__}: {exc}"
         self.metrics.upstream_healthy.labels(upstream=upstream.url).set(1 if upstream.healthy else 0)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import numpy as np
 import yaml
 
@@ -18,6 +20,19 @@ from probes.artifact import ProbeArtifact, ReadPoint, save_probe
 def write_probe(root: Path, name: str, read: ReadPoint = ReadPoint.LAST_PROMPT_TOKEN) -> Path:
     probe = ProbeArtifact(name=name, layer=3, read=read, weight=np.ones(8, np.float32), bias=0.0)
     return save_probe(probe, root / name)
+
+
+def wait_for_healthy_upstreams(gateway_url: str, timeout_s: float = 60) -> None:
+    """Return once the gateway counts an upstream healthy: on a machine loaded by the parallel suite, the
+    start-up health check can time out, and the gateway then refuses requests until its next check passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = httpx.get(gateway_url + "/ready", timeout=10).json()
+        if not any(reason.startswith("upstream ") for reason in ready["reasons"]):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway's upstreams stayed unhealthy: {ready['reasons']}")
+        time.sleep(0.1)
 
 
 def base_policy(**overrides) -> dict:
@@ -67,4 +82,5 @@ def start_stack(tmp_path: Path, policy: dict | None = None, tokens_per_s: float 
                            upstream_timeout_s=5, connect_timeout_s=1, health_interval_s=0.5)
     app = create_app(config, metrics)
     gateway = ServerThread(app).start()
+    wait_for_healthy_upstreams(gateway.url)
     return Stack(gateway, mock, state, policy_path, metrics, app)

@@ -417,6 +417,7 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
     from gateway.app import GatewayConfig, create_app
     from gateway.serving import ServerThread
     from tests.engine_harness import Worker
+    from tests.gateway_fixtures import wait_for_healthy_upstreams
 
     root = tmp_path_factory.mktemp("observability")
     probes = {"harmful-request": DEMO_PROBE, BAD_REFERENCE_PROBE: bad_reference_probe(root)}
@@ -448,6 +449,7 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
         config = GatewayConfig(policy_path=policy_path, upstreams=[f"http://127.0.0.1:{worker_proxy.port}"],
                                worker_admin_token=worker.admin_token, redis_url=redis_url, health_interval_s=0.5)
         gateway = ServerThread(create_app(config)).start()
+        wait_for_healthy_upstreams(gateway.url)
         stoppers.append(gateway.stop)
         gateway_target = gateway.url.removeprefix("http://")
         prometheus = Prometheus(root, {"probex-gateway": gateway_target, "probex-worker": f"127.0.0.1:{worker.port}"},

@@ -22,6 +22,7 @@ from gateway.app import GatewayConfig, create_app
 from gateway.serving import ServerThread
 from probes.artifact import ProbeArtifact, ReadPoint, save_probe
 from tests.engine_harness import HFReference, Worker, model_dir
+from tests.gateway_fixtures import wait_for_healthy_upstreams
 
 pytestmark = pytest.mark.engine
 
@@ -87,6 +88,7 @@ def stack(tmp_path_factory):
         config = GatewayConfig(policy_path=policy_path, upstreams=[worker.url], worker_admin_token=worker.admin_token,
                                redis_url=REDIS_URL, upstream_timeout_s=120)
         gateway = ServerThread(create_app(config)).start()
+        wait_for_healthy_upstreams(gateway.url)
         yield {"gateway": gateway, "worker": worker, "policy": policy, "policy_path": policy_path,
                "plain": plain, "flipped": flipped}
         gateway.stop()
