@@ -22,7 +22,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_worker.tap import ProbeSlot
+
+@dataclass(frozen=True)
+class ProbeSlot:
+    """Host-side record of the probe living in one row of a layer's weight buffer (here, not in
+    tap.py, so the books load without torch: the score formatter's process has no use for it)."""
+
+    name: str
+    layer: int
+    slot: int
+    read: str
+    slope: float
+    intercept: float
 
 
 @dataclass(frozen=True)

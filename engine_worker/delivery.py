@@ -40,6 +40,47 @@ _ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 SOON_AFTER_INTAKE_S = 250e-6
 
 
+# -- from the score formatter (score_formatter.py), where the worker runs one -------------------
+# Topics: an API server process's own is its owner tag (8 hex digits, `owner_tag`);
+# with one API server process, whose ids carry no tag, every row goes to UNTAGGED.
+BROADCAST = b"*"
+UNTAGGED = b"-"
+OWNER_MARKER = "-probex-"  # what precedes an owner tag in a request id (middleware.inspect_request)
+PUBLISHER = "publisher"
+# A hub that has heard nothing for this long (the formatter's heartbeats come every second)
+# takes the formatter for gone: waits for scores end at once until it hears from it again.
+SILENT_AFTER_S = 5.0
+
+
+class FormattedPrompt(msgspec.Struct, array_like=True):
+    """A prompt complete in this step: its summary (`bookkeeping._prompt_summary`), each probe's
+    calibrated part (`responses.prompt_fields`) and the first chunk's JSON around its tokens'
+    scores (`responses.prompt_json_parts`; None if it could not be written)."""
+
+    request: str
+    summary: dict
+    fields: dict
+    json_parts: list[bytes | None] | None
+
+
+class FormattedStep(msgspec.Struct, array_like=True):
+    """One step's rows of one API server process's requests, ready to file: tokens as parallel
+    columns (calibrated scores, one float per probe, and the one-token chunk's JSON)."""
+
+    publisher: int
+    sequence: int
+    version: int
+    probes: msgspec.Raw  # the probe set's description (ProbeTable.describe); read once per version
+    pause: tuple[int, bool] | None
+    prompts: list[FormattedPrompt]
+    token_requests: list[str]
+    token_indexes: list[int]
+    token_scores: list[tuple[float, ...]]
+    token_json: list[bytes]
+    finished: list[str]
+
+
+
 def external_request_id(engine_request_id: str) -> str:
     return _ENGINE_SUFFIX.sub("", engine_request_id)
 
@@ -211,13 +252,31 @@ class _ProbeSet:
 class ScoreHub:
     """API-server side: receives score messages and answers "are request X's scores here yet?"."""
 
-    def __init__(self, address: str, retention_s: float = 300.0, owner: str | None = None) -> None:
+    def __init__(self, address: str, retention_s: float = 300.0, owner: str | None = None,
+                 formatted: bool = False) -> None:
         """`owner`: where several API server processes share the worker, this process's tag
-        (`owner_tag`); the hub then books only rows whose request id carries it. None: every row."""
+        (`owner_tag`); the hub then books only rows whose request id carries it. None: every row.
+        `formatted`: `address` is the score formatter's (score_formatter.py), which sends this
+        process its own rows already booked, calibrated and written as JSON; otherwise the
+        worker's, which sends every step whole."""
         self.address = address
         self.retention_s = retention_s
         self.owner = owner
-        self._owner_marker = f"-probex-{owner}"
+        self._owner_marker = f"{OWNER_MARKER}{owner}"
+        self.formatted = formatted
+        # The formatter's topic for this process, its numbering of each topic heard (this
+        # process's and BROADCAST), which formatter that was (`publisher`, new every start) and
+        # when this hub last heard from it (`silent` once that is SILENT_AFTER_S ago).
+        self._topic = owner.encode() if owner else UNTAGGED
+        self._topic_name = self._topic.decode()
+        self._formatter_sequences: dict[str, int] = {}
+        self._formatter: int | None = None
+        self.formatter_restarts = 0
+        self.silent = False
+        self._heard = time.monotonic()
+        self._silence_task: asyncio.Task | None = None
+        self._step_decoder = msgspec.msgpack.Decoder(FormattedStep)
+        self._decoder = msgspec.msgpack.Decoder()
         # Bumped by each swap control message: the middleware's cached listings are older than it.
         self.swaps = 0
         self._requests: dict[str, RequestScores] = {}
@@ -293,9 +352,17 @@ class ScoreHub:
         ctx = zmq.asyncio.Context.instance()
         self._socket = ctx.socket(zmq.SUB)
         self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.connect(self.address)  # the worker binds: one address for every API server process
-        self._task = asyncio.get_running_loop().create_task(self._receive_forever())
+        loop = asyncio.get_running_loop()
+        if self.formatted:
+            self._socket.setsockopt(zmq.SUBSCRIBE, self._topic)
+            self._socket.setsockopt(zmq.SUBSCRIBE, BROADCAST)
+            self._heard = time.monotonic()
+            self._silence_task = loop.create_task(self._watch_for_silence())
+        else:
+            self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        # The worker (or the formatter) binds: one address for every API server process.
+        self._socket.connect(self.address)
+        self._task = loop.create_task(self._receive_formatted_forever() if self.formatted else self._receive_forever())
 
     async def _receive_forever(self) -> None:
         decoder = msgspec.msgpack.Decoder()
@@ -310,6 +377,115 @@ class ScoreHub:
             if now - last_sweep > 10:
                 self.sweep(now)
                 last_sweep = now
+
+    async def _receive_formatted_forever(self) -> None:
+        last_sweep = time.monotonic()
+        while True:
+            topic, frame = await self._socket.recv_multipart()
+            try:
+                self.take_formatted(topic, frame)
+            except Exception:  # a malformed message must not stop delivery for everyone
+                log.exception("probex: could not take in a message from the score formatter")
+            now = time.monotonic()
+            if now - last_sweep > 10:
+                self.sweep(now)
+                last_sweep = now
+
+    async def _watch_for_silence(self) -> None:
+        """The formatter sends something every second: long silence means it is gone (it
+        exited, or its process hangs), and no scores will come until it is back."""
+        while True:
+            await asyncio.sleep(1.0)
+            if not self.silent and time.monotonic() - self._heard > SILENT_AFTER_S:
+                self.silent = True
+                self._scores_lost(f"no word from the score formatter for {SILENT_AFTER_S:.0f} s: responses go out "
+                                  "without the scores they are missing until it is back")
+
+    def take_formatted(self, topic: bytes, frame: bytes) -> None:
+        """One message from the score formatter: this process's rows of a step, or, on
+        BROADCAST, a control message for every process."""
+        self._heard = time.monotonic()
+        if self.silent:
+            self.silent = False
+            log.warning("probex: the score formatter is heard from again")
+        if topic != BROADCAST:
+            return self.ingest_formatted(self._step_decoder.decode(frame))
+        message = self._decoder.decode(frame)
+        self._count_formatted(message[PUBLISHER], BROADCAST.decode(), message[SEQUENCE])
+        kind = message.get(CONTROL)
+        if kind == "heartbeat":
+            # The formatter's count of this process's topic: messages lost at the end of a burst
+            # show here, not only when the next one comes.
+            announced = (message.get("last") or {}).get(self._topic_name)
+            last = self._formatter_sequences.get(self._topic_name)
+            if announced is not None and last is not None and announced > last:
+                self._formatter_sequences[self._topic_name] = announced
+                self._messages_missing(announced - last)
+            return None
+        self.messages_received += 1
+        if kind == "lost":
+            mine = (message.get("by_owner") or {}).get(self._topic_name) or {}
+            for key in mine.get("requests", ()):
+                self._state(key).lost = True
+            self._finished_keys(mine.get("finished", ()))
+            if message.get("messages"):
+                self.messages_lost += int(message["messages"])
+                self.swaps += 1  # a swap may have been among them: listings are read again
+            else:
+                self.steps_lost += 1
+            return self._scores_lost(str(message.get("why") or "scores lost"))
+        return self._control(message)
+
+    def ingest_formatted(self, step: FormattedStep) -> None:
+        """This process's rows of one step as the score formatter sent them: filed, nothing
+        more (the books, calibration and JSON were the formatter's)."""
+        started = time.perf_counter()
+        self.messages_received += 1
+        self._count_formatted(step.publisher, self._topic_name, step.sequence)
+        if step.pause is not None:
+            self.set_paused(bool(step.pause[1]), int(step.pause[0]))
+        table = self._probe_set(step.version, step.probes)
+        probes = table.probes
+        prompted = []
+        for prompt in step.prompts:
+            state = self._state(prompt.request)
+            state.prompt_step_in = started
+            prompted.append(state)
+            state.prompt, state.prompt_fields, state.prompt_probes = prompt.summary, prompt.fields, probes
+            state.prompt_json_parts = prompt.json_parts
+            state.changed.set()
+        if step.token_requests:
+            now = time.monotonic()
+            requests = self._requests
+            for key, index, values, text in zip(step.token_requests, step.token_indexes, step.token_scores,
+                                                step.token_json):
+                state = requests.get(key) or self._state(key, now)
+                state.touched = now
+                state.add_token(index, values, probes)
+                if state.token_json is not None and index >= state.token_json_from:
+                    state.token_json[index] = text
+                state.changed.set()
+        self._finished_keys(step.finished)
+        self._intake_done(started, prompted)
+
+    def _count_formatted(self, publisher: int, stream: str, sequence: int) -> None:
+        if publisher != self._formatter:
+            if self._formatter is not None:
+                # Started again: its books and whatever was on the way are gone.
+                self.formatter_restarts += 1
+                self._formatter_sequences.clear()
+                self.swaps += 1
+                self._scores_lost("the score formatter started again: scores then in flight are lost")
+            self._formatter = publisher
+        last = self._formatter_sequences.get(stream)
+        self._formatter_sequences[stream] = sequence
+        if last is not None and sequence > last + 1:
+            self._messages_missing(sequence - last - 1)
+
+    def _messages_missing(self, count: int) -> None:
+        self.messages_lost += count
+        self.swaps += 1  # a swap may have been among them: listings are read again
+        self._scores_lost(f"{count} score messages lost (this API server process fell behind)")
 
     def ingest(self, message: dict) -> None:
         """One worker step (`bookkeeping.step_message`: layout + raw block), read through the
@@ -333,15 +509,7 @@ class ScoreHub:
         if "pause" in message:  # the worker's pause state: a lost pause message is made good here
             sequence, paused = message["pause"]
             self.set_paused(bool(paused), int(sequence))
-        version = message["v"]
-        if version > self._probe_version:
-            self._probe_version = version
-            self.swaps += 1  # listings cached before it are older than it
-            if self.on_probes_unannounced is not None:
-                self.on_probes_unannounced(version)
-        table = self._tables.get(version)
-        if table is None:
-            table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
+        table = self._probe_set(message["v"], message["probes"])
         events = self._steps.read(message, self._owner_marker if self.owner is not None else None)
         probes = table.probes
         if len(self._external_ids) > 100_000:  # ids are never reused: forgetting them all is safe
@@ -382,10 +550,27 @@ class ScoreHub:
                     state.token_json[index] = responses.token_scores_json(index, values, probes)
                 state.changed.set()
         self._mark_finished(events.finished)
+        self._intake_done(started, prompted)
+
+    def _probe_set(self, version: int, described: list | msgspec.Raw) -> _ProbeSet:
+        """The probe set a step was scored by (`described` as ProbeTable.describe wrote it)."""
+        if version > self._probe_version:
+            self._probe_version = version
+            self.swaps += 1  # listings cached before it are older than it
+            if self.on_probes_unannounced is not None:
+                self.on_probes_unannounced(version)
+        table = self._tables.get(version)
+        if table is None:
+            if isinstance(described, msgspec.Raw):
+                described = msgspec.msgpack.decode(described)
+            table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in described])
+        return table
+
+    def _intake_done(self, started: float, prompted: list[RequestScores]) -> None:
         done = time.perf_counter()
         elapsed = done - started
         self.intake["steps"].add(elapsed)
-        if events.prompt:
+        if prompted:
             self.intake["prompt_steps"].add(elapsed)
             for state in prompted:
                 state.prompt_step_done = done
@@ -402,8 +587,11 @@ class ScoreHub:
             self.first_chunk_gaps["soon_after_intake"].add(gap)
 
     def _mark_finished(self, engine_request_ids: list[str]) -> None:
-        for req in engine_request_ids:
-            state = self._requests.get(self._external_id(req))
+        self._finished_keys([self._external_id(req) for req in engine_request_ids])
+
+    def _finished_keys(self, keys) -> None:
+        for key in keys:
+            state = self._requests.get(key)
             if state is not None:
                 state.finished = True
                 state.changed.set()
@@ -478,7 +666,8 @@ class ScoreHub:
 
     @property
     def open_prompt_books(self) -> int:
-        """Requests whose books are still open (prompt accumulators kept until they end)."""
+        """Requests whose books are still open (prompt accumulators kept until they end; none
+        here where the score formatter keeps the books)."""
         return len(self._steps.book)
 
     def __len__(self) -> int:
@@ -523,10 +712,11 @@ class ScoreHub:
         try:
             while not state.has(prompt=prompt, tokens=tokens):
                 remaining = deadline - time.monotonic()
-                # Paused, or messages found lost since the wait began: what is still missing
-                # after the message that showed the loss (booked before this looks again) was
-                # in a lost one, or may be; waiting longer would only hold the response.
-                if remaining <= 0 or self.paused or self.losses != losses:
+                # Paused, the formatter silent, or messages found lost since the wait began:
+                # what is still missing after the message that showed the loss (booked before
+                # this looks again) was in a lost one, or may be; waiting longer would only
+                # hold the response.
+                if remaining <= 0 or self.paused or self.silent or self.losses != losses:
                     return False
                 state.changed.clear()
                 try:

@@ -258,7 +258,9 @@ class ProbexMiddleware:
         # the requests it received: its ids carry its own tag, its hub books only those.
         self.api_server_count = int(os.environ.get(ENV_API_SERVER_COUNT, "1"))
         self.owner = owner_tag() if self.api_server_count > 1 else ""
-        self.hub = hub if hub is not None else (ScoreHub(address, owner=self.owner or None) if address else None)
+        formatted = self.tap_config is not None and self.tap_config.step_address is not None
+        self.hub = hub if hub is not None else (ScoreHub(address, owner=self.owner or None, formatted=formatted)
+                                                if address else None)
         self.admin_token = os.environ.get(ENV_ADMIN_TOKEN) or None
         self.score_wait_s = float(os.environ.get(ENV_SCORE_WAIT, "10"))
         if not scores_delivered():
@@ -515,6 +517,8 @@ class ProbexMiddleware:
         listing["score_waits"] = self.hub.wait_stats()
         listing["score_loop_time"] = self.hub.loop_time_stats()
         listing["open_prompt_books"] = self.hub.open_prompt_books
+        if self.hub.formatted:
+            listing["score_formatter"] = {"restarts_seen": self.hub.formatter_restarts, "silent": self.hub.silent}
         listing["retention"] = self.retention.values
         listing["retention_status"] = self.retention.status
         # Which API server process answered: with several, each counts its own requests above,

@@ -16,25 +16,13 @@ next GPU run).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
 import engine_worker.ops  # noqa: F401  (registers torch.ops.probex.tap)
-
-
-@dataclass(frozen=True)
-class ProbeSlot:
-    """Host-side record of the probe living in one row of a layer's weight buffer."""
-
-    name: str
-    layer: int
-    slot: int
-    read: str
-    slope: float
-    intercept: float
+from engine_worker.bookkeeping import ProbeSlot  # noqa: F401  (the host-side record of a slot, torch-free)
 
 
 class LayerTap(nn.Module):

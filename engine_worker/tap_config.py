@@ -25,7 +25,7 @@ ENV_TAP_CONFIG = "PROBEX_TAP_CONFIG"
 ENV_PREFIX = "PROBEX_"  # every ProbeX setting an engine process reads starts so
 # Read at run time, never baked into a graph: probe weights and vectors are copied into
 # static buffers, captures written by the host, scores pushed to the socket.
-RUN_FIELDS = ("probe_dirs", "capture_dir", "score_address", "steer_vector_dirs")
+RUN_FIELDS = ("probe_dirs", "capture_dir", "score_address", "steer_vector_dirs", "step_address")
 # additional_config's mark that RUN_FIELDS are in ENV_TAP_CONFIG (a constant: the key stays put).
 RUN_FIELDS_FROM = "run_fields_from"
 # The admin routes' bearer token (live probe and vector swaps, pausing the tap); read by the
@@ -34,6 +34,9 @@ ENV_ADMIN_TOKEN = "PROBEX_ADMIN_TOKEN"
 # vLLM's --api-server-count as the worker's launcher started it: with several API server
 # processes, each tags its requests' ids and relays only their scores (middleware.py).
 ENV_API_SERVER_COUNT = "PROBEX_API_SERVER_COUNT"
+# "1": `probex worker` runs a score formatter (score_formatter.py) beside the worker, which
+# turns each step into every API server process's own rendered scores (`--score-formatter`).
+ENV_SCORE_FORMATTER = "PROBEX_SCORE_FORMATTER"
 # Diagnostic: "off" keeps the op in the graphs but never copies out or delivers its scores, so a
 # benchmark can tell the op's device time from the host path's cost (set-up "tap-op-only").
 ENV_DELIVERY = "PROBEX_DELIVERY"
@@ -124,13 +127,18 @@ class TapConfig:
     # Rows per step the capture buffer can hold; 0 turns capture mode off (and its cost with it).
     capture_rows: int = 0
     capture_dir: str | None = None
-    # ZMQ address the worker pushes score events to (the API server binds it).
+    # ZMQ address the API server processes take score messages from: the worker binds it, or the
+    # score formatter where there is one (`step_address`).
     score_address: str | None = None
     # Decoder layers whose output gets a steering op, the vector slots per steered layer
     # (fixed at startup, like probe slots) and the vectors loaded at startup.
     steer_layers: tuple[int, ...] = ()
     steer_vectors_per_layer: int = 8
     steer_vector_dirs: tuple[str, ...] = ()
+    # Where the worker sends its steps when a score formatter (score_formatter.py) turns them
+    # into each API server process's rendered scores, sent on at `score_address`; None: the
+    # worker sends them there itself, whole, and each API server process reads them.
+    step_address: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

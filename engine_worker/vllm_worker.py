@@ -21,7 +21,7 @@ from engine_worker.controller import ProbeSetRejected, TapController, VectorSetR
 from engine_worker.steer import LayerSteer
 from engine_worker.steering import SteeringError, SteerRequest, steering_from_xargs
 from engine_worker.tap import LayerTap, awaiting_storage, materialize
-from engine_worker.tap_config import ENV_DELIVERY, TapConfig, scores_delivered
+from engine_worker.tap_config import ENV_API_SERVER_COUNT, ENV_DELIVERY, TapConfig, scores_delivered
 
 log = logging.getLogger("vllm.probex.worker")  # under "vllm": printed by its log handler
 
@@ -184,7 +184,14 @@ def _publisher(tap_config: TapConfig):
         return None
     from engine_worker.delivery import ScorePublisher
 
-    return ScorePublisher(tap_config.score_address).publish
+    if tap_config.step_address is None:
+        return ScorePublisher(tap_config.score_address).publish
+    from engine_worker.score_formatter import FormatterProcess
+
+    publisher = ScorePublisher(tap_config.step_address)
+    FormatterProcess(tap_config.step_address, tap_config.score_address,
+                     int(os.environ.get(ENV_API_SERVER_COUNT, "1"))).start()
+    return publisher.publish
 
 
 def _is_delivering_rank() -> bool:

@@ -253,7 +253,8 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()}}
 
 
-def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, processes: int = 1) -> dict:
+def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, processes: int = 1,
+                    formatted: bool = False) -> dict:
     """Medians, in µs, of the API server's work per decode step of `requests` streams (see the
     module docstring): the worker's real step messages (prompts prefilled four to a step
     first), fed to a `ScoreHub` and `StreamRelay`s as their receive loop and vLLM would. Each
@@ -263,13 +264,18 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, proces
     `processes` > 1: one of that many API server processes (`--api-server-count`), whose
     requests are every `processes`-th: its hub takes in every step's whole message and books
     its own rows, its relays decorate its own streams' chunks (what `probex bench engine`'s
-    four-process runs load each process's event loop with)."""
+    four-process runs load each process's event loop with).
+
+    `formatted`: the steps go through a score formatter first (score_formatter.py, in a
+    process of its own when served), and the hub files the frames for its own requests
+    (`ScoreHub.take_formatted`); `formatter_us` is the formatter's time per step."""
     import asyncio
     import uuid
 
     from engine_worker.bookkeeping import StepLayout
-    from engine_worker.delivery import CollectionPauses, ScoreHub, owner_tag
+    from engine_worker.delivery import BROADCAST, CollectionPauses, FormattedStep, ScoreHub, owner_tag
     from engine_worker.middleware import MonitoredCall, StreamRelay
+    from engine_worker.score_formatter import ScoreFormatter
 
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
     messages: list[bytes] = []
@@ -291,20 +297,51 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, proces
         controller.transfer.close()
     decoded = [decoder.decode(m) for m in messages]
     # never started: fed directly, as its receive loop would
-    hub = ScoreHub("inproc://unused", owner=tags[0] if processes > 1 else None)
+    hub = ScoreHub("inproc://unused", owner=tags[0] if processes > 1 else None, formatted=formatted)
     # The decoding relays read a hub of their own, fed the same messages (untimed): a relay
     # takes the token JSON its hub wrote ahead, which the other set's would then not find.
-    decoded_hub = ScoreHub("inproc://unused", owner=hub.owner)
+    decoded_hub = ScoreHub("inproc://unused", owner=hub.owner, formatted=formatted)
+    formatter_times: list[float] = []
+    if formatted:  # each message as the formatter turns it into this process's frames (ahead: another process)
+        formatter = ScoreFormatter(api_server_count=processes)
+        inputs = []
+        for message in decoded:
+            started = time.perf_counter()
+            frames = formatter.take(message)
+            formatter_times.append(time.perf_counter() - started)
+            inputs.append([(topic, frame) for topic, frame in frames if topic in (hub._topic, BROADCAST)])
+        step_decoder = msgspec.msgpack.Decoder(FormattedStep)
+    else:
+        inputs = messages
+
+    def take(into: ScoreHub, number: int, times: tuple[list[float], list[float]] | None = None) -> None:
+        """Step `number` into a hub as its receive loop would take it: decoded, then filed."""
+        for frame in inputs[number] if formatted else [(None, inputs[number])]:
+            topic, payload = frame
+            started = time.perf_counter()
+            message = (step_decoder if formatted and topic != BROADCAST else decoder).decode(payload)
+            read = time.perf_counter()
+            if not formatted:
+                into.ingest(message)
+            elif topic == BROADCAST:
+                into.take_formatted(topic, payload)
+            else:
+                into.ingest_formatted(message)
+            if times is not None:
+                times[0].append(time.perf_counter() - read)
+                times[1].append(time.perf_counter() - started)
+
     own_calls = calls[::processes]
     intake: list[float] = []
+    received: list[float] = []
     chunk_times: dict[str, list[float]] = {"chunks": [], "chunks_decoded": []}
 
     collections = CollectionPauses()
 
     async def all_steps() -> None:
-        for message in decoded[:len(prefills)]:
-            hub.ingest(message)
-            decoded_hub.ingest(message)
+        for number in range(len(prefills)):
+            take(hub, number)
+            take(decoded_hub, number)
         # As vLLM's API server does once started: what exists now is left out of collections.
         gc.collect()
         gc.freeze()
@@ -316,11 +353,9 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, proces
             for relay, call in zip(relays, own_calls):  # each stream's first chunk (token 0, prompt scores)
                 await relay._decorate_event(_sse(_completion_chunk(call.key_prefix, [1, 2, 3])))
         token_events = [_sse(_completion_chunk(call.key_prefix)) for call in own_calls]
-        for number, message in enumerate(decoded[len(prefills):]):
-            started = time.perf_counter()
-            hub.ingest(message)
-            intake.append(time.perf_counter() - started)
-            decoded_hub.ingest(message)
+        for number in range(steps):
+            take(hub, len(prefills) + number, (intake, received))
+            take(decoded_hub, len(prefills) + number)
             for name, relays in relay_sets[:: 1 if number % 2 else -1]:
                 started = time.perf_counter()
                 for relay, token in zip(relays, token_events):
@@ -340,7 +375,9 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, proces
         raise RuntimeError("the spliced chunks did not take the token JSON written ahead: not the path served")
     # The garbage collections these steps set off (both hubs' and both relay sets'), which stop the event loop.
     pauses = collections.by_generation
-    return {"requests": requests, "processes": processes, "steps": steps, "intake_us": _median_us(intake),
+    return {"requests": requests, "processes": processes, "formatted": formatted, "steps": steps,
+            "intake_us": _median_us(intake), "received_us": _median_us(received),
+            "formatter_us": _median_us(formatter_times[len(prefills):]) if formatted else None,
             **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()},
             "gc_us_per_step": round(sum(p.total_s for p in pauses) / steps * 1e6, 1),
             "gc_longest_ms": round(max(p.max_s for p in pauses) * 1e3, 2),
@@ -392,13 +429,16 @@ def main() -> None:
           f"(decoded and re-encoded instead: {first['first_chunk_decoded_us']} and {first['token_chunk_decoded_us']} µs); "
           f"with the token ids kept, the first chunk {first['first_chunk_ids_us']} µs (decoded and re-encoded: "
           f"{first['first_chunk_ids_decoded_us']} µs)", flush=True)
-    api_steps = [api_decode_step(int(x), args.steps, args.prompt_tokens) for x in args.requests.split(",")]
-    api_steps += [api_decode_step(int(x), args.steps, args.prompt_tokens, processes=args.api_server_count)
-                  for x in args.requests.split(",") if args.api_server_count > 1]
+    process_counts = [1] + ([args.api_server_count] if args.api_server_count > 1 else [])
+    api_steps = [api_decode_step(int(x), args.steps, args.prompt_tokens, processes=count, formatted=formatted)
+                 for count in process_counts for x in args.requests.split(",") for formatted in (False, True)]
     for row in api_steps:
         one_of = f", one of {row['processes']} API server processes" if row["processes"] > 1 else ""
-        print(f"API server{one_of}, one decode step of {row['requests']} streams (medians of {row['steps']}): intake "
-              f"{row['intake_us']} µs, its {row['requests'] // row['processes']} one-token chunks {row['chunks_us']} µs spliced "
+        source = (f"from the score formatter ({row['formatter_us']} µs a step there)" if row["formatted"]
+                  else "from the worker")
+        print(f"API server{one_of}, one decode step of {row['requests']} streams {source} (medians of {row['steps']}):"
+              f" received {row['received_us']} µs (intake {row['intake_us']} µs after decoding), its "
+              f"{row['requests'] // row['processes']} one-token chunks {row['chunks_us']} µs spliced "
               f"({row['chunks_decoded_us']} µs decoded and re-encoded); garbage collection {row['gc_us_per_step']} "
               f"µs a step (intake and both relay sets), the longest {row['gc_longest_ms']} ms", flush=True)
     if args.out:

@@ -22,9 +22,13 @@ def test_handoff_benchmark_runs_both_ways_and_writes_json(tmp_path, monkeypatch)
                                        "first_chunk_us", "token_chunk_us", "first_chunk_ids_us",
                                        "first_chunk_ids_decoded_us"))
     # the API server's share of a decode step (the benchmark raises if a chunk waited or was not spliced)
-    # one process, then one of four (--api-server-count 4, the default): its own stream of the four
-    assert [(r["requests"], r["processes"], r["steps"]) for r in result["api_decode_step"]] == [(4, 1, 20), (4, 4, 20)]
-    assert all(r[key] > 0 for r in result["api_decode_step"] for key in ("intake_us", "chunks_us", "chunks_decoded_us"))
+    # one process, then one of four (--api-server-count 4, the default): its own stream of the four;
+    # each from the worker and from the score formatter
+    assert [(r["requests"], r["processes"], r["formatted"], r["steps"]) for r in result["api_decode_step"]] == [
+        (4, 1, False, 20), (4, 1, True, 20), (4, 4, False, 20), (4, 4, True, 20)]
+    assert all(r[key] > 0 for r in result["api_decode_step"]
+               for key in ("intake_us", "received_us", "chunks_us", "chunks_decoded_us"))
+    assert all((r["formatter_us"] is not None) == r["formatted"] for r in result["api_decode_step"])
     assert len(result["api_decode_step"][0]["gc_collections"]) == 3 and result["api_decode_step"][0]["gc_us_per_step"] >= 0
     assert all(first[key] > 0 for key in ("first_chunk_decoded_us", "token_chunk_decoded_us"))
     assert row["requests"] == 4 and row["inline_us"] > 0 and row["hook_us"] > 0
@@ -36,5 +40,6 @@ def test_handoff_benchmark_runs_both_ways_and_writes_json(tmp_path, monkeypatch)
 def test_one_of_four_api_server_processes_books_and_relays_only_its_own_streams():
     """Its hub takes in every step but books only the rows of its own requests (every fourth),
     and its relays splice its own streams' chunks: the benchmark raises otherwise."""
-    row = bench_handoff.api_decode_step(8, 5, prompt_tokens=16, processes=4)
-    assert row["processes"] == 4 and row["requests"] == 8 and row["chunks_us"] > 0
+    for formatted in (False, True):
+        row = bench_handoff.api_decode_step(8, 5, prompt_tokens=16, processes=4, formatted=formatted)
+        assert row["processes"] == 4 and row["requests"] == 8 and row["chunks_us"] > 0

@@ -158,3 +158,31 @@ def test_restarts_and_other_probe_files_keep_the_compile_cache_key(tmp_path):
     whole = engine_config.to_additional_config(run_fields=True)
     assert TapConfig.for_engine(whole, environ={}) == engine_config
     assert TapConfig.from_json(first_env[ENV_TAP_CONFIG]) == engine_config  # the API server's reading
+
+
+@pytest.mark.parametrize("flag, environ, formatted", [([], {}, False), (["--score-formatter"], {}, True),
+                                                      ([], {"PROBEX_SCORE_FORMATTER": "1"}, True),
+                                                      (["--no-score-formatter"], {"PROBEX_SCORE_FORMATTER": "1"}, False)])
+def test_the_score_formatter_gets_the_workers_steps_on_an_address_of_its_own(monkeypatch, flag, environ, formatted):
+    """With the formatter the worker sends its steps to `step_address` and the API server
+    processes listen at `score_address`, where the formatter sends them their rows; the
+    compile-cache key does not change with it (a run field)."""
+    import argparse
+    import json
+
+    from engine_worker.launch import add_worker_arguments, build_worker_command
+    from engine_worker.tap_config import ENV_TAP_CONFIG, TapConfig
+
+    monkeypatch.delenv("PROBEX_SCORE_FORMATTER", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    argv, env = build_worker_command(parser.parse_args(["--model", str(model_dir()), "--layer", "3", *flag]), [])
+    additional = json.loads(argv[argv.index("--additional-config") + 1])
+    assert "step_address" not in additional["probex"]
+    tap = TapConfig.from_json(env[ENV_TAP_CONFIG])
+    if formatted:
+        assert tap.step_address.startswith("ipc://") and tap.step_address != tap.score_address
+    else:
+        assert tap.step_address is None and tap.score_address.startswith("ipc://")

@@ -1,0 +1,313 @@
+"""The score formatter: a process beside the worker that turns each step's raw scores into what
+every API server process needs of it, rendered, so their event loops only file it.
+
+Without it (delivery.py) every API server process takes in every step whole: decodes it, books
+the rows of its own requests (prompt accumulators, which row is which token), calibrates them
+and writes each token's JSON, on the event loop that also relays every stream chunk of that
+process. With `--api-server-count 4` at 64 streams that intake is most of ProbeX's work on
+those loops. Here it is done once, in a process of its own (`probex worker --score-formatter`):
+
+    worker --steps (PUB)--> formatter --scores (PUB, one topic per API server process)--> hubs
+
+The formatter keeps the books (`bookkeeping.StepReader`), calibrates, lays out each prompt's
+scores as the first chunk writes them, writes each token's one-token chunk JSON, and sends
+each API server process (`owner_tag` in its requests' ids) a `FormattedStep` with its rows
+alone, on its own topic. Control messages (pause, swap, a lost step) go to every process on
+`BROADCAST`. The ids are already the middleware's own (`external_request_id`).
+
+Failure is never silent: each topic's messages are numbered and every message names the
+formatter that sent it (`publisher`, random per start), so a hub finds messages lost on the
+way and a formatter started again (books and scores in flight lost) as a loss; a gap in the
+worker's count, or a step the formatter could not read, is sent to every hub as one; the
+formatter sends a heartbeat every second when nothing else goes, with each topic's count, so
+a hub also hears of a loss at the end of a burst, and a hub that hears nothing for
+`SILENT_AFTER_S` stops waiting for scores (`ScoreHub.silent`). The worker starts the
+formatter (`FormatterProcess`), starts it again if it exits, and the formatter ends with the
+worker.
+
+Engine-agnostic: nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import zmq
+
+from engine_worker import responses
+from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader
+from engine_worker.delivery import (BROADCAST, OWNER_MARKER, PUBLISHER, UNTAGGED, FormattedPrompt, FormattedStep,
+                                    ProbeInfo, _ProbeSet, external_request_id)
+
+log = logging.getLogger("probex.score_formatter")
+
+HEARTBEAT_S = 1.0
+
+
+class ScoreFormatter:
+    """The formatter's work without its sockets: a worker message in, (topic, frame) pairs out."""
+
+    def __init__(self, api_server_count: int, publisher: int | None = None) -> None:
+        self.publisher = publisher if publisher is not None else random.getrandbits(31)
+        self._tagged = api_server_count > 1
+        self._reader = StepReader()
+        self._tables: dict[int, _ProbeSet] = {}
+        self._described: dict[int, msgspec.Raw] = {}
+        self._routes: dict[str, tuple[bytes, str]] = {}  # engine request id -> (topic, our id)
+        self.sequences: dict[bytes, int] = {}
+        self._last_worker_sequence: int | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self.last_sent = time.monotonic()
+
+    def take(self, message: dict) -> list[tuple[bytes, bytes]]:
+        """One message from the worker (a step or a control message) as the frames to send."""
+        out: list[tuple[bytes, bytes]] = []
+        sequence = message.get(SEQUENCE)
+        if sequence is not None:
+            last, self._last_worker_sequence = self._last_worker_sequence, sequence
+            if last is not None and sequence > last + 1:
+                out.append(self._broadcast({CONTROL: "lost", "messages": sequence - last - 1, "by_owner": {},
+                                            "why": f"{sequence - last - 1} score messages lost between the worker "
+                                                   "and the score formatter"}))
+        kind = message.get(CONTROL)
+        if kind == "heartbeat":
+            pass  # its number was the news; the formatter sends heartbeats of its own
+        elif kind == "lost":
+            out.append(self._lost(message))
+        elif kind is not None:
+            out.append(self._broadcast(message))  # pause, swap: every process, as the worker sent it
+        else:
+            out += self._step(message)
+        return out
+
+    def step_failed(self, message: dict) -> tuple[bytes, bytes]:
+        """A message that could not be read or formatted: its requests' waits end."""
+        step = message.get("step") if isinstance(message, dict) else None
+        requests = step.get("req") or [] if isinstance(step, dict) else []
+        by_owner: dict[str, dict[str, list[str]]] = {}
+        for req in requests:
+            topic, key = self._route(str(req))
+            by_owner.setdefault(topic.decode(), {"requests": [], "finished": []})["requests"].append(key)
+        return self._broadcast({CONTROL: "lost", "by_owner": by_owner, "why": "a step's scores could not be formatted"})
+
+    def heartbeat(self) -> tuple[bytes, bytes]:
+        """Each topic's count so far: a hub that missed the last messages of a burst learns it now."""
+        return self._broadcast({CONTROL: "heartbeat", "last": {t.decode(): n for t, n in self.sequences.items()
+                                                               if t != BROADCAST}})
+
+    def forget_stale(self, idle_s: float) -> None:
+        self._reader.book.forget_stale(idle_s)
+        if len(self._routes) > 100_000:  # ids are never reused: forgetting them all is safe
+            self._routes.clear()
+
+    def _step(self, message: dict) -> list[tuple[bytes, bytes]]:
+        events = self._reader.read(message)
+        version = message["v"]
+        table = self._tables.get(version)
+        if table is None:
+            table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
+        probes = table.probes
+        by_topic: dict[bytes, FormattedStep] = {}
+        pause = tuple(message["pause"]) if "pause" in message else None
+        described = self._described.get(version)
+        if described is None:
+            described = self._described[version] = msgspec.Raw(self._encoder.encode(message["probes"]))
+
+        def of(topic: bytes) -> FormattedStep:
+            step = by_topic.get(topic)
+            if step is None:
+                step = by_topic[topic] = FormattedStep(self.publisher, 0, version, described, pause, [], [], [], [],
+                                                       [], [])
+            return step
+
+        for event in events.prompt:
+            topic, key = self._route(event["req"])
+            try:
+                fields = responses.prompt_fields(event, probes)
+            except Exception:  # one prompt's bad summary must not cost the step's other scores
+                log.exception("probex: could not lay out a prompt's scores")
+                fields = {}
+            try:
+                parts = responses.prompt_json_parts(fields)
+            except Exception:  # the first chunk then writes them itself
+                log.exception("probex: could not write a prompt's scores as JSON")
+                parts = None
+            of(topic).prompts.append(FormattedPrompt(key, event, fields, parts))
+        if events.token_req_ids:
+            calibrated = table.calibrate(events.token_raw).tolist()
+            for req, index, values in zip(events.token_req_ids, events.token_indexes, calibrated):
+                topic, key = self._route(req)
+                step = of(topic)
+                scores = tuple(values)
+                step.token_requests.append(key)
+                step.token_indexes.append(index)
+                step.token_scores.append(scores)
+                step.token_json.append(responses.token_scores_json(index, scores, probes))
+        for req in events.finished:
+            topic, key = self._route(req)
+            of(topic).finished.append(key)
+        out = []
+        for topic, step in by_topic.items():
+            step.sequence = self._next(topic)
+            out.append((topic, self._encoder.encode(step)))
+        return out
+
+    def _lost(self, message: dict) -> tuple[bytes, bytes]:
+        """The worker's "lost" (a step it could not send), each process's requests apart."""
+        by_owner: dict[str, dict[str, list[str]]] = {}
+
+        def owner(req: str) -> tuple[dict[str, list[str]], str]:
+            topic, key = self._route(req)
+            return by_owner.setdefault(topic.decode(), {"requests": [], "finished": []}), key
+
+        for req in message.get("requests", ()):
+            lists, key = owner(req)
+            lists["requests"].append(key)
+        for req in self._reader.book.finish(list(message.get("finished", ()))):
+            lists, key = owner(req)
+            lists["finished"].append(key)
+        return self._broadcast({CONTROL: "lost", "by_owner": by_owner,
+                                "why": "the worker could not send a step's scores"})
+
+    def _route(self, engine_request_id: str) -> tuple[bytes, str]:
+        route = self._routes.get(engine_request_id)
+        if route is None:
+            topic = UNTAGGED
+            if self._tagged:
+                at = engine_request_id.find(OWNER_MARKER)
+                if at >= 0:
+                    topic = engine_request_id[at + len(OWNER_MARKER):at + len(OWNER_MARKER) + 8].encode()
+            route = self._routes[engine_request_id] = (topic, external_request_id(engine_request_id))
+        return route
+
+    def _broadcast(self, message: dict) -> tuple[bytes, bytes]:
+        message = {**message, SEQUENCE: self._next(BROADCAST), PUBLISHER: self.publisher}
+        return BROADCAST, self._encoder.encode(message)
+
+    def _next(self, topic: bytes) -> int:
+        number = self.sequences[topic] = self.sequences.get(topic, 0) + 1
+        self.last_sent = time.monotonic()
+        return number
+
+
+def serve(step_address: str, score_address: str, api_server_count: int, parent_pid: int | None = None,
+          high_water_mark: int = 100_000) -> None:
+    """The formatter's loop: until the worker (`parent_pid`) is gone."""
+    ctx = zmq.Context()
+    steps = ctx.socket(zmq.SUB)
+    steps.setsockopt(zmq.RCVHWM, 0)  # never drop here: the worker's own queue bounds what waits
+    steps.setsockopt(zmq.SUBSCRIBE, b"")
+    steps.connect(step_address)
+    scores = ctx.socket(zmq.PUB)
+    # A process so far behind that its queue is full loses messages there alone, and finds the gap.
+    scores.setsockopt(zmq.SNDHWM, high_water_mark)
+    scores.setsockopt(zmq.LINGER, 0)
+    scores.bind(score_address)
+    formatter = ScoreFormatter(api_server_count)
+    decoder = msgspec.msgpack.Decoder()
+    last_sweep = time.monotonic()
+    log.info("probex: score formatter %d: %s -> %s", formatter.publisher, step_address, score_address)
+    while parent_pid is None or os.getppid() == parent_pid:
+        if steps.poll(HEARTBEAT_S * 1000 / 4):
+            frame = steps.recv()
+            message: dict = {}
+            try:
+                message = decoder.decode(frame)
+                out = formatter.take(message)
+            except Exception:  # a bad message must not stop delivery for everyone
+                log.exception("probex: could not format a score message")
+                out = [formatter.step_failed(message)]
+            for topic, payload in out:
+                scores.send_multipart((topic, payload), flags=zmq.NOBLOCK)
+        now = time.monotonic()
+        if now - formatter.last_sent >= HEARTBEAT_S:
+            scores.send_multipart(formatter.heartbeat(), flags=zmq.NOBLOCK)
+        if now - last_sweep > 10:
+            formatter.forget_stale(300.0)
+            last_sweep = now
+
+
+class FormatterProcess:
+    """The worker's score formatter as a child process, started again whenever it exits.
+
+    Started, waited for and started again from one thread of the worker's, which lives as long
+    as the worker: the child asks the kernel to end it when that thread's process ends
+    (PR_SET_PDEATHSIG) and also checks its parent itself."""
+
+    def __init__(self, step_address: str, score_address: str, api_server_count: int) -> None:
+        self.command = [sys.executable, "-m", "engine_worker.score_formatter", "--steps", step_address,
+                        "--scores", score_address, "--api-server-count", str(api_server_count),
+                        "--parent", str(os.getpid())]
+        self.starts = 0
+        self.process: subprocess.Popen | None = None
+        self._closed = threading.Event()
+        self._started = threading.Event()
+
+    def start(self) -> "FormatterProcess":
+        threading.Thread(target=self._supervise, name="probex-score-formatter", daemon=True).start()
+        self._started.wait(30)
+        atexit.register(self.close)
+        return self
+
+    def _supervise(self) -> None:
+        while not self._closed.is_set():
+            self.process = subprocess.Popen(self.command)
+            self.starts += 1
+            self._started.set()
+            code = self.process.wait()
+            if self._closed.is_set():
+                return
+            # Loud: the API server processes lose the scores then in flight (they see the new
+            # formatter's number and say so), and none are delivered until it is back.
+            log.error("probex: the score formatter (pid %d) exited with %s; starting it again (start %d)",
+                      self.process.pid, code, self.starts + 1)
+            self._closed.wait(min(5.0, 0.5 * self.starts))
+
+    def close(self) -> None:
+        self._closed.set()
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def _end_with_parent(parent_pid: int) -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the loop's parent check still ends it
+        pass
+    if os.getppid() != parent_pid:  # the parent was gone before the request took effect
+        raise SystemExit(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="ProbeX score formatter (started by the worker)")
+    parser.add_argument("--steps", required=True, help="the worker's step address (ZMQ, it binds)")
+    parser.add_argument("--scores", required=True, help="the address the API server processes connect to")
+    parser.add_argument("--api-server-count", type=int, default=1)
+    parser.add_argument("--parent", type=int, default=None, help="end when this process is gone")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.parent is not None:
+        _end_with_parent(args.parent)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    serve(args.steps, args.scores, args.api_server_count, args.parent)
+
+
+if __name__ == "__main__":
+    main()
