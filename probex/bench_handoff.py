@@ -27,6 +27,9 @@ prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSO
   the intake; a 1024-token prompt's rows, where they go out, make it 32 KB);
 - `intake_us`: the API server's `ScoreHub.ingest` of that message (the books, the prompt
   summary, the first token's calibrated scores);
+- `formatter_prefill_step_us`: a score formatter's decoding and formatting of that message
+  (`--score-formatter`; in its own process when served), and `formatted_received_us` the API
+  server's decoding and filing of what it sends instead;
 - `first_chunk_us`: the middleware's decoration of vLLM's first stream chunk, which carries
   the prompt's token ids (compact JSON, as vLLM writes it) and gets the prompt's scores;
   `first_chunk_ids_us` the same for a client that asked for the token ids (`probex bench
@@ -170,10 +173,12 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     from engine_worker.bookkeeping import StepLayout
     from engine_worker.delivery import ScoreHub
     from engine_worker.middleware import MonitoredCall, StreamRelay, _decode_request, body_as_sent, inspect_request
+    from engine_worker.score_formatter import ScoreFormatter
 
     messages: list[bytes] = []
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
     prefill, decode, intake, request, request_decoded = [], [], [], [], []
+    formatter_prefill, formatted_received = [], []
     chunk_times: dict[str, list[float]] = {name: [] for name in ("first_chunk", "token_chunk", "first_chunk_decoded",
                                                                   "token_chunk_decoded", "first_chunk_ids",
                                                                   "first_chunk_ids_decoded")}
@@ -182,6 +187,7 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
         controller = _controller(False, Path(tmp))
         controller.publish = lambda message: messages.append(encoder.encode(message))
         hub = ScoreHub("inproc://unused")  # never started: fed directly, as its receive loop would
+        formatter, formatted_hub = ScoreFormatter(api_server_count=1), ScoreHub("inproc://unused", formatted=True)
 
         request_body = json.dumps({"model": "bench", "prompt": prompt_ids, "max_tokens": 256, "temperature": 0.0,
                                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
@@ -209,6 +215,16 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             started = time.perf_counter()
             hub.ingest(message)
             intake.append(time.perf_counter() - started)
+            # The same step through a score formatter (its own process when served): its time,
+            # and the API server's receiving of what it sends.
+            started = time.perf_counter()
+            frames = formatter.take(decoder.decode(frame))
+            formatter_prefill.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            for topic, payload in frames:
+                formatted_hub.take_formatted(topic, payload)
+            formatted_received.append(time.perf_counter() - started)
+            formatted_hub.release(call.key(0))
             # The next step samples token 1, which the later chunk carries (a completion's
             # first chunk carries token 0): its scores are in when that chunk is decorated.
             controller.after_forward(StepLayout([f"{call.key(0)}-0123abcd"], np.ones(1, np.int64),
@@ -250,6 +266,8 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "repeats": repeats, "prefill_step_us": _median_us(prefill),
             "request_us": _median_us(request), "request_decoded_us": _median_us(request_decoded),
             "decode_us": _median_us(decode), "intake_us": _median_us(intake),
+            "formatter_prefill_step_us": _median_us(formatter_prefill),
+            "formatted_received_us": _median_us(formatted_received),
             **{f"{name}_us": _median_us(times) for name, times in chunk_times.items()}}
 
 
@@ -424,7 +442,8 @@ def main() -> None:
     print(f"first token, {first['prompt_tokens']}-token prompt (medians of {first['repeats']}): request "
           f"{first['request_us']} µs in the API server (decoded and re-encoded: {first['request_decoded_us']} µs), prefill step "
           f"{first['prefill_step_us']} µs in the worker, decode {first['decode_us']} µs and intake "
-          f"{first['intake_us']} µs, first chunk "
+          f"{first['intake_us']} µs (through a score formatter: {first['formatter_prefill_step_us']} µs there, "
+          f"{first['formatted_received_us']} µs received), first chunk "
           f"{first['first_chunk_us']} µs and a later one-token chunk {first['token_chunk_us']} µs in the API server "
           f"(decoded and re-encoded instead: {first['first_chunk_decoded_us']} and {first['token_chunk_decoded_us']} µs); "
           f"with the token ids kept, the first chunk {first['first_chunk_ids_us']} µs (decoded and re-encoded: "
