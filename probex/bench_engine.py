@@ -128,8 +128,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import numpy as np
 
 from engine_worker.launch import api_server_count, vllm_server_entry  # torch-free, as is tap_config
-from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY,
-                                      ENV_HOOK_SPIN_US, ENV_SCORE_CONSUMER, ENV_SCORES_AHEAD, ENV_TAP_BUFFERS)
+from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY, ENV_HOOK_SPIN_US,
+                                      ENV_SCORE_CONSUMER, ENV_SCORE_FORMATTER, ENV_SCORES_AHEAD, ENV_TAP_BUFFERS)
 
 from probex.processes import free_port
 
@@ -141,11 +141,11 @@ except ImportError:  # pragma: no cover - depends on the machine
     _loads = json.loads
 
 KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-         "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "eager",
-         "steer-idle", "steer-active", "steer-gated")
+         "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "tap-toggle-formatter",
+         "eager", "steer-idle", "steer-active", "steer-gated")
 WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-                "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "steer-idle",
-                "steer-active", "steer-gated")  # `probex worker` with the 8 probes
+                "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle",
+                "tap-toggle-formatter", "steer-idle", "steer-active", "steer-gated")  # `probex worker`, the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
 UNDELIVERED_KINDS = ("tap-op-only",)
@@ -156,6 +156,9 @@ SLOW_HOOK_SPIN_US = 100  # tap-slow-hook's extra engine-thread time per step: 2%
 # same start (`toggle_order`), so the tap's cost is read from one start, whose TPOT holds
 # to ~0.1%, not across starts that differ by ~1%.
 TOGGLE_KIND = "tap-toggle"
+# tap-toggle-formatter: the same with the score formatter (`probex worker --score-formatter`), so
+# one run can set the two side by side.
+TOGGLE_KINDS = (TOGGLE_KIND, "tap-toggle-formatter")
 # Which state those phases begin with (--toggle-first). A start's first phase at a
 # concurrency follows its warm-up; alternating the state it is in between the starts of a
 # run keeps whatever that position adds off one state's account.
@@ -176,7 +179,8 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    # before session 11 (engine_worker/tap.py)
                    "tap-buffers-in-model": {ENV_TAP_BUFFERS: "in-model"},
                    # Pausable through PUT /probex/tap (an admin route), for phases on one start
-                   "tap-toggle": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN}}
+                   "tap-toggle": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN},
+                   "tap-toggle-formatter": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_SCORE_FORMATTER: "1"}}
 # What the worker's /probex/probes listing must then say (its `transfer` section), so a set-up
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
@@ -1132,7 +1136,7 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             argv += ["--profiler-config", json.dumps(profiler_config(trace_dir))]
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = placement[len(plans)]
-        first_paused = kind == TOGGLE_KIND and (toggle_first == "paused"
+        first_paused = kind in TOGGLE_KINDS and (toggle_first == "paused"
                                                 or (toggle_first == "alternate" and seen[kind] % 2 == 0))
         plans.append(SetupPlan(label, kind, argv, env, port, consumer, trace_dir, first_paused))
     return plans
@@ -1585,6 +1589,10 @@ def merge_process_health(healths: list[dict[str, Any]]) -> dict[str, Any]:
     merged["score_messages_received"] = max(h.get("score_messages_received", 0) for h in healths)
     for key in ("score_messages_lost", "score_steps_lost"):  # each process's own losses
         merged[key] = sum(h.get(key, 0) for h in healths)
+    formatter = [h["score_formatter"] for h in healths if "score_formatter" in h]
+    if formatter:  # each process's count of formatter restarts it saw, and whether any hears nothing now
+        merged["score_formatter"] = {"restarts_seen": sum(f.get("restarts_seen", 0) for f in formatter),
+                                     "silent": any(f.get("silent") for f in formatter), "processes": len(formatter)}
     merged["api_server"] = {**(healths[0].get("api_server") or {}), "processes": len(healths),
                             "pids": [(h.get("api_server") or {}).get("pid") for h in healths]}
     return merged
@@ -1655,6 +1663,12 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
                 "count": reads,
                 "wait_mean_ms": (r1[f"{prefix}wait_s"] - r0.get(f"{prefix}wait_s", 0.0)) / reads * 1e3,
                 "ready_share": (r1[f"{prefix}ready"] - r0.get(f"{prefix}ready", 0)) / reads}
+    # The score formatter (`--score-formatter`), as the API server processes saw it: started
+    # again during the phase (scores in flight lost), or not heard from at the phase's end.
+    if "score_formatter" in after:
+        f0, f1 = before.get("score_formatter") or {}, after["score_formatter"]
+        out["score_formatter"] = {"restarts": f1.get("restarts_seen", 0) - f0.get("restarts_seen", 0),
+                                  "silent": bool(f1.get("silent"))}
     # The relay's counters below are summed over the API server processes that answered
     # (merge_process_health): two snapshots that did not hear from the same ones say nothing.
     if _answering_processes(before) != _answering_processes(after):
@@ -1790,7 +1804,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     if xargs:
         record["request_xargs"] = xargs
     expect = probe_names if worker and plan.kind not in UNDELIVERED_KINDS else None
-    order = toggle_order(toggle_pairs, plan.toggle_first_paused) if plan.kind == TOGGLE_KIND else []
+    order = toggle_order(toggle_pairs, plan.toggle_first_paused) if plan.kind in TOGGLE_KINDS else []
     for c in concurrencies:
         if cancelled():
             raise SetupCancelled(f"before concurrency {c}")
@@ -1843,7 +1857,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             say(*lines)
             return entry
 
-        if plan.kind != TOGGLE_KIND:
+        if plan.kind not in TOGGLE_KINDS:
             record["results"][str(c)] = measured_phase(seed * 1_000_003 + c * 2, False, plan.label)
             save()
             continue
@@ -1881,7 +1895,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             *(["            " + delivery_line(entry["delivery"])] if entry.get("delivery") else []))
     if idle_ttft_pairs is None:
         idle_ttft_pairs = idle_ttft_requests
-    if idle_ttft_pairs and plan.kind == TOGGLE_KIND:
+    if idle_ttft_pairs and plan.kind in TOGGLE_KINDS:
         prompts = random_prompts(2 * idle_ttft_pairs + TOGGLE_IDLE_LEAD_IN, input_len,
                                  seed * 1_000_003 + TOGGLE_IDLE_SEED)
         before = server_counters(server.url, worker)
@@ -2192,7 +2206,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                       "checks": {}, "results": {}}
             if plan.score_consumer:
                 record["checks"]["probex_score_consumer_expected"] = plan.score_consumer
-            if plan.kind == TOGGLE_KIND:
+            if plan.kind in TOGGLE_KINDS:
                 record["toggle_first_paused"] = plan.toggle_first_paused
             if gpus:
                 record["gpu"] = plan.env_changes["CUDA_VISIBLE_DEVICES"]
@@ -2865,6 +2879,10 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                                 f"default instead of the set-up's {KIND_WORKER_ENV[s['kind']]}")
         for c, entry in s.get("results", {}).items():
             problems += phase_problems(f"{label} c={c}", s["kind"], entry)
+            if ((s.get("env") or {}).get(ENV_SCORE_FORMATTER) == "1" and entry.get("delivery")
+                    and "score_formatter" not in entry["delivery"]):
+                problems.append(f"{label} c={c}: no API server process reported the score formatter that "
+                                f"{ENV_SCORE_FORMATTER}=1 asked for")
         for c, phases in (s.get("toggle") or {}).items():
             own = next((i for i, phase in enumerate(phases) if not phase["paused"]), None)  # results[c]
             for number, phase in enumerate(phases, 1):
@@ -2910,6 +2928,12 @@ def phase_problems(where: str, kind: str, entry: dict[str, Any]) -> list[str]:
                         f"{scores.get('problems', [])}")
     if entry.get("responses_with_probex_field"):
         problems.append(f"{where}: responses carry a probex field: this is not stock vLLM (or a paused tap)")
+    formatter = (entry.get("delivery") or {}).get("score_formatter") or {}
+    if formatter.get("restarts"):
+        problems.append(f"{where}: the score formatter was started again {formatter['restarts']} time(s) (as the API "
+                        "server processes counted it): scores in flight were lost")
+    if formatter.get("silent"):
+        problems.append(f"{where}: an API server process heard nothing from the score formatter at the phase's end")
     return problems
 
 
@@ -3234,7 +3258,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     colors = {"plain": "#4c72b0", "tap": "#55a868", "tap-op-only": "#937860", "tap-engine-consumer": "#da8bc3",
               "tap-thread-consumer": "#8c8c8c", "tap-slow-hook": "#e5ae38", "tap-scores-after-tokens": "#4f9da6",
               "tap-side-copies": "#b07aa1", "tap-buffers-in-model": "#ff9da6", "tap-toggle": "#2ca02c",
-              "eager": "#c44e52", "steer-idle": "#8172b2",
+              "tap-toggle-formatter": "#98df8a", "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
     names = {"plain": f"plain vLLM ({graphs})", "tap": f"ProbeX tap, {probes} probes ({graphs})",
@@ -3246,6 +3270,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
              "tap-side-copies": "ProbeX tap, score copies on a side stream",
              "tap-buffers-in-model": "ProbeX tap, buffers between the model's weights",
              "tap-toggle": f"ProbeX tap, {probes} probes (tap-toggle's first running phase)",
+             "tap-toggle-formatter": f"ProbeX tap, {probes} probes, score formatter (first running phase)",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}

@@ -1473,3 +1473,32 @@ def test_a_server_runs_where_it_was_pinned_and_a_server_that_did_not_is_reported
     finally:
         refused.stop()
     assert "Invalid argument" in (tmp_path / "refused.log").read_text() and not be._group_members(refused.proc.pid)
+
+
+def test_the_score_formatter_set_up_toggles_like_tap_toggle_and_a_formatter_that_failed_is_reported(tmp_path):
+    """tap-toggle-formatter: tap-toggle with `PROBEX_SCORE_FORMATTER=1`, its starts alternating
+    which state comes first as tap-toggle's do; a phase in which the API server processes saw the
+    formatter start again, or hear nothing, is a problem, and so is a set-up that asked for the
+    formatter whose processes never reported one."""
+    plans = be.plan_setups(["tap-toggle", "tap-toggle-formatter", "tap-toggle-formatter"], tmp_path,
+                           [tmp_path / "p"], [], "v2")
+    assert [p.toggle_first_paused for p in plans] == [False, False, True]
+    assert plans[1].env_changes["PROBEX_SCORE_FORMATTER"] == "1" and "PROBEX_SCORE_FORMATTER" not in plans[0].env_changes
+    assert plans[1].env_changes["PROBEX_ADMIN_TOKEN"] == plans[0].env_changes["PROBEX_ADMIN_TOKEN"] == be.TOGGLE_ADMIN_TOKEN
+
+    def health(pid, restarts, silent):
+        return {"api_server": {"pid": pid, "count": 2}, "score_formatter": {"restarts_seen": restarts, "silent": silent}}
+
+    before = be.merge_process_health([health(7, 0, False), health(8, 0, False)])
+    after = be.merge_process_health([health(7, 1, False), health(8, 1, True)])
+    assert after["score_formatter"] == {"restarts_seen": 2, "silent": True, "processes": 2}
+    setup = _setup("tap-toggle-formatter", "tap-toggle-formatter#1", {"1": 5.0})
+    setup["env"] = {"PROBEX_SCORE_FORMATTER": "1"}
+    setup["results"]["1"]["delivery"] = be.delivery_delta(before, after)
+    assert setup["results"]["1"]["delivery"]["score_formatter"] == {"restarts": 2, "silent": True}
+    problems = be.find_problems([setup])
+    assert any("started again 2 time(s)" in p for p in problems) and any("heard nothing" in p for p in problems)
+    setup["results"]["1"]["delivery"] = be.delivery_delta(before, before)
+    assert not any("formatter" in p for p in be.find_problems([setup]))
+    setup["results"]["1"]["delivery"] = {"transfer": {"steps": 3}}  # a worker without the formatter
+    assert any("no API server process reported the score formatter" in p for p in be.find_problems([setup]))
