@@ -10,6 +10,11 @@ middleware can ask by the id it put in `X-Request-Id`. With several API server p
 each one's middleware starts its ids with its own tag (`owner_tag`), and its hub books
 only the rows of those: each process relays its own requests' chunks, so the relay's work
 is shared out as vLLM shares out its own.
+
+With the score formatter (score_formatter.py, `probex worker --score-formatter`) the worker
+publishes to the formatter instead, which keeps the books once for every process and sends
+each its own requests' rows, calibrated and written as JSON; the hub then only files them
+(`ScoreHub(formatted=True)`, `take_formatted`).
 """
 
 from __future__ import annotations
@@ -80,7 +85,6 @@ class FormattedStep(msgspec.Struct, array_like=True):
     finished: list[str]
 
 
-
 def external_request_id(engine_request_id: str) -> str:
     return _ENGINE_SUFFIX.sub("", engine_request_id)
 
@@ -100,7 +104,8 @@ class ScorePublisher:
 
     While nothing else is sent, a heartbeat goes out every `heartbeat_s` (a thread that
     wakes that often): a process that lost the last messages of a burst hears of it then,
-    not when traffic resumes, and its responses stop waiting for those scores."""
+    not when traffic resumes, and its responses stop waiting for those scores. A heartbeat
+    repeats the last pause state sent, for a process that missed the change."""
 
     def __init__(self, address: str, high_water_mark: int = 100_000, heartbeat_s: float = 1.0) -> None:
         self._ctx = zmq.Context.instance()
@@ -111,6 +116,7 @@ class ScorePublisher:
         self._encoder = msgspec.msgpack.Encoder()
         self._lock = threading.Lock()
         self.sequence = 0
+        self._pause: list | None = None  # the last pause state sent, which heartbeats repeat
         self._last_send = time.monotonic()
         self._closed = threading.Event()
         if heartbeat_s > 0:
@@ -118,6 +124,10 @@ class ScorePublisher:
                              daemon=True).start()
 
     def publish(self, message: dict) -> None:
+        if "pause" in message:
+            self._pause = message["pause"]
+        elif message.get(CONTROL) == "paused":
+            self._pause = [message["sequence"], message["paused"]]
         with self._lock:
             message[SEQUENCE] = self.sequence + 1
             frame = self._encoder.encode(message)  # a message that cannot be encoded takes no number
@@ -134,8 +144,11 @@ class ScorePublisher:
         while not self._closed.wait(every_s):
             if time.monotonic() - self._last_send < every_s:
                 continue
+            message = heartbeat_message()
+            if self._pause is not None:
+                message["pause"] = list(self._pause)
             try:
-                self.publish(heartbeat_message())
+                self.publish(message)
             except zmq.ZMQError:  # the socket was closed under it: the publisher is gone
                 return
 
@@ -255,7 +268,8 @@ class ScoreHub:
     def __init__(self, address: str, retention_s: float = 300.0, owner: str | None = None,
                  formatted: bool = False) -> None:
         """`owner`: where several API server processes share the worker, this process's tag
-        (`owner_tag`); the hub then books only rows whose request id carries it. None: every row.
+        (`owner_tag`); the hub then books only rows whose request id carries it (with the
+        formatter, it is the topic the formatter sends this process's rows on). None: every row.
         `formatted`: `address` is the score formatter's (score_formatter.py), which sends this
         process its own rows already booked, calibrated and written as JSON; otherwise the
         worker's, which sends every step whole."""
@@ -381,8 +395,9 @@ class ScoreHub:
     async def _receive_formatted_forever(self) -> None:
         last_sweep = time.monotonic()
         while True:
-            topic, frame = await self._socket.recv_multipart()
+            frames = await self._socket.recv_multipart()
             try:
+                topic, frame = frames
                 self.take_formatted(topic, frame)
             except Exception:  # a malformed message must not stop delivery for everyone
                 log.exception("probex: could not take in a message from the score formatter")
@@ -404,14 +419,18 @@ class ScoreHub:
     def take_formatted(self, topic: bytes, frame: bytes) -> None:
         """One message from the score formatter: this process's rows of a step, or, on
         BROADCAST, a control message for every process."""
-        self._heard = time.monotonic()
-        if self.silent:
-            self.silent = False
-            log.warning("probex: the score formatter is heard from again")
-        if topic != BROADCAST:
-            return self.ingest_formatted(self._step_decoder.decode(frame))
+        if topic == self._topic:
+            self._heard_now()
+            self.ingest_formatted(self._step_decoder.decode(frame))
+            return
+        if topic != BROADCAST:  # a topic that only begins like ours or like BROADCAST
+            return
+        self._heard_now()
         message = self._decoder.decode(frame)
         self._count_formatted(message[PUBLISHER], BROADCAST.decode(), message[SEQUENCE])
+        if "pause" in message:  # the worker's pause state, on heartbeats and losses
+            sequence, paused = message["pause"]
+            self.set_paused(bool(paused), int(sequence))
         kind = message.get(CONTROL)
         if kind == "heartbeat":
             # The formatter's count of this process's topic: messages lost at the end of a burst
@@ -421,7 +440,7 @@ class ScoreHub:
             if announced is not None and last is not None and announced > last:
                 self._formatter_sequences[self._topic_name] = announced
                 self._messages_missing(announced - last)
-            return None
+            return
         self.messages_received += 1
         if kind == "lost":
             mine = (message.get("by_owner") or {}).get(self._topic_name) or {}
@@ -433,8 +452,15 @@ class ScoreHub:
                 self.swaps += 1  # a swap may have been among them: listings are read again
             else:
                 self.steps_lost += 1
-            return self._scores_lost(str(message.get("why") or "scores lost"))
-        return self._control(message)
+            self._scores_lost(str(message.get("why") or "scores lost"))
+            return
+        self._control(message)
+
+    def _heard_now(self) -> None:
+        self._heard = time.monotonic()
+        if self.silent:
+            self.silent = False
+            log.warning("probex: the score formatter is heard from again")
 
     def ingest_formatted(self, step: FormattedStep) -> None:
         """This process's rows of one step as the score formatter sent them: filed, nothing
@@ -622,8 +648,10 @@ class ScoreHub:
                 self._probe_version = max(self._probe_version, int(message["version"]))
                 if self.on_probes_swapped is not None:
                     self.on_probes_swapped(int(message["version"]), list(message.get("dirs") or []))
-        elif kind == "heartbeat":
-            pass  # its number was the news (a gap in the count is handled above)
+        elif kind == "heartbeat":  # its number was the news (a gap in the count is handled above)
+            if "pause" in message:  # and the worker's pause state, for a process that missed a change
+                sequence, paused = message["pause"]
+                self.set_paused(bool(paused), int(sequence))
         elif kind == "lost":
             self.steps_lost += 1
             mine = [req for req in message.get("requests", ()) if self.owner is None or self._owned(req)]

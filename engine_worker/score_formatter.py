@@ -17,13 +17,16 @@ alone, on its own topic. Control messages (pause, swap, a lost step) go to every
 
 Failure is never silent: each topic's messages are numbered and every message names the
 formatter that sent it (`publisher`, random per start), so a hub finds messages lost on the
-way and a formatter started again (books and scores in flight lost) as a loss; a gap in the
-worker's count, or a step the formatter could not read, is sent to every hub as one; the
-formatter sends a heartbeat every second when nothing else goes, with each topic's count, so
-a hub also hears of a loss at the end of a burst, and a hub that hears nothing for
-`SILENT_AFTER_S` stops waiting for scores (`ScoreHub.silent`). The worker starts the
-formatter (`FormatterProcess`), starts it again if it exits, and the formatter ends with the
-worker.
+way and a formatter started again as a loss; a gap in the worker's count, or a step the
+formatter could not read, is sent to every hub as one. Every second the formatter sends every
+hub a heartbeat with each topic's count (a loss at the end of a burst shows then) and the
+worker's pause state (a process that missed a pause message is set right); it holds them back
+while it hears nothing from the worker, and a hub that hears nothing for `SILENT_AFTER_S`
+stops waiting for scores (`ScoreHub.silent`). The worker starts the formatter
+(`FormatterProcess`), starts it again if it exits, and the formatter ends with the worker. A
+formatter started again has lost its books: a prompt being prefilled across the restart gets
+a summary of its later rows alone (`tokens_scored` says so), and ends of requests it never
+saw are not reported (nothing waits for them).
 
 Engine-agnostic: nothing here imports vLLM.
 """
@@ -35,6 +38,8 @@ import atexit
 import logging
 import os
 import random
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -51,7 +56,9 @@ from engine_worker.delivery import (BROADCAST, OWNER_MARKER, PUBLISHER, UNTAGGED
 
 log = logging.getLogger("probex.score_formatter")
 
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 1.0  # every process hears from the formatter at least this often
+WORKER_SILENT_AFTER_S = 3.0  # the worker heartbeats every second when idle
+_OWNER_TAG = re.compile(r"[0-9a-f]{8}")  # delivery.owner_tag's
 
 
 class ScoreFormatter:
@@ -66,12 +73,19 @@ class ScoreFormatter:
         self._routes: dict[str, tuple[bytes, str]] = {}  # engine request id -> (topic, our id)
         self.sequences: dict[bytes, int] = {}
         self._last_worker_sequence: int | None = None
+        # The worker's pause state as last heard ((pause changes, paused), from its steps, its
+        # pause messages and its heartbeats): sent with every heartbeat and loss, so a process
+        # that missed a pause message, or has no rows to carry one, is set right within a second.
+        self.pause: tuple[int, bool] | None = None
         self._encoder = msgspec.msgpack.Encoder()
-        self.last_sent = time.monotonic()
+        self.last_broadcast = 0.0  # a heartbeat at once
+        self.last_heard = time.monotonic()  # from the worker
 
     def take(self, message: dict) -> list[tuple[bytes, bytes]]:
         """One message from the worker (a step or a control message) as the frames to send."""
         out: list[tuple[bytes, bytes]] = []
+        self.last_heard = time.monotonic()
+        self._note_pause(message)
         sequence = message.get(SEQUENCE)
         if sequence is not None:
             last, self._last_worker_sequence = self._last_worker_sequence, sequence
@@ -93,7 +107,7 @@ class ScoreFormatter:
     def step_failed(self, message: dict) -> tuple[bytes, bytes]:
         """A message that could not be read or formatted: its requests' waits end."""
         step = message.get("step") if isinstance(message, dict) else None
-        requests = step.get("req") or [] if isinstance(step, dict) else []
+        requests = (step.get("req") or []) if isinstance(step, dict) else []
         by_owner: dict[str, dict[str, list[str]]] = {}
         for req in requests:
             topic, key = self._route(str(req))
@@ -101,9 +115,20 @@ class ScoreFormatter:
         return self._broadcast({CONTROL: "lost", "by_owner": by_owner, "why": "a step's scores could not be formatted"})
 
     def heartbeat(self) -> tuple[bytes, bytes]:
-        """Each topic's count so far: a hub that missed the last messages of a burst learns it now."""
+        """Each topic's count so far (a hub that missed the last messages of a burst learns it
+        now) and the worker's pause state."""
         return self._broadcast({CONTROL: "heartbeat", "last": {t.decode(): n for t, n in self.sequences.items()
                                                                if t != BROADCAST}})
+
+    def _note_pause(self, message: dict) -> None:
+        if "pause" in message:  # a step's, or a worker heartbeat's
+            state = (int(message["pause"][0]), bool(message["pause"][1]))
+        elif message.get(CONTROL) == "paused" and message.get("sequence") is not None:
+            state = (int(message["sequence"]), bool(message["paused"]))
+        else:
+            return
+        if self.pause is None or state[0] >= self.pause[0]:
+            self.pause = state
 
     def forget_stale(self, idle_s: float) -> None:
         self._reader.book.forget_stale(idle_s)
@@ -130,8 +155,11 @@ class ScoreFormatter:
                                                        [], [])
             return step
 
+        nobodys = UNTAGGED if self._tagged else None  # with several processes, no process's ids are untagged
         for event in events.prompt:
             topic, key = self._route(event["req"])
+            if topic == nobodys:
+                continue
             try:
                 fields = responses.prompt_fields(event, probes)
             except Exception:  # one prompt's bad summary must not cost the step's other scores
@@ -147,6 +175,8 @@ class ScoreFormatter:
             calibrated = table.calibrate(events.token_raw).tolist()
             for req, index, values in zip(events.token_req_ids, events.token_indexes, calibrated):
                 topic, key = self._route(req)
+                if topic == nobodys:
+                    continue
                 step = of(topic)
                 scores = tuple(values)
                 step.token_requests.append(key)
@@ -155,7 +185,8 @@ class ScoreFormatter:
                 step.token_json.append(responses.token_scores_json(index, scores, probes))
         for req in events.finished:
             topic, key = self._route(req)
-            of(topic).finished.append(key)
+            if topic != nobodys:
+                of(topic).finished.append(key)
         out = []
         for topic, step in by_topic.items():
             step.sequence = self._next(topic)
@@ -180,32 +211,41 @@ class ScoreFormatter:
                                 "why": "the worker could not send a step's scores"})
 
     def _route(self, engine_request_id: str) -> tuple[bytes, str]:
+        """(topic, our id): the owner tag the middleware put in the id, where it is one (a
+        client's own X-Request-Id, passed through unmonitored, may hold anything)."""
         route = self._routes.get(engine_request_id)
         if route is None:
             topic = UNTAGGED
             if self._tagged:
                 at = engine_request_id.find(OWNER_MARKER)
-                if at >= 0:
-                    topic = engine_request_id[at + len(OWNER_MARKER):at + len(OWNER_MARKER) + 8].encode()
+                tag = engine_request_id[at + len(OWNER_MARKER):at + len(OWNER_MARKER) + 8] if at >= 0 else ""
+                if _OWNER_TAG.fullmatch(tag):
+                    topic = tag.encode()
             route = self._routes[engine_request_id] = (topic, external_request_id(engine_request_id))
         return route
 
     def _broadcast(self, message: dict) -> tuple[bytes, bytes]:
         message = {**message, SEQUENCE: self._next(BROADCAST), PUBLISHER: self.publisher}
+        if self.pause is not None and message.get(CONTROL) in ("heartbeat", "lost"):
+            message["pause"] = list(self.pause)
+        self.last_broadcast = time.monotonic()
         return BROADCAST, self._encoder.encode(message)
 
     def _next(self, topic: bytes) -> int:
         number = self.sequences[topic] = self.sequences.get(topic, 0) + 1
-        self.last_sent = time.monotonic()
         return number
 
 
 def serve(step_address: str, score_address: str, api_server_count: int, parent_pid: int | None = None,
-          high_water_mark: int = 100_000) -> None:
-    """The formatter's loop: until the worker (`parent_pid`) is gone."""
+          ready_fd: int | None = None, high_water_mark: int = 100_000) -> None:
+    """The formatter's loop: until the worker (`parent_pid`) is gone. `ready_fd`: written to
+    once the sockets are bound and connected (`FormatterProcess` waits for it)."""
     ctx = zmq.Context()
     steps = ctx.socket(zmq.SUB)
-    steps.setsockopt(zmq.RCVHWM, 0)  # never drop here: the worker's own queue bounds what waits
+    # Bounded: a formatter minutes of steps behind drops there, and the gap in the worker's
+    # count goes on to every process as a loss, rather than its queue and every score's delay
+    # growing without end and unseen.
+    steps.setsockopt(zmq.RCVHWM, 10_000)
     steps.setsockopt(zmq.SUBSCRIBE, b"")
     steps.connect(step_address)
     scores = ctx.socket(zmq.PUB)
@@ -213,9 +253,13 @@ def serve(step_address: str, score_address: str, api_server_count: int, parent_p
     scores.setsockopt(zmq.SNDHWM, high_water_mark)
     scores.setsockopt(zmq.LINGER, 0)
     scores.bind(score_address)
+    if ready_fd is not None:
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
     formatter = ScoreFormatter(api_server_count)
     decoder = msgspec.msgpack.Decoder()
     last_sweep = time.monotonic()
+    worker_silent = False
     log.info("probex: score formatter %d: %s -> %s", formatter.publisher, step_address, score_address)
     while parent_pid is None or os.getppid() == parent_pid:
         if steps.poll(HEARTBEAT_S * 1000 / 4):
@@ -230,19 +274,36 @@ def serve(step_address: str, score_address: str, api_server_count: int, parent_p
             for topic, payload in out:
                 scores.send_multipart((topic, payload), flags=zmq.NOBLOCK)
         now = time.monotonic()
-        if now - formatter.last_sent >= HEARTBEAT_S:
+        # The worker heartbeats every second when it has nothing to send: if it is not heard,
+        # no scores come through here either, and the API server processes should stop
+        # waiting for them (they do when these heartbeats stop: ScoreHub.silent).
+        if worker_silent != (now - formatter.last_heard > WORKER_SILENT_AFTER_S):
+            worker_silent = not worker_silent
+            (log.error if worker_silent else log.warning)(
+                "probex: %s", f"nothing from the worker for {WORKER_SILENT_AFTER_S:.0f} s: heartbeats held back"
+                if worker_silent else "the worker is heard from again")
+        if now - formatter.last_broadcast >= HEARTBEAT_S and not worker_silent:
             scores.send_multipart(formatter.heartbeat(), flags=zmq.NOBLOCK)
         if now - last_sweep > 10:
             formatter.forget_stale(300.0)
             last_sweep = now
 
 
+class FormatterNotStarted(RuntimeError):
+    pass
+
+
 class FormatterProcess:
     """The worker's score formatter as a child process, started again whenever it exits.
 
-    Started, waited for and started again from one thread of the worker's, which lives as long
-    as the worker: the child asks the kernel to end it when that thread's process ends
-    (PR_SET_PDEATHSIG) and also checks its parent itself."""
+    One thread of the worker's starts it, waits for it and starts it again, and lives as long as
+    the worker: the kernel ends the child when that thread ends (PR_SET_PDEATHSIG is tied to the
+    thread that forked), and the child also checks its parent itself. The first start must
+    succeed (the sockets bound and connected within `STARTUP_S`), or `start` raises and the
+    worker does not start; a later one that fails is tried again, with a growing pause, and
+    logged each time."""
+
+    STARTUP_S = 30.0
 
     def __init__(self, step_address: str, score_address: str, api_server_count: int) -> None:
         self.command = [sys.executable, "-m", "engine_worker.score_formatter", "--steps", step_address,
@@ -250,37 +311,80 @@ class FormatterProcess:
                         "--parent", str(os.getpid())]
         self.starts = 0
         self.process: subprocess.Popen | None = None
+        self._lock = threading.Lock()  # a close never misses a process being started
         self._closed = threading.Event()
-        self._started = threading.Event()
+        self._first = threading.Event()
+        self._first_error: str | None = None
 
     def start(self) -> "FormatterProcess":
         threading.Thread(target=self._supervise, name="probex-score-formatter", daemon=True).start()
-        self._started.wait(30)
+        self._first.wait()
+        if self._first_error is not None:
+            self.close()
+            raise FormatterNotStarted(f"probex: the score formatter did not start: {self._first_error}")
+        # A worker started by fork may end without running atexit; PR_SET_PDEATHSIG covers that.
         atexit.register(self.close)
         return self
 
+    def _launch(self) -> subprocess.Popen | None:
+        """The formatter started and ready (None: closed meanwhile); raises if it is not."""
+        read_fd, write_fd = os.pipe()
+        try:
+            with self._lock:
+                if self._closed.is_set():
+                    return None
+                process = self.process = subprocess.Popen([*self.command, "--ready-fd", str(write_fd)],
+                                                          pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)
+        try:
+            ready, _, _ = select.select([read_fd], [], [], self.STARTUP_S)
+            if not ready or os.read(read_fd, 1) != b"1":  # nothing in time, or it exited first
+                process.kill()
+                raise FormatterNotStarted(f"not ready within {self.STARTUP_S:.0f} s (exit code {process.wait()}; "
+                                          "its error is in the worker's log)")
+        finally:
+            os.close(read_fd)
+        return process
+
     def _supervise(self) -> None:
+        failures = 0
         while not self._closed.is_set():
-            self.process = subprocess.Popen(self.command)
+            try:
+                process = self._launch()
+            except (OSError, subprocess.SubprocessError, FormatterNotStarted) as exc:
+                if not self._first.is_set():
+                    self._first_error = str(exc)
+                    self._first.set()
+                    return
+                failures += 1
+                log.error("probex: could not start the score formatter again (%s); trying again", exc)
+                self._closed.wait(min(5.0, 0.5 * failures))
+                continue
+            if process is None:
+                return
             self.starts += 1
-            self._started.set()
-            code = self.process.wait()
+            self._first.set()
+            began = time.monotonic()
+            code = process.wait()
             if self._closed.is_set():
                 return
+            failures = 0 if time.monotonic() - began > 60 else failures + 1  # the pause grows only for a crash loop
             # Loud: the API server processes lose the scores then in flight (they see the new
             # formatter's number and say so), and none are delivered until it is back.
-            log.error("probex: the score formatter (pid %d) exited with %s; starting it again (start %d)",
-                      self.process.pid, code, self.starts + 1)
-            self._closed.wait(min(5.0, 0.5 * self.starts))
+            log.error("probex: the score formatter (pid %d) exited with %s; starting it again", process.pid, code)
+            self._closed.wait(min(5.0, 0.5 * failures))
 
     def close(self) -> None:
-        self._closed.set()
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+        with self._lock:
+            self._closed.set()
+            process = self.process
+        if process is not None and process.poll() is None:
+            process.terminate()
             try:
-                self.process.wait(5)
+                process.wait(5)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                process.kill()
 
 
 def _end_with_parent(parent_pid: int) -> None:
@@ -301,12 +405,15 @@ def main() -> None:
     parser.add_argument("--scores", required=True, help="the address the API server processes connect to")
     parser.add_argument("--api-server-count", type=int, default=1)
     parser.add_argument("--parent", type=int, default=None, help="end when this process is gone")
+    parser.add_argument("--ready-fd", type=int, default=None, help="written to once the sockets are up")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.parent is not None:
         _end_with_parent(args.parent)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    serve(args.steps, args.scores, args.api_server_count, args.parent)
+    # Ctrl-C reaches the whole process group: the worker ends it (with SIGTERM, or by exiting).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    serve(args.steps, args.scores, args.api_server_count, args.parent, args.ready_fd)
 
 
 if __name__ == "__main__":

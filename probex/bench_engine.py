@@ -2356,13 +2356,28 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     name: overhead_pct(values[name], base[name]) for name in OVERHEAD_METRICS}
     analysis = {"summary": {"per_kind": per_kind, "tpot_p50_spread_over_repeats_pct": spread},
                 "overhead_pct": overhead, "overhead_over_starts": overhead_over_starts(setups),
-                "toggle_overhead_pct": toggle_overhead(setups),
-                "idle_ttft_toggle": toggled_idle_ttft_summary(setups),
+                "toggle_overhead_pct": toggle_overhead(toggled_of(setups, TOGGLE_KIND)),
+                "idle_ttft_toggle": toggled_idle_ttft_summary(toggled_of(setups, TOGGLE_KIND)),
                 "tpot_p50_overhead_pct_by_gpu": overhead_by_gpu(setups),
                 "idle_ttft": idle_ttft_summary(setups), "ttft_split": ttft_split_summary(setups),
                 "problems": find_problems(setups), "warnings": find_warnings(setups)}
     analysis["goals"] = goal_readings(analysis)
+    # The other toggled kinds (tap-toggle-formatter) read on their own starts alone, goals too.
+    variants = {}
+    for kind in TOGGLE_KINDS[1:]:
+        own = toggled_of(setups, kind)
+        if own:
+            variant = {"toggle_overhead_pct": toggle_overhead(own), "idle_ttft_toggle": toggled_idle_ttft_summary(own)}
+            variant["goals"] = goal_readings(variant)
+            variants[kind] = variant
+    if variants:
+        analysis["toggle_variants"] = variants
     return analysis
+
+
+def toggled_of(setups: Sequence[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The starts of one toggled kind that toggled (phases under load, or idle pairs)."""
+    return [s for s in setups if s["kind"] == kind and (s.get("toggle") or s.get("idle_ttft_toggle"))]
 
 
 # The tap's cost goals (issue 5), percent over plain vLLM: TPOT p50 by concurrency (any
@@ -3000,6 +3015,126 @@ def _pct2(value: float) -> str:
     return f"{value:+.2f}%" if math.isfinite(value) else "n/a"
 
 
+def toggle_tables(result: dict[str, Any], kind: str = TOGGLE_KIND) -> list[str]:
+    """The tables of one toggled set-up kind's starts (tap-toggle, or a variant of it in
+    `toggle_variants`): the tap running over paused within each start, under load and idle."""
+    own = result if kind == TOGGLE_KIND else (result.get("toggle_variants") or {}).get(kind) or {}
+    setups = [s for s in result.get("setups", []) if s["kind"] == kind]
+    lines: list[str] = []
+    toggled = own.get("toggle_overhead_pct") or {}
+    if toggled:
+        lines += ["", f"The tap within one start ({kind}: phases with the tap running and paused alternate on "
+                  "the same server), running over paused, percent; for tokens/s negative means slower; vLLM's "
+                  "ITL mean is the engine's own, before the API server relays a chunk:", "",
+                  "| concurrency | starts | TPOT p50 | TPOT mean | ITL p50 | vLLM ITL mean | TTFT p50 | output tok/s "
+                  "| TPOT p50 by start | TTFT p50 by start |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        for c, o in toggled.items():
+            engine_itl = _pct(o["vllm_itl_mean"]) if "vllm_itl_mean" in o else "—"
+            lines.append(f"| {c} | {o['starts']} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | {_pct(o['itl_p50'])} | "
+                         f"{engine_itl} | {_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} | "
+                         + ", ".join(_pct(v) for v in o["tpot_p50_per_start"]) + " | "
+                         + ", ".join(_pct(v) for v in o.get("ttft_p50_per_start", [])) + " |")
+        lines += ["", "The API server in the same phases, every phase's reading, starts apart by \";\": tokens per "
+                  "chunk (over 1, vLLM merged tokens as its event loop fell behind the engine) and its event "
+                  "loop's thread, busy share of a core:", "",
+                  "| concurrency | tokens/chunk, running | tokens/chunk, paused | event loop, running "
+                  "| event loop, paused |", "|---:|---|---|---|---|"]
+        for c, o in toggled.items():
+            cells = ["; ".join(", ".join(f"{v:.2f}" if math.isfinite(v) else "n/a" for v in start)
+                               for start in o["api_server"][name][state])
+                     for name in API_SERVER_LOAD for state in ("running", "paused")]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines += ["", "TTFT in the same phases: each phase's TTFT p50 at the client (starts apart by \";\"), and "
+                  "vLLM's own TTFT split by its stage histograms, means over the phases, running / paused (ms; "
+                  "queue: waiting to be scheduled, prefill: scheduled to the first token's output in the engine, "
+                  "API + trips: the rest):", "",
+                  "| concurrency | TTFT p50, running | TTFT p50, paused | vLLM TTFT | queue | prefill | API + trips |",
+                  "|---:|---|---|---:|---:|---:|---:|"]
+        for c, o in toggled.items():
+            if "ttft_p50_ms" not in o:  # a result analysed before this table existed
+                continue
+            cells = ["; ".join(", ".join(f"{v:.0f}" if math.isfinite(v) else "n/a" for v in start)
+                               for start in o["ttft_p50_ms"][state]) for state in ("running", "paused")]
+            split = o.get("vllm_ttft_split")
+            cells += ([f"{split['running'][part]:.1f} / {split['paused'][part]:.1f}" for part in (*TTFT_PARTS, "api")]
+                      if split else ["n/a"] * 4)
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        where = {c: o["ttft_where_ms"] for c, o in toggled.items() if o.get("ttft_where_ms", {}).get("client", {}).get("pairs")}
+        if where:
+            lines += ["", "TTFT's mean in the same phases, where it goes: running − paused, phase pair by phase pair "
+                      "(ms; 95% interval over the pairs; the API server's own parts where its processes timed them):",
+                      "", "| concurrency | part | pairs | running − paused, ms |", "|---:|---|---:|---:|"]
+            for c, parts in where.items():
+                for name in TTFT_WHERE:
+                    part = parts.get(name, {})
+                    if "difference_mean_ms" not in part:
+                        continue
+                    cell = f"{part['difference_mean_ms']:+.2f}"
+                    if "ci95_ms" in part:
+                        cell += f" ({part['ci95_ms'][0]:+.2f} … {part['ci95_ms'][1]:+.2f})"
+                    lines.append(f"| {c} | {TTFT_WHERE_WORDS[name]} | {part['pairs']} | {cell} |")
+        began = [(s["label"], toggle_began_paused(s)) for s in setups if toggled_phases(s)]
+        lines += ["", f"{kind}'s starts, in the order of the lists above: " + ", ".join(
+            f"{label} (began {'paused' if paused else 'running'})" for label, paused in began) + "."]
+        if any(paused for _, paused in began):
+            lines.append("A start that began paused has its second phase as the set-up's own, the one compared "
+                         "with plain across starts; plain's is its first after the warm-up.")
+        if len(began) > 1 and 2 * sum(paused for _, paused in began) != len(began):
+            lines.append("Unequal numbers of starts began running and paused: the first phase after the warm-up "
+                         "falls more on one state.")
+    idle_toggled = own.get("idle_ttft_toggle") or {}
+    if idle_toggled.get("all_starts", {}).get("pct") is not None:
+        lines += ["", f"TTFT at an idle engine with the tap running over paused, request by request ({kind}: "
+                  "pairs of neighbouring requests on one server, ABBA), percent:", "",
+                  "| starts | pairs | running, ms | paused, ms | running over paused | 95% interval | per start |",
+                  "|---:|---:|---:|---:|---:|---:|---|"]
+        pooled = idle_toggled["all_starts"]
+        lines.append(f"| {len(idle_toggled['per_start'])} | {pooled['pairs']} | {pooled['running_mean_ms']:.2f} | "
+                     f"{pooled['paused_mean_ms']:.2f} | {_pct2(pooled['pct'])} | {_pct2(pooled['ci95_pct'][0])} … "
+                     f"{_pct2(pooled['ci95_pct'][1])} | "
+                     + ", ".join(_pct2(x["pct"]) for x in idle_toggled["per_start"] if "pct" in x) + " |")
+        over = idle_toggled.get("over_starts")
+        if over:
+            lines.append(f"\nOver the {over['starts']} starts' own figures: {_pct2(over['pct'])} "
+                         f"(95% interval {_pct2(over['ci95_pct'][0])} … {_pct2(over['ci95_pct'][1])}).")
+        if pooled.get("difference_sd_pct") is not None:
+            starts = len(idle_toggled["per_start"])
+            by_start = ", ".join(f"{x['difference_sd_pct']:.1f}%" for x in idle_toggled["per_start"]
+                                 if "difference_sd_pct" in x)
+            lines.append(f"\nThe pairs' differences scatter by {pooled['difference_sd_pct']:.1f}% of the paused mean "
+                         f"(SD; by start {by_start}): a 95% interval of ±{PAIRED_TTFT_HALF_WIDTH_PCT}% would take "
+                         f"about {pooled['pairs_for_half_width']} pairs in all, "
+                         f"{math.ceil(pooled['pairs_for_half_width'] / starts)} a start over {starts} starts "
+                         "(--idle-ttft-pairs).")
+    splits = [(s["label"], _forward_split_of(s["idle_ttft_toggle"])) for s in setups
+              if "span" in (s.get("idle_ttft_toggle") or {}).get("forward_split", {})]
+    if splits:
+        lines += ["", "The idle pairs split by the worker's timing of each request's prefill forward on the device "
+                  "(PROBEX_STEP_TIMING=1): running − paused per pair, ms (95% interval), as a share of the paused "
+                  "TTFT, and how much each part scatters from request to request (SD, ms):", "",
+                  "| start | pairs | part | paused mean | running − paused | share of TTFT | request SD |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for label, split in splits:
+            lines.append(f"| {label} | {split['pairs']} | TTFT | {split['paused_ttft_mean_ms']:.2f} | | | "
+                         f"{split['sd_ms']['ttft']:.2f} |")
+            for name, words in FORWARD_SPLIT_PARTS.items():
+                if name in split:
+                    part = split[name]
+                    lines.append(f"| | | {words} | {part['paused_mean_ms']:.2f} | {part['difference_mean_ms']:+.3f} "
+                                 f"({part['ci95_ms'][0]:+.3f} … {part['ci95_ms'][1]:+.3f}) | "
+                                 f"{_pct2(part['pct_of_ttft'])} | {split['sd_ms'][name]:.2f} |")
+        levels = [(label, split["way_out_in_order"]) for label, split in splits if split.get("way_out_in_order")]
+        if levels:
+            lines += ["", "The way out in request order, the tap running and paused alike: quartiles (ms), the "
+                      "correlation of one request's way out with the next's (lag 1: a host state lasting several "
+                      "requests reads high) and with its own prefill span:", ""]
+            lines += [f"- {label}: {' / '.join(f'{q:.2f}' for q in lv['quartiles_ms'])} ms; lag 1 "
+                      f"{lv['lag1_correlation']:.2f}; with the span {lv['correlation_with_span']:.2f}"
+                      for label, lv in levels]
+    return lines
+
+
 def markdown_tables(result: dict[str, Any]) -> str:
     """The per-run table and the overhead table (for docs/benchmarks.md)."""
     lines = ["| set-up | concurrency | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | TPOT mean | ITL p50 | ITL p99 "
@@ -3051,117 +3186,9 @@ def markdown_tables(result: dict[str, Any]) -> str:
                         cells += [_pct(v["pct"]), f"{_pct(lo)} … {_pct(hi)}" if math.isfinite(hi - lo) else "n/a"]
                     lines.append(f"| {kind} | {variant} | {c} | {row['starts']} ({row['plain_starts']}) | "
                                  + " | ".join(cells) + " |")
-    toggled = result.get("toggle_overhead_pct") or {}
-    if toggled:
-        lines += ["", "The tap within one start (tap-toggle: phases with the tap running and paused alternate on "
-                  "the same server), running over paused, percent; for tokens/s negative means slower; vLLM's "
-                  "ITL mean is the engine's own, before the API server relays a chunk:", "",
-                  "| concurrency | starts | TPOT p50 | TPOT mean | ITL p50 | vLLM ITL mean | TTFT p50 | output tok/s "
-                  "| TPOT p50 by start | TTFT p50 by start |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-        for c, o in toggled.items():
-            engine_itl = _pct(o["vllm_itl_mean"]) if "vllm_itl_mean" in o else "—"
-            lines.append(f"| {c} | {o['starts']} | {_pct(o['tpot_p50'])} | {_pct(o['tpot_mean'])} | {_pct(o['itl_p50'])} | "
-                         f"{engine_itl} | {_pct(o['ttft_p50'])} | {_pct(o['output_tokens_per_s'])} | "
-                         + ", ".join(_pct(v) for v in o["tpot_p50_per_start"]) + " | "
-                         + ", ".join(_pct(v) for v in o.get("ttft_p50_per_start", [])) + " |")
-        lines += ["", "The API server in the same phases, every phase's reading, starts apart by \";\": tokens per "
-                  "chunk (over 1, vLLM merged tokens as its event loop fell behind the engine) and its event "
-                  "loop's thread, busy share of a core:", "",
-                  "| concurrency | tokens/chunk, running | tokens/chunk, paused | event loop, running "
-                  "| event loop, paused |", "|---:|---|---|---|---|"]
-        for c, o in toggled.items():
-            cells = ["; ".join(", ".join(f"{v:.2f}" if math.isfinite(v) else "n/a" for v in start)
-                               for start in o["api_server"][name][state])
-                     for name in API_SERVER_LOAD for state in ("running", "paused")]
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
-        lines += ["", "TTFT in the same phases: each phase's TTFT p50 at the client (starts apart by \";\"), and "
-                  "vLLM's own TTFT split by its stage histograms, means over the phases, running / paused (ms; "
-                  "queue: waiting to be scheduled, prefill: scheduled to the first token's output in the engine, "
-                  "API + trips: the rest):", "",
-                  "| concurrency | TTFT p50, running | TTFT p50, paused | vLLM TTFT | queue | prefill | API + trips |",
-                  "|---:|---|---|---:|---:|---:|---:|"]
-        for c, o in toggled.items():
-            if "ttft_p50_ms" not in o:  # a result analysed before this table existed
-                continue
-            cells = ["; ".join(", ".join(f"{v:.0f}" if math.isfinite(v) else "n/a" for v in start)
-                               for start in o["ttft_p50_ms"][state]) for state in ("running", "paused")]
-            split = o.get("vllm_ttft_split")
-            cells += ([f"{split['running'][part]:.1f} / {split['paused'][part]:.1f}" for part in (*TTFT_PARTS, "api")]
-                      if split else ["n/a"] * 4)
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
-        where = {c: o["ttft_where_ms"] for c, o in toggled.items() if o.get("ttft_where_ms", {}).get("client", {}).get("pairs")}
-        if where:
-            lines += ["", "TTFT's mean in the same phases, where it goes: running − paused, phase pair by phase pair "
-                      "(ms; 95% interval over the pairs; the API server's own parts where its processes timed them):",
-                      "", "| concurrency | part | pairs | running − paused, ms |", "|---:|---|---:|---:|"]
-            for c, parts in where.items():
-                for name in TTFT_WHERE:
-                    part = parts.get(name, {})
-                    if "difference_mean_ms" not in part:
-                        continue
-                    cell = f"{part['difference_mean_ms']:+.2f}"
-                    if "ci95_ms" in part:
-                        cell += f" ({part['ci95_ms'][0]:+.2f} … {part['ci95_ms'][1]:+.2f})"
-                    lines.append(f"| {c} | {TTFT_WHERE_WORDS[name]} | {part['pairs']} | {cell} |")
-        began = [(s["label"], toggle_began_paused(s)) for s in result.get("setups", []) if toggled_phases(s)]
-        lines += ["", "tap-toggle's starts, in the order of the lists above: " + ", ".join(
-            f"{label} (began {'paused' if paused else 'running'})" for label, paused in began) + "."]
-        if any(paused for _, paused in began):
-            lines.append("A start that began paused has its second phase as the set-up's own, the one compared "
-                         "with plain across starts; plain's is its first after the warm-up.")
-        if len(began) > 1 and 2 * sum(paused for _, paused in began) != len(began):
-            lines.append("Unequal numbers of starts began running and paused: the first phase after the warm-up "
-                         "falls more on one state.")
-    idle_toggled = result.get("idle_ttft_toggle") or {}
-    if idle_toggled.get("all_starts", {}).get("pct") is not None:
-        lines += ["", "TTFT at an idle engine with the tap running over paused, request by request (tap-toggle: "
-                  "pairs of neighbouring requests on one server, ABBA), percent:", "",
-                  "| starts | pairs | running, ms | paused, ms | running over paused | 95% interval | per start |",
-                  "|---:|---:|---:|---:|---:|---:|---|"]
-        pooled = idle_toggled["all_starts"]
-        lines.append(f"| {len(idle_toggled['per_start'])} | {pooled['pairs']} | {pooled['running_mean_ms']:.2f} | "
-                     f"{pooled['paused_mean_ms']:.2f} | {_pct2(pooled['pct'])} | {_pct2(pooled['ci95_pct'][0])} … "
-                     f"{_pct2(pooled['ci95_pct'][1])} | "
-                     + ", ".join(_pct2(x["pct"]) for x in idle_toggled["per_start"] if "pct" in x) + " |")
-        over = idle_toggled.get("over_starts")
-        if over:
-            lines.append(f"\nOver the {over['starts']} starts' own figures: {_pct2(over['pct'])} "
-                         f"(95% interval {_pct2(over['ci95_pct'][0])} … {_pct2(over['ci95_pct'][1])}).")
-        if pooled.get("difference_sd_pct") is not None:
-            starts = len(idle_toggled["per_start"])
-            by_start = ", ".join(f"{x['difference_sd_pct']:.1f}%" for x in idle_toggled["per_start"]
-                                 if "difference_sd_pct" in x)
-            lines.append(f"\nThe pairs' differences scatter by {pooled['difference_sd_pct']:.1f}% of the paused mean "
-                         f"(SD; by start {by_start}): a 95% interval of ±{PAIRED_TTFT_HALF_WIDTH_PCT}% would take "
-                         f"about {pooled['pairs_for_half_width']} pairs in all, "
-                         f"{math.ceil(pooled['pairs_for_half_width'] / starts)} a start over {starts} starts "
-                         "(--idle-ttft-pairs).")
-    splits = [(s["label"], _forward_split_of(s["idle_ttft_toggle"])) for s in result.get("setups", [])
-              if "span" in (s.get("idle_ttft_toggle") or {}).get("forward_split", {})]
-    if splits:
-        lines += ["", "The idle pairs split by the worker's timing of each request's prefill forward on the device "
-                  "(PROBEX_STEP_TIMING=1): running − paused per pair, ms (95% interval), as a share of the paused "
-                  "TTFT, and how much each part scatters from request to request (SD, ms):", "",
-                  "| start | pairs | part | paused mean | running − paused | share of TTFT | request SD |",
-                  "|---|---:|---|---:|---:|---:|---:|"]
-        for label, split in splits:
-            lines.append(f"| {label} | {split['pairs']} | TTFT | {split['paused_ttft_mean_ms']:.2f} | | | "
-                         f"{split['sd_ms']['ttft']:.2f} |")
-            for name, words in FORWARD_SPLIT_PARTS.items():
-                if name in split:
-                    part = split[name]
-                    lines.append(f"| | | {words} | {part['paused_mean_ms']:.2f} | {part['difference_mean_ms']:+.3f} "
-                                 f"({part['ci95_ms'][0]:+.3f} … {part['ci95_ms'][1]:+.3f}) | "
-                                 f"{_pct2(part['pct_of_ttft'])} | {split['sd_ms'][name]:.2f} |")
-        levels = [(label, split["way_out_in_order"]) for label, split in splits if split.get("way_out_in_order")]
-        if levels:
-            lines += ["", "The way out in request order, the tap running and paused alike: quartiles (ms), the "
-                      "correlation of one request's way out with the next's (lag 1: a host state lasting several "
-                      "requests reads high) and with its own prefill span:", ""]
-            lines += [f"- {label}: {' / '.join(f'{q:.2f}' for q in lv['quartiles_ms'])} ms; lag 1 "
-                      f"{lv['lag1_correlation']:.2f}; with the span {lv['correlation_with_span']:.2f}"
-                      for label, lv in levels]
+    lines += toggle_tables(result)
+    for kind, variant in (result.get("toggle_variants") or {}).items():
+        lines += ["", f"**{kind}**, its own starts:"] + toggle_tables(result, kind) + [""] + goal_lines(variant["goals"])
     spread = result.get("summary", {}).get("tpot_p50_spread_over_repeats_pct", {})
     if spread:
         on_gpus = " (side by side, repeats ran on different GPUs: this includes the GPUs' difference)" \

@@ -238,3 +238,141 @@ def test_the_worker_runs_the_formatter_and_starts_it_again_when_it_dies():
     assert seen["ours"][0] == {1: (pytest.approx(calibrate(0.5, 2.0, -0.5)),), 2: (pytest.approx(calibrate(0.5, 2.0, -0.5)),)}
     assert seen["theirs"][0][2] == (pytest.approx(calibrate(-1.0, 2.0, -0.5)),)
     assert seen["ours"][1] >= 1 and seen["theirs"][1] >= 1
+
+
+def test_a_process_that_missed_a_pause_is_set_right_by_the_next_heartbeat():
+    """The worker's pause state rides on every heartbeat (the worker's, then the formatter's):
+    a process that lost the pause message, or a formatter started after it, still learns it."""
+    formatter = ScoreFormatter(api_server_count=1)
+    hub = ScoreHub("inproc://unused", formatted=True)
+    formatter.take({**paused_message(True, 1), SEQUENCE: 1})  # its broadcast never reaches the hub
+    assert not hub.paused
+    hub.take_formatted(*formatter.heartbeat())
+    assert hub.paused and hub.pauses == 1
+    # a formatter started after the change hears it from the worker's next heartbeat
+    restarted = ScoreFormatter(api_server_count=1)
+    publisher_heartbeat = {**heartbeat_message(), "pause": [2, False], SEQUENCE: 9}
+    assert restarted.take(publisher_heartbeat) == []
+    hub.take_formatted(*restarted.heartbeat())
+    assert not hub.paused
+    # without the formatter, the worker's heartbeat itself sets a process right
+    direct = ScoreHub("inproc://unused")
+    direct.ingest({**heartbeat_message(), "pause": [1, True], SEQUENCE: 1})
+    assert direct.paused
+    # and an older state than the hub has is ignored
+    hub.take_formatted(*ScoreFormatter(api_server_count=1, publisher=restarted.publisher).take(
+        {**paused_message(True, 1), SEQUENCE: 10})[0])
+    assert not hub.paused
+
+
+def test_the_worker_publishers_heartbeats_repeat_its_pause_state():
+    import msgspec
+    import zmq
+
+    address = f"ipc://{tempfile.mkdtemp()}/steps"
+    publisher = ScorePublisher(address, heartbeat_s=0.2)
+    listener = zmq.Context.instance().socket(zmq.SUB)
+    listener.setsockopt(zmq.SUBSCRIBE, b"")
+    listener.connect(address)
+    try:
+        time.sleep(0.3)  # the subscription reaches the publisher
+        publisher.publish(paused_message(True, 3))
+        heard = []  # from the pause message on (heartbeats may come before it)
+        while (len(heard) < 2) and listener.poll(5000):
+            message = msgspec.msgpack.decode(listener.recv())
+            if heard or message["control"] == "paused":
+                heard.append(message)
+    finally:
+        publisher.close()
+        listener.close(linger=0)
+    assert heard[1]["control"] == "heartbeat" and heard[1]["pause"] == [3, True]
+
+
+def test_ids_a_client_chose_reach_no_process_and_a_look_alike_topic_is_ignored():
+    """Several processes: an id whose text after "-probex-" is not an owner tag (a client's own
+    X-Request-Id, passed through unmonitored) goes to nobody, and a frame on a topic that only
+    begins like a process's subscription is not filed."""
+    ours = owner_tag()
+    ids = {"a": engine_id(ours), "b": "x-probex-*zzzzzzz-0123abcd", "c": "plain-id-4567ef01"}
+    formatter = ScoreFormatter(api_server_count=2)
+    frames = formatter.take({**worker_messages(ids)[0], SEQUENCE: 1})
+    assert [topic for topic, _ in frames] == [ours.encode()]
+    hub = ScoreHub("inproc://unused", owner=ours, formatted=True)
+    for topic, frame in frames:
+        hub.take_formatted(topic, frame)
+    foreign = ScoreFormatter(api_server_count=2, publisher=formatter.publisher)
+    hub.take_formatted(b"*zzzzzzz", foreign.take({**worker_messages({"a": engine_id(ours), "b": ids["b"],
+                                                                     "c": ids["c"]})[0], SEQUENCE: 1})[0][1])
+    assert hub.messages_lost == 0 and hub.losses == 0 and hub.messages_received == 1
+
+
+async def _until(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def _stop(hubs, *closers):
+    for closer in closers:
+        closer.close()
+    for hub in hubs:
+        hub._task.cancel()
+        hub._silence_task.cancel()
+        hub._socket.close()
+        hub.collections.detach()
+
+
+def test_a_process_with_no_rows_of_its_own_still_hears_the_formatter(monkeypatch):
+    """One process busy, the other idle: the idle one gets the formatter's heartbeat every
+    second all the same, and does not take the formatter for gone."""
+    monkeypatch.setattr(delivery, "SILENT_AFTER_S", 1.5)
+    ours, theirs = owner_tag(), owner_tag()
+    busy = engine_id(ours)
+    root = tempfile.mkdtemp()
+    steps_at, scores_at = f"ipc://{root}/steps", f"ipc://{root}/scores"
+
+    async def scenario():
+        publisher = ScorePublisher(steps_at, heartbeat_s=0.2)
+        formatter = FormatterProcess(steps_at, scores_at, api_server_count=2).start()
+        hubs = [ScoreHub(scores_at, owner=ours, formatted=True), ScoreHub(scores_at, owner=theirs, formatted=True)]
+        for hub in hubs:
+            hub.start()
+        try:
+            await _until(lambda: all(hub._formatter is not None for hub in hubs))
+            for computed in range(2, 42):  # 4 s of steps for one process only
+                layout = StepLayout([busy], np.array([1]), np.array([computed]), np.array([2]))
+                publisher.publish(step_message(ONE_PROBE, layout, np.array([[0.5]], np.float32), []))
+                await asyncio.sleep(0.1)
+            return [(hub.silent, hub.losses, len(hub)) for hub in hubs]
+        finally:
+            _stop(hubs, formatter, publisher)
+
+    (busy_state, idle_state) = asyncio.run(scenario())
+    assert busy_state == (False, 0, 1) and idle_state == (False, 0, 0)
+
+
+def test_a_formatter_that_hears_no_worker_lets_the_processes_stop_waiting(monkeypatch):
+    monkeypatch.setattr(delivery, "SILENT_AFTER_S", 2.0)
+    root = tempfile.mkdtemp()
+
+    async def scenario():
+        formatter = FormatterProcess(f"ipc://{root}/steps", f"ipc://{root}/scores", api_server_count=1).start()
+        hub = ScoreHub(f"ipc://{root}/scores", formatted=True)
+        hub.start()
+        try:
+            await _until(lambda: hub._formatter is not None)  # heartbeats at first
+            await _until(lambda: hub.silent, timeout=15)  # held back once no worker was heard for 3 s
+            return hub.losses
+        finally:
+            _stop([hub], formatter)
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_a_formatter_that_cannot_start_stops_the_worker_from_starting():
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="score formatter did not start"):
+        FormatterProcess("ipc:///nonexistent-probex-dir/steps", "ipc:///nonexistent-probex-dir/scores",
+                         api_server_count=1).start()
+    assert time.monotonic() - started < 20
