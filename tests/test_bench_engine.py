@@ -1502,3 +1502,24 @@ def test_the_score_formatter_set_up_toggles_like_tap_toggle_and_a_formatter_that
     assert not any("formatter" in p for p in be.find_problems([setup]))
     setup["results"]["1"]["delivery"] = {"transfer": {"steps": 3}}  # a worker without the formatter
     assert any("no API server process reported the score formatter" in p for p in be.find_problems([setup]))
+
+
+def test_a_toggled_variant_is_read_on_its_own_starts_apart_from_tap_toggles():
+    """tap-toggle and tap-toggle-formatter in one run: each kind's running-over-paused figures
+    and goals come from its own starts, never pooled, and the report shows both."""
+    def toggled(kind, label, running, paused):
+        setup = _setup(kind, label, {"1": running})
+        setup["toggle"] = {"1": [{"paused": False, **setup["results"]["1"]}, {"paused": True, **_entry(paused)}]}
+        return setup
+
+    setups = [toggled("tap-toggle", "tap-toggle", 5.5, 5.0), toggled("tap-toggle-formatter", "tap-toggle-formatter", 5.05, 5.0)]
+    analysis = be.analyze(setups)
+    assert analysis["toggle_overhead_pct"]["1"]["tpot_p50"] == pytest.approx(10.0)
+    variant = analysis["toggle_variants"]["tap-toggle-formatter"]
+    assert variant["toggle_overhead_pct"]["1"]["tpot_p50"] == pytest.approx(1.0)
+    assert [r["met"] for r in variant["goals"]["rows"] if r["measure"] == "TPOT p50"] == [False]  # 1% over a 0.5% goal
+    tables = be.markdown_tables({**analysis, "setups": setups})
+    assert "**tap-toggle-formatter**, its own starts:" in tables
+    assert "tap-toggle's starts, in the order of the lists above: tap-toggle (began running)." in tables
+    assert "tap-toggle-formatter's starts, in the order of the lists above: tap-toggle-formatter (began running)." in tables
+    assert "toggle_variants" not in be.analyze(setups[:1])
