@@ -2376,8 +2376,10 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def toggled_of(setups: Sequence[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    """The starts of one toggled kind that toggled (phases under load, or idle pairs)."""
-    return [s for s in setups if s["kind"] == kind and (s.get("toggle") or s.get("idle_ttft_toggle"))]
+    """The starts of one toggled kind that toggled (phases under load, or idle pairs; a saved
+    set-up without a kind is tap-toggle's)."""
+    return [s for s in setups
+            if s.get("kind", TOGGLE_KIND) == kind and (s.get("toggle") or s.get("idle_ttft_toggle"))]
 
 
 # The tap's cost goals (issue 5), percent over plain vLLM: TPOT p50 by concurrency (any
@@ -3019,7 +3021,7 @@ def toggle_tables(result: dict[str, Any], kind: str = TOGGLE_KIND) -> list[str]:
     """The tables of one toggled set-up kind's starts (tap-toggle, or a variant of it in
     `toggle_variants`): the tap running over paused within each start, under load and idle."""
     own = result if kind == TOGGLE_KIND else (result.get("toggle_variants") or {}).get(kind) or {}
-    setups = [s for s in result.get("setups", []) if s["kind"] == kind]
+    setups = [s for s in result.get("setups", []) if s.get("kind", TOGGLE_KIND) == kind]
     lines: list[str] = []
     toggled = own.get("toggle_overhead_pct") or {}
     if toggled:
