@@ -1523,3 +1523,22 @@ def test_a_toggled_variant_is_read_on_its_own_starts_apart_from_tap_toggles():
     assert "tap-toggle's starts, in the order of the lists above: tap-toggle (began running)." in tables
     assert "tap-toggle-formatter's starts, in the order of the lists above: tap-toggle-formatter (began running)." in tables
     assert "toggle_variants" not in be.analyze(setups[:1])
+
+
+def test_the_gpu_scripts_cpu_split_gives_the_bench_two_disjoint_lists_of_whole_cores():
+    """scripts/gpu/split_cpus.py, which the GPU session runs before pinning: two CPU lists the
+    bench's --server-cpus / --client-cpus accept, disjoint, covering this process's CPUs, each
+    core's SMT siblings on one side."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "split_cpus.py"
+    allowed = sorted(os.sched_getaffinity(0))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    cores = {frozenset(be.parse_cpu_list_unchecked(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+                                                        "thread_siblings_list").read_text())) & set(allowed)
+             for cpu in allowed}
+    if len(cores) < 2:
+        assert run.returncode != 0 and "fewer than two physical cores" in run.stderr
+        return
+    server, client = (be.parse_cpu_list(text) for text in run.stdout.split())
+    assert not set(server) & set(client) and sorted(server + client) == allowed
+    assert all(core <= set(server) or core <= set(client) for core in cores)
+    assert len(client) <= len(server)
