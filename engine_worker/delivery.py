@@ -257,9 +257,31 @@ class _ProbeSet:
         self._slope = np.array([p.slope for p in probes], dtype=np.float64)
         self._intercept = np.array([p.intercept for p in probes], dtype=np.float64)
 
+    @classmethod
+    def from_described(cls, described) -> "_ProbeSet":
+        """From a step's `probes` (ProbeTable.describe: name, read, slope, intercept, layer each)."""
+        return cls([ProbeInfo(*p) for p in described])
+
     def calibrate(self, raw: np.ndarray) -> np.ndarray:
         """[n, k] raw -> calibrated, each column with its own probe's slope and intercept."""
         return calibrate_array(raw, self._slope, self._intercept)
+
+
+def laid_out_prompt(summary: dict, probes: ProbeColumns) -> tuple[dict[str, dict], list[bytes | None] | None]:
+    """A complete prompt's calibrated part per probe (`responses.prompt_fields`) and its first
+    chunk's JSON around the tokens' scores (`responses.prompt_json_parts`; None where it could
+    not be written: the first chunk then writes it itself). A bad summary gives no fields
+    rather than costing the step's other scores."""
+    try:
+        fields = responses.prompt_fields(summary, probes)
+    except Exception:
+        log.exception("probex: could not lay out a prompt's scores")
+        fields = {}
+    try:
+        return fields, responses.prompt_json_parts(fields)
+    except Exception:
+        log.exception("probex: could not write a prompt's scores as JSON")
+        return fields, None
 
 
 class ScoreHub:
@@ -376,31 +398,21 @@ class ScoreHub:
             self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         # The worker (or the formatter) binds: one address for every API server process.
         self._socket.connect(self.address)
-        self._task = loop.create_task(self._receive_formatted_forever() if self.formatted else self._receive_forever())
+        self._task = loop.create_task(self._receive_forever())
 
     async def _receive_forever(self) -> None:
-        decoder = msgspec.msgpack.Decoder()
+        """The worker's messages (one frame each), or the formatter's ([topic, frame])."""
+        if self.formatted:
+            receive, take = self._socket.recv_multipart, lambda frames: self.take_formatted(*frames)
+        else:
+            receive, take = self._socket.recv, lambda frame: self.ingest(self._decoder.decode(frame))
         last_sweep = time.monotonic()
         while True:
-            frame = await self._socket.recv()
+            received = await receive()
             try:
-                self.ingest(decoder.decode(frame))
+                take(received)
             except Exception:  # a malformed message must not stop delivery for everyone
-                log.exception("probex: could not ingest a score message")
-            now = time.monotonic()
-            if now - last_sweep > 10:
-                self.sweep(now)
-                last_sweep = now
-
-    async def _receive_formatted_forever(self) -> None:
-        last_sweep = time.monotonic()
-        while True:
-            frames = await self._socket.recv_multipart()
-            try:
-                topic, frame = frames
-                self.take_formatted(topic, frame)
-            except Exception:  # a malformed message must not stop delivery for everyone
-                log.exception("probex: could not take in a message from the score formatter")
+                log.exception("probex: could not take in a score message")
             now = time.monotonic()
             if now - last_sweep > 10:
                 self.sweep(now)
@@ -548,16 +560,7 @@ class ScoreHub:
             # Calibrated and laid out now, not when the first chunk is decorated: that runs on
             # the way to the client's first token, this usually while the engine is still
             # sending that token out.
-            try:
-                fields = responses.prompt_fields(event, probes)
-            except Exception:  # one prompt's bad summary must not cost the step's other scores
-                log.exception("probex: could not lay out a prompt's scores")
-                fields = {}
-            try:
-                state.prompt_json_parts = responses.prompt_json_parts(fields)
-            except Exception:  # the first chunk then writes them itself
-                log.exception("probex: could not write a prompt's scores as JSON")
-                state.prompt_json_parts = None
+            fields, state.prompt_json_parts = laid_out_prompt(event, probes)
             state.prompt, state.prompt_fields, state.prompt_probes = event, fields, probes
             state.changed.set()
         if events.token_req_ids:
@@ -589,7 +592,7 @@ class ScoreHub:
         if table is None:
             if isinstance(described, msgspec.Raw):
                 described = msgspec.msgpack.decode(described)
-            table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in described])
+            table = self._tables[version] = _ProbeSet.from_described(described)
         return table
 
     def _intake_done(self, started: float, prompted: list[RequestScores]) -> None:

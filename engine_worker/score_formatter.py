@@ -52,7 +52,7 @@ import zmq
 from engine_worker import responses
 from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader
 from engine_worker.delivery import (BROADCAST, OWNER_MARKER, PUBLISHER, UNTAGGED, FormattedPrompt, FormattedStep,
-                                    ProbeInfo, _ProbeSet, external_request_id)
+                                    _ProbeSet, external_request_id, laid_out_prompt)
 
 log = logging.getLogger("probex.score_formatter")
 
@@ -140,7 +140,7 @@ class ScoreFormatter:
         version = message["v"]
         table = self._tables.get(version)
         if table is None:
-            table = self._tables[version] = _ProbeSet([ProbeInfo(*p) for p in message["probes"]])
+            table = self._tables[version] = _ProbeSet.from_described(message["probes"])
         probes = table.probes
         by_topic: dict[bytes, FormattedStep] = {}
         pause = tuple(message["pause"]) if "pause" in message else None
@@ -160,17 +160,7 @@ class ScoreFormatter:
             topic, key = self._route(event["req"])
             if topic == nobodys:
                 continue
-            try:
-                fields = responses.prompt_fields(event, probes)
-            except Exception:  # one prompt's bad summary must not cost the step's other scores
-                log.exception("probex: could not lay out a prompt's scores")
-                fields = {}
-            try:
-                parts = responses.prompt_json_parts(fields)
-            except Exception:  # the first chunk then writes them itself
-                log.exception("probex: could not write a prompt's scores as JSON")
-                parts = None
-            of(topic).prompts.append(FormattedPrompt(key, event, fields, parts))
+            of(topic).prompts.append(FormattedPrompt(key, event, *laid_out_prompt(event, probes)))
         if events.token_req_ids:
             calibrated = table.calibrate(events.token_raw).tolist()
             for req, index, values in zip(events.token_req_ids, events.token_indexes, calibrated):

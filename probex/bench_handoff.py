@@ -330,21 +330,20 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, proces
             inputs.append([(topic, frame) for topic, frame in frames if topic in (hub._topic, BROADCAST)])
         step_decoder = msgspec.msgpack.Decoder(FormattedStep)
     else:
-        inputs = messages
+        inputs = [[(None, frame)] for frame in messages]  # the worker's: one frame each, no topic
+        step_decoder = decoder
 
     def take(into: ScoreHub, number: int, times: tuple[list[float], list[float]] | None = None) -> None:
-        """Step `number` into a hub as its receive loop would take it: decoded, then filed."""
-        for frame in inputs[number] if formatted else [(None, inputs[number])]:
-            topic, payload = frame
-            started = time.perf_counter()
-            message = (step_decoder if formatted and topic != BROADCAST else decoder).decode(payload)
-            read = time.perf_counter()
-            if not formatted:
-                into.ingest(message)
-            elif topic == BROADCAST:
+        """Step `number` into a hub as its receive loop would take it: decoded, then filed (a
+        broadcast, which the hub decodes itself, is timed whole as intake)."""
+        for topic, payload in inputs[number]:
+            started = read = time.perf_counter()
+            if topic == BROADCAST:
                 into.take_formatted(topic, payload)
             else:
-                into.ingest_formatted(message)
+                message = step_decoder.decode(payload)
+                read = time.perf_counter()
+                (into.ingest_formatted if formatted else into.ingest)(message)
             if times is not None:
                 times[0].append(time.perf_counter() - read)
                 times[1].append(time.perf_counter() - started)
