@@ -12,7 +12,7 @@ Module map (engine internals are touched only by the `vllm_*` modules):
                     forward, turns each step into score events, capture files
 - score_transfer.py device->host copy of each step's scores off the engine thread (pinned buffers + event)
 - delivery.py       score events from the worker process to the API server (ZMQ) and the hub there
-- score_formatter.py an optional process beside the worker (`--score-formatter`): books, calibrates and
+- score_formatter.py a process beside the worker (the default; `--no-score-formatter`): books, calibrates and
                     writes each step's scores as JSON once, sending each API server process its own rows
 - responses.py      attaching scores to OpenAI response bodies and stream chunks
 - middleware.py     the ASGI middleware inside vLLM's API server (xargs checks, delivery, /probex routes)

@@ -11,10 +11,10 @@ each one's middleware starts its ids with its own tag (`owner_tag`), and its hub
 only the rows of those: each process relays its own requests' chunks, so the relay's work
 is shared out as vLLM shares out its own.
 
-With the score formatter (score_formatter.py, `probex worker --score-formatter`) the worker
-publishes to the formatter instead, which keeps the books once for every process and sends
-each its own requests' rows, calibrated and written as JSON; the hub then only files them
-(`ScoreHub(formatted=True)`, `take_formatted`).
+With the score formatter (score_formatter.py; `probex worker` runs it unless told
+`--no-score-formatter`) the worker publishes to the formatter instead, which keeps the books
+once for every process and sends each its own requests' rows, calibrated and written as
+JSON; the hub then only files them (`ScoreHub(formatted=True)`, `take_formatted`).
 """
 
 from __future__ import annotations

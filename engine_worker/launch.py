@@ -12,7 +12,8 @@ from pathlib import Path
 
 from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import check_vector_set, load_vector
-from engine_worker.tap_config import ENV_API_SERVER_COUNT, ENV_PREFIX, ENV_SCORE_FORMATTER, ENV_TAP_CONFIG, TapConfig
+from engine_worker.tap_config import (ENV_API_SERVER_COUNT, ENV_PREFIX, ENV_SCORE_FORMATTER, ENV_TAP_CONFIG, TapConfig,
+                                      score_formatter_wanted)
 
 MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm_worker.ProbexWorkerExtension"
@@ -37,11 +38,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-token", default=os.environ.get("PROBEX_ADMIN_TOKEN"),
                         help="token for PUT /probex/probes, /probex/steering and /probex/tap (default: $PROBEX_ADMIN_TOKEN;"
                              " unset = live swap and pausing disabled)")
-    parser.add_argument("--score-formatter", action=argparse.BooleanOptionalAction,
-                        default=os.environ.get(ENV_SCORE_FORMATTER, "0") == "1",
+    parser.add_argument("--score-formatter", action=argparse.BooleanOptionalAction, default=score_formatter_wanted(),
                         help="book, calibrate and write the scores as JSON in a process of their own beside the"
-                             " worker, so each API server process only files its own requests' scores (default:"
-                             f" ${ENV_SCORE_FORMATTER}=1; off: each API server process reads every step itself)")
+                             " worker, so each API server process only files its own requests' scores (default: on;"
+                             f" --no-score-formatter or ${ENV_SCORE_FORMATTER}=0: each API server process reads every"
+                             " step itself)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
 

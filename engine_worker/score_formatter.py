@@ -5,7 +5,8 @@ Without it (delivery.py) every API server process takes in every step whole: dec
 the rows of its own requests (prompt accumulators, which row is which token), calibrates them
 and writes each token's JSON, on the event loop that also relays every stream chunk of that
 process. With `--api-server-count 4` at 64 streams that intake is most of ProbeX's work on
-those loops. Here it is done once, in a process of its own (`probex worker --score-formatter`):
+those loops. Here it is done once, in a process of its own (`probex worker` starts it unless
+told `--no-score-formatter`):
 
     worker --steps (PUB)--> formatter --scores (PUB, one topic per API server process)--> hubs
 

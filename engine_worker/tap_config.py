@@ -34,8 +34,9 @@ ENV_ADMIN_TOKEN = "PROBEX_ADMIN_TOKEN"
 # vLLM's --api-server-count as the worker's launcher started it: with several API server
 # processes, each tags its requests' ids and relays only their scores (middleware.py).
 ENV_API_SERVER_COUNT = "PROBEX_API_SERVER_COUNT"
-# "1": `probex worker` runs a score formatter (score_formatter.py) beside the worker, which
-# turns each step into every API server process's own rendered scores (`--score-formatter`).
+# `probex worker` runs a score formatter (score_formatter.py) beside the worker, which turns
+# each step into every API server process's own rendered scores; "0" (`--no-score-formatter`)
+# leaves it out, and each API server process then reads every step itself.
 ENV_SCORE_FORMATTER = "PROBEX_SCORE_FORMATTER"
 # Diagnostic: "off" keeps the op in the graphs but never copies out or delivers its scores, so a
 # benchmark can tell the op's device time from the host path's cost (set-up "tap-op-only").
@@ -98,9 +99,13 @@ def prompt_scores_beside_output() -> bool:
 
 
 def _env_switch(name: str, default: str = "on") -> bool:
-    """A switch, on unless set to "0", "off", "false" or "no" (any case, spaces ignored);
+    return switch_is_on(os.environ.get(name), default)
+
+
+def switch_is_on(value: str | None, default: str = "on") -> bool:
+    """A switch's setting: on unless "0", "off", "false" or "no" (any case, spaces ignored);
     unset or empty, `default`."""
-    value = os.environ.get(name, "").strip().lower() or default
+    value = (value or "").strip().lower() or default
     return value not in ("off", "0", "false", "no")
 
 
@@ -116,6 +121,11 @@ def hook_spin_s() -> float:
 
 def scores_delivered() -> bool:
     return _env_switch(ENV_DELIVERY)
+
+
+def score_formatter_wanted() -> bool:
+    """`probex worker`'s default for `--score-formatter`: on unless PROBEX_SCORE_FORMATTER is off."""
+    return _env_switch(ENV_SCORE_FORMATTER)
 
 
 @dataclass(frozen=True)

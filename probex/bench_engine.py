@@ -129,7 +129,8 @@ import numpy as np
 
 from engine_worker.launch import api_server_count, vllm_server_entry  # torch-free, as is tap_config
 from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY, ENV_HOOK_SPIN_US,
-                                      ENV_SCORE_CONSUMER, ENV_SCORE_FORMATTER, ENV_SCORES_AHEAD, ENV_TAP_BUFFERS)
+                                      ENV_SCORE_CONSUMER, ENV_SCORE_FORMATTER, ENV_SCORES_AHEAD, ENV_TAP_BUFFERS,
+                                      switch_is_on)
 
 from probex.processes import free_port
 
@@ -141,11 +142,11 @@ except ImportError:  # pragma: no cover - depends on the machine
     _loads = json.loads
 
 KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
-         "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "tap-toggle-formatter",
+         "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "tap-toggle-direct",
          "eager", "steer-idle", "steer-active", "steer-gated")
 WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
                 "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle",
-                "tap-toggle-formatter", "steer-idle", "steer-active", "steer-gated")  # `probex worker`, the 8 probes
+                "tap-toggle-direct", "steer-idle", "steer-active", "steer-gated")  # `probex worker`, the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
 UNDELIVERED_KINDS = ("tap-op-only",)
@@ -156,9 +157,10 @@ SLOW_HOOK_SPIN_US = 100  # tap-slow-hook's extra engine-thread time per step: 2%
 # same start (`toggle_order`), so the tap's cost is read from one start, whose TPOT holds
 # to ~0.1%, not across starts that differ by ~1%.
 TOGGLE_KIND = "tap-toggle"
-# tap-toggle-formatter: the same with the score formatter (`probex worker --score-formatter`), so
-# one run can set the two side by side.
-TOGGLE_KINDS = (TOGGLE_KIND, "tap-toggle-formatter")
+# tap-toggle-direct: the same without the score formatter (`probex worker --no-score-formatter`:
+# each API server process reads every step itself, the default before session 29), so one run
+# can set the two side by side.
+TOGGLE_KINDS = (TOGGLE_KIND, "tap-toggle-direct")
 # Which state those phases begin with (--toggle-first). A start's first phase at a
 # concurrency follows its warm-up; alternating the state it is in between the starts of a
 # run keeps whatever that position adds off one state's account.
@@ -180,7 +182,7 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    "tap-buffers-in-model": {ENV_TAP_BUFFERS: "in-model"},
                    # Pausable through PUT /probex/tap (an admin route), for phases on one start
                    "tap-toggle": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN},
-                   "tap-toggle-formatter": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_SCORE_FORMATTER: "1"}}
+                   "tap-toggle-direct": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_SCORE_FORMATTER: "0"}}
 # What the worker's /probex/probes listing must then say (its `transfer` section), so a set-up
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
@@ -1078,6 +1080,9 @@ class SetupPlan:
     env_changes: dict[str, str | None]  # None = removed from the environment
     port: int
     score_consumer: str | None = None  # what the worker should report; None: not a worker, or unknown
+    # Whether the worker runs the score formatter (its API server processes then report it);
+    # None: not a worker, or one that delivers no scores.
+    score_formatter: bool | None = None
     trace_dir: Path | None = None  # where vLLM's torch profiler writes (--profile-requests)
     toggle_first_paused: bool = False  # tap-toggle: each concurrency's phases begin with the tap paused
 
@@ -1122,6 +1127,9 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             env.update(worker_env or {})
             env.update(KIND_WORKER_ENV.get(kind, {}))
             consumer = env.get(ENV_SCORE_CONSUMER) or default_score_consumer(runner, engine_args)
+            formatter = (None if kind in UNDELIVERED_KINDS
+                         else switch_is_on(env[ENV_SCORE_FORMATTER] if ENV_SCORE_FORMATTER in env
+                                           else os.environ.get(ENV_SCORE_FORMATTER)))
         else:
             # The module `probex worker` execs, with the same interpreter flags and server count.
             argv = [sys.executable, "-W", "ignore::DeprecationWarning",
@@ -1130,7 +1138,7 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             if kind == "eager":
                 argv.append("--enforce-eager")
             env["VLLM_PLUGINS"] = NO_PLUGINS
-            consumer = None
+            consumer = formatter = None
         trace_dir = profile_dir / _safe(label) if profile_dir is not None else None
         if trace_dir is not None:
             argv += ["--profiler-config", json.dumps(profiler_config(trace_dir))]
@@ -1138,7 +1146,7 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             env["CUDA_VISIBLE_DEVICES"] = placement[len(plans)]
         first_paused = kind in TOGGLE_KINDS and (toggle_first == "paused"
                                                 or (toggle_first == "alternate" and seen[kind] % 2 == 0))
-        plans.append(SetupPlan(label, kind, argv, env, port, consumer, trace_dir, first_paused))
+        plans.append(SetupPlan(label, kind, argv, env, port, consumer, formatter, trace_dir, first_paused))
     return plans
 
 
@@ -1663,7 +1671,7 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
                 "count": reads,
                 "wait_mean_ms": (r1[f"{prefix}wait_s"] - r0.get(f"{prefix}wait_s", 0.0)) / reads * 1e3,
                 "ready_share": (r1[f"{prefix}ready"] - r0.get(f"{prefix}ready", 0)) / reads}
-    # The score formatter (`--score-formatter`), as the API server processes saw it: started
+    # The score formatter (`probex worker`'s default), as the API server processes saw it: started
     # again during the phase (scores in flight lost), or not heard from at the phase's end.
     if "score_formatter" in after:
         f0, f1 = before.get("score_formatter") or {}, after["score_formatter"]
@@ -2206,6 +2214,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                       "checks": {}, "results": {}}
             if plan.score_consumer:
                 record["checks"]["probex_score_consumer_expected"] = plan.score_consumer
+            if plan.score_formatter is not None:
+                record["checks"]["probex_score_formatter_expected"] = plan.score_formatter
             if plan.kind in TOGGLE_KINDS:
                 record["toggle_first_paused"] = plan.toggle_first_paused
             if gpus:
@@ -2362,7 +2372,7 @@ def analyze(setups: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "idle_ttft": idle_ttft_summary(setups), "ttft_split": ttft_split_summary(setups),
                 "problems": find_problems(setups), "warnings": find_warnings(setups)}
     analysis["goals"] = goal_readings(analysis)
-    # The other toggled kinds (tap-toggle-formatter) read on their own starts alone, goals too.
+    # The other toggled kinds (tap-toggle-direct) read on their own starts alone, goals too.
     variants = {}
     for kind in TOGGLE_KINDS[1:]:
         own = toggled_of(setups, kind)
@@ -2896,10 +2906,7 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                                 f"default instead of the set-up's {KIND_WORKER_ENV[s['kind']]}")
         for c, entry in s.get("results", {}).items():
             problems += phase_problems(f"{label} c={c}", s["kind"], entry)
-            if ((s.get("env") or {}).get(ENV_SCORE_FORMATTER) == "1" and entry.get("delivery")
-                    and "score_formatter" not in entry["delivery"]):
-                problems.append(f"{label} c={c}: no API server process reported the score formatter that "
-                                f"{ENV_SCORE_FORMATTER}=1 asked for")
+            problems += formatter_problems(f"{label} c={c}", s, entry)
         for c, phases in (s.get("toggle") or {}).items():
             own = next((i for i, phase in enumerate(phases) if not phase["paused"]), None)  # results[c]
             for number, phase in enumerate(phases, 1):
@@ -2909,6 +2916,7 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                 # Paused, the worker answers as stock vLLM does: no probex field at all.
                 problems += phase_problems(f"{label} c={c} phase {number} ({state})",
                                            "plain" if phase["paused"] else s["kind"], phase)
+                problems += formatter_problems(f"{label} c={c} phase {number} ({state})", s, phase)
         if s.get("idle_ttft"):
             problems += phase_problems(f"{label} idle TTFT", s["kind"], s["idle_ttft"])
         toggled = s.get("idle_ttft_toggle")
@@ -2952,6 +2960,21 @@ def phase_problems(where: str, kind: str, entry: dict[str, Any]) -> list[str]:
     if formatter.get("silent"):
         problems.append(f"{where}: an API server process heard nothing from the score formatter at the phase's end")
     return problems
+
+
+def formatter_problems(where: str, setup: dict[str, Any], entry: dict[str, Any]) -> list[str]:
+    """The score formatter in a phase of a worker that was to run it, and in no other: its API
+    server processes report it (`delivery.score_formatter`) exactly when it ran. Set-ups saved
+    before the bench recorded what it expected (session 29) are not checked."""
+    expected = (setup.get("checks") or {}).get("probex_score_formatter_expected")
+    delivery = entry.get("delivery")
+    if expected is None or not delivery or ("score_formatter" in delivery) == expected:
+        return []
+    if expected:
+        return [f"{where}: no API server process reported the score formatter the worker was to run "
+                f"(the default, unless {ENV_SCORE_FORMATTER}=0)"]
+    return [f"{where}: the API server processes heard from a score formatter that {ENV_SCORE_FORMATTER}=0 was to "
+            "leave out"]
 
 
 def steering_problems(setup: dict[str, Any]) -> list[str]:
@@ -3287,7 +3310,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     colors = {"plain": "#4c72b0", "tap": "#55a868", "tap-op-only": "#937860", "tap-engine-consumer": "#da8bc3",
               "tap-thread-consumer": "#8c8c8c", "tap-slow-hook": "#e5ae38", "tap-scores-after-tokens": "#4f9da6",
               "tap-side-copies": "#b07aa1", "tap-buffers-in-model": "#ff9da6", "tap-toggle": "#2ca02c",
-              "tap-toggle-formatter": "#98df8a", "eager": "#c44e52", "steer-idle": "#8172b2",
+              "tap-toggle-direct": "#98df8a", "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
     names = {"plain": f"plain vLLM ({graphs})", "tap": f"ProbeX tap, {probes} probes ({graphs})",
@@ -3299,7 +3322,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
              "tap-side-copies": "ProbeX tap, score copies on a side stream",
              "tap-buffers-in-model": "ProbeX tap, buffers between the model's weights",
              "tap-toggle": f"ProbeX tap, {probes} probes (tap-toggle's first running phase)",
-             "tap-toggle-formatter": f"ProbeX tap, {probes} probes, score formatter (first running phase)",
+             "tap-toggle-direct": f"ProbeX tap, {probes} probes, no score formatter (first running phase)",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}

@@ -1475,16 +1475,26 @@ def test_a_server_runs_where_it_was_pinned_and_a_server_that_did_not_is_reported
     assert "Invalid argument" in (tmp_path / "refused.log").read_text() and not be._group_members(refused.proc.pid)
 
 
-def test_the_score_formatter_set_up_toggles_like_tap_toggle_and_a_formatter_that_failed_is_reported(tmp_path):
-    """tap-toggle-formatter: tap-toggle with `PROBEX_SCORE_FORMATTER=1`, its starts alternating
-    which state comes first as tap-toggle's do; a phase in which the API server processes saw the
-    formatter start again, or hear nothing, is a problem, and so is a set-up that asked for the
-    formatter whose processes never reported one."""
-    plans = be.plan_setups(["tap-toggle", "tap-toggle-formatter", "tap-toggle-formatter"], tmp_path,
+def test_the_direct_set_up_toggles_like_tap_toggle_and_the_formatter_is_checked_where_it_was_to_run(tmp_path,
+                                                                                                     monkeypatch):
+    """tap-toggle runs the score formatter (the worker's default) and tap-toggle-direct leaves it
+    out (`PROBEX_SCORE_FORMATTER=0`), its starts alternating which state comes first as
+    tap-toggle's do. A phase in which the API server processes saw the formatter start again, or
+    hear nothing, is a problem; so is a phase of a worker that was to run it whose processes never
+    reported one, or one that was to leave it out whose processes did. Set-ups saved without the
+    expectation (before session 29) are not checked."""
+    monkeypatch.delenv("PROBEX_SCORE_FORMATTER", raising=False)
+    plans = be.plan_setups(["tap-toggle", "tap-toggle-direct", "tap-toggle-direct", "tap-op-only", "plain"], tmp_path,
                            [tmp_path / "p"], [], "v2")
-    assert [p.toggle_first_paused for p in plans] == [False, False, True]
-    assert plans[1].env_changes["PROBEX_SCORE_FORMATTER"] == "1" and "PROBEX_SCORE_FORMATTER" not in plans[0].env_changes
+    assert [p.toggle_first_paused for p in plans[:3]] == [False, False, True]
+    assert plans[1].env_changes["PROBEX_SCORE_FORMATTER"] == "0" and "PROBEX_SCORE_FORMATTER" not in plans[0].env_changes
     assert plans[1].env_changes["PROBEX_ADMIN_TOKEN"] == plans[0].env_changes["PROBEX_ADMIN_TOKEN"] == be.TOGGLE_ADMIN_TOKEN
+    # the worker's default, the variant, a worker that delivers nothing (no formatter to expect), stock vLLM
+    assert [p.score_formatter for p in plans] == [True, False, False, None, None]
+    monkeypatch.setenv("PROBEX_SCORE_FORMATTER", "off")  # the bench's own environment reaches its servers
+    assert be.plan_setups(["tap-toggle"], tmp_path, [tmp_path / "p"], [], "v2")[0].score_formatter is False
+    assert be.plan_setups(["tap-toggle"], tmp_path, [tmp_path / "p"], [], "v2",
+                          worker_env={"PROBEX_SCORE_FORMATTER": "1"})[0].score_formatter is True
 
     def health(pid, restarts, silent):
         return {"api_server": {"pid": pid, "count": 2}, "score_formatter": {"restarts_seen": restarts, "silent": silent}}
@@ -1492,36 +1502,54 @@ def test_the_score_formatter_set_up_toggles_like_tap_toggle_and_a_formatter_that
     before = be.merge_process_health([health(7, 0, False), health(8, 0, False)])
     after = be.merge_process_health([health(7, 1, False), health(8, 1, True)])
     assert after["score_formatter"] == {"restarts_seen": 2, "silent": True, "processes": 2}
-    setup = _setup("tap-toggle-formatter", "tap-toggle-formatter#1", {"1": 5.0})
-    setup["env"] = {"PROBEX_SCORE_FORMATTER": "1"}
+    setup = _setup("tap-toggle", "tap-toggle", {"1": 5.0})
+    setup["checks"]["probex_score_formatter_expected"] = True
     setup["results"]["1"]["delivery"] = be.delivery_delta(before, after)
     assert setup["results"]["1"]["delivery"]["score_formatter"] == {"restarts": 2, "silent": True}
     problems = be.find_problems([setup])
     assert any("started again 2 time(s)" in p for p in problems) and any("heard nothing" in p for p in problems)
     setup["results"]["1"]["delivery"] = be.delivery_delta(before, before)
     assert not any("formatter" in p for p in be.find_problems([setup]))
-    setup["results"]["1"]["delivery"] = {"transfer": {"steps": 3}}  # a worker without the formatter
+    without = {"transfer": {"steps": 3}}  # what processes that read the worker's steps themselves report
+    setup["results"]["1"]["delivery"] = without
     assert any("no API server process reported the score formatter" in p for p in be.find_problems([setup]))
+    # a toggled phase other than the set-up's own is checked too
+    setup["results"]["1"]["delivery"] = be.delivery_delta(before, before)
+    setup["toggle"] = {"1": [{"paused": False, **setup["results"]["1"]}, {"paused": True, **_entry(5.0),
+                                                                          "delivery": without}]}
+    assert any("phase 2 (paused): no API server process reported the score formatter" in p
+               for p in be.find_problems([setup]))
+    del setup["toggle"]
+    direct = _setup("tap-toggle-direct", "tap-toggle-direct", {"1": 5.0})
+    direct["checks"]["probex_score_formatter_expected"] = False
+    direct["results"]["1"]["delivery"] = without
+    assert not be.find_problems([direct])
+    direct["results"]["1"]["delivery"] = be.delivery_delta(before, before)
+    assert any("heard from a score formatter that PROBEX_SCORE_FORMATTER=0 was to leave out" in p
+               for p in be.find_problems([direct]))
+    del setup["checks"]["probex_score_formatter_expected"]  # saved before session 29
+    setup["results"]["1"]["delivery"] = without
+    assert not be.find_problems([setup])
 
 
 def test_a_toggled_variant_is_read_on_its_own_starts_apart_from_tap_toggles():
-    """tap-toggle and tap-toggle-formatter in one run: each kind's running-over-paused figures
+    """tap-toggle and tap-toggle-direct in one run: each kind's running-over-paused figures
     and goals come from its own starts, never pooled, and the report shows both."""
     def toggled(kind, label, running, paused):
         setup = _setup(kind, label, {"1": running})
         setup["toggle"] = {"1": [{"paused": False, **setup["results"]["1"]}, {"paused": True, **_entry(paused)}]}
         return setup
 
-    setups = [toggled("tap-toggle", "tap-toggle", 5.5, 5.0), toggled("tap-toggle-formatter", "tap-toggle-formatter", 5.05, 5.0)]
+    setups = [toggled("tap-toggle", "tap-toggle", 5.5, 5.0), toggled("tap-toggle-direct", "tap-toggle-direct", 5.05, 5.0)]
     analysis = be.analyze(setups)
     assert analysis["toggle_overhead_pct"]["1"]["tpot_p50"] == pytest.approx(10.0)
-    variant = analysis["toggle_variants"]["tap-toggle-formatter"]
+    variant = analysis["toggle_variants"]["tap-toggle-direct"]
     assert variant["toggle_overhead_pct"]["1"]["tpot_p50"] == pytest.approx(1.0)
     assert [r["met"] for r in variant["goals"]["rows"] if r["measure"] == "TPOT p50"] == [False]  # 1% over a 0.5% goal
     tables = be.markdown_tables({**analysis, "setups": setups})
-    assert "**tap-toggle-formatter**, its own starts:" in tables
+    assert "**tap-toggle-direct**, its own starts:" in tables
     assert "tap-toggle's starts, in the order of the lists above: tap-toggle (began running)." in tables
-    assert "tap-toggle-formatter's starts, in the order of the lists above: tap-toggle-formatter (began running)." in tables
+    assert "tap-toggle-direct's starts, in the order of the lists above: tap-toggle-direct (began running)." in tables
     assert "toggle_variants" not in be.analyze(setups[:1])
 
 

@@ -160,13 +160,16 @@ def test_restarts_and_other_probe_files_keep_the_compile_cache_key(tmp_path):
     assert TapConfig.from_json(first_env[ENV_TAP_CONFIG]) == engine_config  # the API server's reading
 
 
-@pytest.mark.parametrize("flag, environ, formatted", [([], {}, False), (["--score-formatter"], {}, True),
-                                                      ([], {"PROBEX_SCORE_FORMATTER": "1"}, True),
-                                                      (["--no-score-formatter"], {"PROBEX_SCORE_FORMATTER": "1"}, False)])
+@pytest.mark.parametrize("flag, environ, formatted", [([], {}, True), (["--no-score-formatter"], {}, False),
+                                                      ([], {"PROBEX_SCORE_FORMATTER": "0"}, False),
+                                                      ([], {"PROBEX_SCORE_FORMATTER": "off"}, False),
+                                                      (["--score-formatter"], {"PROBEX_SCORE_FORMATTER": "0"}, True),
+                                                      ([], {"PROBEX_SCORE_FORMATTER": "1"}, True)])
 def test_the_score_formatter_gets_the_workers_steps_on_an_address_of_its_own(monkeypatch, flag, environ, formatted):
-    """With the formatter the worker sends its steps to `step_address` and the API server
-    processes listen at `score_address`, where the formatter sends them their rows; the
-    compile-cache key does not change with it (a run field)."""
+    """With the formatter (the default) the worker sends its steps to `step_address` and the API
+    server processes listen at `score_address`, where the formatter sends them their rows;
+    without it they listen to the worker there. The compile-cache key does not change with it
+    (a run field)."""
     import argparse
     import json
 
