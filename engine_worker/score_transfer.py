@@ -16,7 +16,7 @@ the GIL, and events created with CU_EVENT_BLOCKING_SYNC put the waiting thread t
 instead of spinning: one GIL acquisition per step, after the scores have landed. (Spinning
 instead, so a prompt step's consume would start with no wake-up, was measured on the H200 in
 session 27: the consume was no quicker and the first token no sooner, while a core spun through
-every forward; see docs/benchmarks.md.)
+every forward; see docs/benchmark-sessions.md.)
 
 The copies and the event go to the CUDA driver directly (`_CudaDriver`), not through
 torch: on the H200 host the engine thread spent two thirds of its hook in these calls,
@@ -56,7 +56,7 @@ waiting if it must; so does a hook that finds every staging buffer pending (the 
 only). A watchdog thread, waking every `stale_after_s`, consumes what has landed once the
 engine has not come by for that long (an engine that stopped calling the hook); it waits
 for the device outside the lock, so an engine that comes back never waits for it. On the H200 the two consumers measured
-the same speed (docs/benchmarks.md, session 8); the engine consumer wakes no second
+the same speed (docs/benchmark-sessions.md, session 8); the engine consumer wakes no second
 thread per step.
 """
 

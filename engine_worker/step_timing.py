@@ -8,7 +8,7 @@ forward on the device (two CUDA events around its launch) and taking that span o
 request's TTFT splits it into the device's part and the host's way in and out, each of which
 can be compared with the tap running and paused. (Measured so, session 24: the scatter sits
 about evenly in the prefill's span and in the way out, and the tap's cost all on the way
-out; docs/benchmarks.md.)
+out; docs/benchmark-sessions.md.)
 
 Switched on by PROBEX_STEP_TIMING=1 in the engine's environment; off, the runner adapters
 make one attribute check per step. On, a forward of at least `min_rows` rows costs two event

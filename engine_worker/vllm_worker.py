@@ -87,7 +87,7 @@ def default_score_consumer(runner, reads_tokens_async: bool) -> str:
     engine thread where vLLM reads a step's sampled tokens there, through the async output
     `sample_tokens` returns (`reads_tokens_async`, the adapter's to say: runner V2 always,
     runner V1 with async scheduling, vLLM's default on CUDA; the engine consumer was
-    measured on the H200 with V2 against the transfer thread, docs/benchmarks.md sessions 8
+    measured on the H200 with V2 against the transfer thread, docs/benchmark-sessions.md sessions 8
     and 9), in a single-process engine on one GPU; otherwise the transfer thread. With more
     than one GPU, or workers in their own processes, vLLM reads the tokens on a worker's
     output-copy thread, a path not yet run on a GPU with the engine consumer: the transfer

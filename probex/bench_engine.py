@@ -74,7 +74,7 @@ client on CPUs of their own (by default both run anywhere, as the OS places them
 records the host's logical CPUs grouped by the core they share (``cpus`` in the JSON), and a
 server with a thread allowed elsewhere is a problem. At an idle engine a request's way out (the
 prefill's end to its first chunk) swings between two levels some 4 ms apart, in runs of requests,
-together with the prefill's device span (session 27, docs/benchmarks.md): pinning is how to
+together with the prefill's device span (session 27, docs/benchmark-sessions.md): pinning is how to
 test whether threads sharing a core are why.
 
 The model is a real architecture with ``--load-format dummy`` (timings do not depend on
