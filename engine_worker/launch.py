@@ -13,7 +13,7 @@ from pathlib import Path
 from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import check_vector_set, load_vector
 from engine_worker.tap_config import (ENV_API_SERVER_COUNT, ENV_PREFIX, ENV_SCORE_FORMATTER, ENV_TAP_CONFIG, TapConfig,
-                                      score_formatter_wanted)
+                                      score_formatter_wanted, scores_delivered)
 
 MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm_worker.ProbexWorkerExtension"
@@ -80,7 +80,10 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
         capture_rows=capture_rows,
         capture_dir=str(Path(args.capture_dir).resolve()) if args.capture_dir else None,
         score_address=f"ipc://{socket_path}",
-        step_address=f"ipc://{socket_path.with_suffix('.steps')}" if args.score_formatter else None,
+        # A worker that delivers no scores (PROBEX_DELIVERY=off) starts no formatter: its API server
+        # processes listen to the worker, which sends them only its control messages.
+        step_address=(f"ipc://{socket_path.with_suffix('.steps')}" if args.score_formatter and scores_delivered()
+                      else None),
         steer_layers=tuple(steer_layers),
         steer_vectors_per_layer=args.steer_vectors,
         steer_vector_dirs=tuple(str(Path(v.source).resolve()) for v in vectors),

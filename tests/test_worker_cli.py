@@ -164,7 +164,9 @@ def test_restarts_and_other_probe_files_keep_the_compile_cache_key(tmp_path):
                                                       ([], {"PROBEX_SCORE_FORMATTER": "0"}, False),
                                                       ([], {"PROBEX_SCORE_FORMATTER": "off"}, False),
                                                       (["--score-formatter"], {"PROBEX_SCORE_FORMATTER": "0"}, True),
-                                                      ([], {"PROBEX_SCORE_FORMATTER": "1"}, True)])
+                                                      ([], {"PROBEX_SCORE_FORMATTER": "1"}, True),
+                                                      # nothing delivered (a diagnostic): nothing to format
+                                                      (["--score-formatter"], {"PROBEX_DELIVERY": "off"}, False)])
 def test_the_score_formatter_gets_the_workers_steps_on_an_address_of_its_own(monkeypatch, flag, environ, formatted):
     """With the formatter (the default) the worker sends its steps to `step_address` and the API
     server processes listen at `score_address`, where the formatter sends them their rows;
@@ -177,6 +179,7 @@ def test_the_score_formatter_gets_the_workers_steps_on_an_address_of_its_own(mon
     from engine_worker.tap_config import ENV_TAP_CONFIG, TapConfig
 
     monkeypatch.delenv("PROBEX_SCORE_FORMATTER", raising=False)
+    monkeypatch.delenv("PROBEX_DELIVERY", raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     parser = argparse.ArgumentParser()
