@@ -333,6 +333,17 @@ def paused_message(paused: bool, sequence: int) -> dict:
     return {CONTROL: "paused", "paused": bool(paused), "sequence": int(sequence)}
 
 
+def pause_of(message: dict) -> tuple[int, bool] | None:
+    """The worker's pause state a message carries, (pause changes, paused): a step's or a
+    heartbeat's `pause`, or a pause message's own (`paused_message`); None where it carries none."""
+    if "pause" in message:
+        sequence, paused = message["pause"]
+        return int(sequence), bool(paused)
+    if message.get(CONTROL) == "paused" and message.get("sequence") is not None:
+        return int(message["sequence"]), bool(message["paused"])
+    return None
+
+
 def swapped_message(what: str, version: int, dirs: list[str] | None = None) -> dict:
     """`what`: "probes" (`dirs` the new set's artifact directories, for the retention check)
     or "steering"; `version` the new set's."""

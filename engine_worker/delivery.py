@@ -34,7 +34,7 @@ import numpy as np
 import zmq
 
 from engine_worker import responses
-from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader, heartbeat_message
+from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader, heartbeat_message, pause_of
 from probes.scoring import calibrate_array
 
 log = logging.getLogger("probex.delivery")
@@ -116,7 +116,7 @@ class ScorePublisher:
         self._encoder = msgspec.msgpack.Encoder()
         self._lock = threading.Lock()
         self.sequence = 0
-        self._pause: list | None = None  # the last pause state sent, which heartbeats repeat
+        self._pause: tuple[int, bool] | None = None  # the last pause state sent, which heartbeats repeat
         self._last_send = time.monotonic()
         self._closed = threading.Event()
         if heartbeat_s > 0:
@@ -124,10 +124,9 @@ class ScorePublisher:
                              daemon=True).start()
 
     def publish(self, message: dict) -> None:
-        if "pause" in message:
-            self._pause = message["pause"]
-        elif message.get(CONTROL) == "paused":
-            self._pause = [message["sequence"], message["paused"]]
+        pause = pause_of(message)
+        if pause is not None:
+            self._pause = pause
         with self._lock:
             message[SEQUENCE] = self.sequence + 1
             frame = self._encoder.encode(message)  # a message that cannot be encoded takes no number
@@ -440,9 +439,7 @@ class ScoreHub:
         self._heard_now()
         message = self._decoder.decode(frame)
         self._count_formatted(message[PUBLISHER], BROADCAST.decode(), message[SEQUENCE])
-        if "pause" in message:  # the worker's pause state, on heartbeats and losses
-            sequence, paused = message["pause"]
-            self.set_paused(bool(paused), int(sequence))
+        self._apply_pause(pause_of(message))  # the worker's pause state, on heartbeats and losses too
         kind = message.get(CONTROL)
         if kind == "heartbeat":
             # The formatter's count of this process's topic: messages lost at the end of a burst
@@ -459,12 +456,12 @@ class ScoreHub:
             for key in mine.get("requests", ()):
                 self._state(key).lost = True
             self._finished_keys(mine.get("finished", ()))
+            why = str(message.get("why") or "scores lost")
             if message.get("messages"):
-                self.messages_lost += int(message["messages"])
-                self.swaps += 1  # a swap may have been among them: listings are read again
+                self._messages_missing(int(message["messages"]), why)
             else:
                 self.steps_lost += 1
-            self._scores_lost(str(message.get("why") or "scores lost"))
+                self._scores_lost(why)
             return
         self._control(message)
 
@@ -480,8 +477,7 @@ class ScoreHub:
         started = time.perf_counter()
         self.messages_received += 1
         self._count_formatted(step.publisher, self._topic_name, step.sequence)
-        if step.pause is not None:
-            self.set_paused(bool(step.pause[1]), int(step.pause[0]))
+        self._apply_pause(step.pause)
         table = self._probe_set(step.version, step.probes)
         probes = table.probes
         prompted = []
@@ -520,10 +516,18 @@ class ScoreHub:
         if last is not None and sequence > last + 1:
             self._messages_missing(sequence - last - 1)
 
-    def _messages_missing(self, count: int) -> None:
+    def _messages_missing(self, count: int, why: str | None = None) -> None:
         self.messages_lost += count
-        self.swaps += 1  # a swap may have been among them: listings are read again
-        self._scores_lost(f"{count} score messages lost (this API server process fell behind)")
+        # A swap may have been among them: listings are read again. A pause is set right by
+        # the next message that carries the worker's pause state.
+        self.swaps += 1
+        self._scores_lost(why or f"{count} score messages lost (this API server process fell behind)")
+
+    def _apply_pause(self, pause: tuple[int, bool] | None) -> None:
+        """The worker's pause state (pause changes, paused) as a message carried it (`pause_of`):
+        a process that missed a pause message is set right by the next step or heartbeat."""
+        if pause is not None:
+            self.set_paused(bool(pause[1]), int(pause[0]))
 
     def ingest(self, message: dict) -> None:
         """One worker step (`bookkeeping.step_message`: layout + raw block), read through the
@@ -537,16 +541,10 @@ class ScoreHub:
             # not sent the earlier ones); a count lower than the last is a new publisher.
             last, self._last_sequence = self._last_sequence, sequence
             if last is not None and sequence > last + 1:
-                self.messages_lost += sequence - last - 1
-                # A swap may have been among them: listings are read again. A pause is set
-                # right by the next step (each carries the worker's pause state).
-                self.swaps += 1
-                self._scores_lost(f"{sequence - last - 1} score messages lost (this API server process fell behind)")
+                self._messages_missing(sequence - last - 1)
         if CONTROL in message:
             return self._control(message)
-        if "pause" in message:  # the worker's pause state: a lost pause message is made good here
-            sequence, paused = message["pause"]
-            self.set_paused(bool(paused), int(sequence))
+        self._apply_pause(pause_of(message))  # each step carries it: a lost pause message is made good here
         table = self._probe_set(message["v"], message["probes"])
         events = self._steps.read(message, self._owner_marker if self.owner is not None else None)
         probes = table.probes
@@ -652,9 +650,7 @@ class ScoreHub:
                 if self.on_probes_swapped is not None:
                     self.on_probes_swapped(int(message["version"]), list(message.get("dirs") or []))
         elif kind == "heartbeat":  # its number was the news (a gap in the count is handled above)
-            if "pause" in message:  # and the worker's pause state, for a process that missed a change
-                sequence, paused = message["pause"]
-                self.set_paused(bool(paused), int(sequence))
+            self._apply_pause(pause_of(message))  # and the worker's pause state
         elif kind == "lost":
             self.steps_lost += 1
             mine = [req for req in message.get("requests", ()) if self.owner is None or self._owned(req)]

@@ -51,7 +51,7 @@ import msgspec
 import zmq
 
 from engine_worker import responses
-from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader
+from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader, pause_of
 from engine_worker.delivery import (BROADCAST, OWNER_MARKER, PUBLISHER, UNTAGGED, FormattedPrompt, FormattedStep,
                                     _ProbeSet, external_request_id, laid_out_prompt)
 
@@ -109,11 +109,8 @@ class ScoreFormatter:
         """A message that could not be read or formatted: its requests' waits end."""
         step = message.get("step") if isinstance(message, dict) else None
         requests = (step.get("req") or []) if isinstance(step, dict) else []
-        by_owner: dict[str, dict[str, list[str]]] = {}
-        for req in requests:
-            topic, key = self._route(str(req))
-            by_owner.setdefault(topic.decode(), {"requests": [], "finished": []})["requests"].append(key)
-        return self._broadcast({CONTROL: "lost", "by_owner": by_owner, "why": "a step's scores could not be formatted"})
+        return self._broadcast({CONTROL: "lost", "by_owner": self._by_owner([str(req) for req in requests], []),
+                                "why": "a step's scores could not be formatted"})
 
     def heartbeat(self) -> tuple[bytes, bytes]:
         """Each topic's count so far (a hub that missed the last messages of a burst learns it
@@ -122,13 +119,8 @@ class ScoreFormatter:
                                                                if t != BROADCAST}})
 
     def _note_pause(self, message: dict) -> None:
-        if "pause" in message:  # a step's, or a worker heartbeat's
-            state = (int(message["pause"][0]), bool(message["pause"][1]))
-        elif message.get(CONTROL) == "paused" and message.get("sequence") is not None:
-            state = (int(message["sequence"]), bool(message["paused"]))
-        else:
-            return
-        if self.pause is None or state[0] >= self.pause[0]:
+        state = pause_of(message)  # a step's, a worker heartbeat's, or a pause message's
+        if state is not None and (self.pause is None or state[0] >= self.pause[0]):
             self.pause = state
 
     def forget_stale(self, idle_s: float) -> None:
@@ -144,7 +136,7 @@ class ScoreFormatter:
             table = self._tables[version] = _ProbeSet.from_described(message["probes"])
         probes = table.probes
         by_topic: dict[bytes, FormattedStep] = {}
-        pause = tuple(message["pause"]) if "pause" in message else None
+        pause = pause_of(message)
         described = self._described.get(version)
         if described is None:
             described = self._described[version] = msgspec.Raw(self._encoder.encode(message["probes"]))
@@ -186,20 +178,18 @@ class ScoreFormatter:
 
     def _lost(self, message: dict) -> tuple[bytes, bytes]:
         """The worker's "lost" (a step it could not send), each process's requests apart."""
-        by_owner: dict[str, dict[str, list[str]]] = {}
-
-        def owner(req: str) -> tuple[dict[str, list[str]], str]:
-            topic, key = self._route(req)
-            return by_owner.setdefault(topic.decode(), {"requests": [], "finished": []}), key
-
-        for req in message.get("requests", ()):
-            lists, key = owner(req)
-            lists["requests"].append(key)
-        for req in self._reader.book.finish(list(message.get("finished", ()))):
-            lists, key = owner(req)
-            lists["finished"].append(key)
-        return self._broadcast({CONTROL: "lost", "by_owner": by_owner,
+        finished = self._reader.book.finish(list(message.get("finished", ())))
+        return self._broadcast({CONTROL: "lost", "by_owner": self._by_owner(message.get("requests", ()), finished),
                                 "why": "the worker could not send a step's scores"})
+
+    def _by_owner(self, requests, finished) -> dict[str, dict[str, list[str]]]:
+        """A loss's requests and ends by the process they belong to (topic name -> our ids)."""
+        by_owner: dict[str, dict[str, list[str]]] = {}
+        for field, reqs in (("requests", requests), ("finished", finished)):
+            for req in reqs:
+                topic, key = self._route(req)
+                by_owner.setdefault(topic.decode(), {"requests": [], "finished": []})[field].append(key)
+        return by_owner
 
     def _route(self, engine_request_id: str) -> tuple[bytes, str]:
         """(topic, our id): the owner tag the middleware put in the id, where it is one (a
