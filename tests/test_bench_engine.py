@@ -1212,9 +1212,45 @@ def test_idle_requests_alternate_the_tap_abba_and_pair_neighbours():
     summary = be.toggled_idle_ttft_summary(setups)
     assert summary["all_starts"]["pairs"] == 4 and summary["all_starts"]["pct"] == pytest.approx(10.0)
     assert summary["over_starts"]["starts"] == 2 and summary["over_starts"]["ci95_pct"] == pytest.approx([10.0, 10.0])
+    assert summary["over_starts_by_rank"]["pct"] == pytest.approx(10.0)
     assert [s["label"] for s in summary["per_start"]] == ["tap-toggle#1", "tap-toggle#2"]
     table = be.markdown_tables({"setups": setups, "workload": {}, **be.analyze(setups)})
     assert "| 2 | 4 | 11.00 | 10.00 | +10.00% |" in table
+
+
+def test_idle_pairs_are_also_read_by_rank():
+    """The Hodges–Lehmann shift and its Wilcoxon interval, found by bisection, equal the
+    textbook computation over all pairwise means; a few pairs that carry a jump of the host's
+    state pull the mean and widen its interval, not the rank reading."""
+    rng = np.random.default_rng(7)
+    for n in (5, 40, 301):
+        differences = rng.standard_t(2, n) + 0.3
+        i, j = np.triu_indices(n)
+        walsh = np.sort((differences[i] + differences[j]) / 2)
+        k = math.floor(n * (n + 1) / 4 - 1.96 * math.sqrt(n * (n + 1) * (2 * n + 1) / 24))
+        shift, (low, high) = be.hodges_lehmann_shift(differences)
+        assert shift == pytest.approx(np.median(walsh), abs=1e-9)
+        assert (low, high) == pytest.approx((walsh[k], walsh[len(walsh) - 1 - k]), abs=1e-9)
+    # ties (equal magnitudes) share a rank and still give the median of the pairwise means
+    tied = np.array([1.0, 1.0, -1.0, 2.0, 2.0, 0.5])
+    i, j = np.triu_indices(len(tied))
+    assert be.hodges_lehmann_shift(tied)[0] == pytest.approx(np.median((tied[i] + tied[j]) / 2), abs=1e-9)
+    assert math.isnan(be.hodges_lehmann_shift([1.0])[0])
+    # 200 pairs 0.3 ms apart give or take 0.2 ms, and 20 that straddled a 4 ms change of state
+    steady = [(30.3 + e, 30.0) for e in rng.normal(0, 0.2, 200)]
+    jumps = [(34.3, 30.0) if n % 2 else (30.3, 34.0) for n in range(20)]
+    clean, noisy = be.paired_ttft_overhead(steady), be.paired_ttft_overhead(steady + jumps)
+    assert clean["hodges_lehmann"]["pct"] == pytest.approx(1.0, abs=0.1)
+    assert noisy["hodges_lehmann"]["pct"] == pytest.approx(1.0, abs=0.15)
+    ranked_width = noisy["hodges_lehmann"]["ci95_pct"][1] - noisy["hodges_lehmann"]["ci95_pct"][0]
+    assert ranked_width < (noisy["ci95_pct"][1] - noisy["ci95_pct"][0]) / 3
+    setups = [{"label": "tap-toggle#1", "kind": "tap-toggle", "results": {}, "checks": {},
+               "idle_ttft_toggle": {"paused": [False, True] * len(steady),
+                                    "per_request_ttft_ms": [x for pair in steady for x in pair],
+                                    "running_over_paused": clean}}]
+    table = be.markdown_tables({"setups": setups, "workload": {}, **be.analyze(setups)})
+    assert "The same pairs by rank (Hodges–Lehmann shift" in table
+    assert f"by start {be._pct2(clean['hodges_lehmann']['pct'])}." in table
 
 
 def test_a_phase_reads_the_engine_consumers_waits_for_tokens():
