@@ -100,6 +100,7 @@ class TapController:
         self.engine_thread_s = 0.0
         self.layout_s = 0.0  # the part of it spent reading the step's layout from the runner
         self.token_reads = TokenReads()  # engine consumer: vLLM's wait for each step's tokens after its scores
+        self.consume_parts = ConsumeParts()  # where each step's consume goes (`_consume_step`)
         self._capture_requests: dict[str, dict[int, np.ndarray]] = {}
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
         self._hook_spin_s = hook_spin_s()  # PROBEX_HOOK_SPIN_US, a diagnostic; 0 otherwise
@@ -195,7 +196,8 @@ class TapController:
             "slots_per_layer": {str(l): t.capacity for l, t in self.taps.items()},
             "capture": self.capture_dir is not None,
             "transfer": {**self.transfer.describe(), "scores_ahead_of_tokens": self.scores_ahead_of_tokens,
-                         "prompt_scores_beside_output": self.prompt_scores_beside_output},
+                         "prompt_scores_beside_output": self.prompt_scores_beside_output,
+                         "consume_parts": self.consume_parts.as_dict()},
             "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s, "layout_s": self.layout_s,
                               "token_reads": self.token_reads.as_dict()},
             "step_timing": None if self.step_timer is None else {"min_rows": self.step_timer.min_rows,
@@ -471,9 +473,12 @@ class TapController:
         layout, table, finished, capture_plan, captured = step.context
         published = False
         try:
+            began = time.perf_counter()
             if not isinstance(layout, StepLayout):
                 layout = self._build_layout(layout, step.rows)
+            laid_out = time.perf_counter()
             raw = gather_scores(table, step.rows, step.scores())
+            gathered = time.perf_counter()
             capture_failure = None
             if self.capture_dir is not None:
                 # Before the step goes out: a captured request's files are written by the time
@@ -490,7 +495,11 @@ class TapController:
             if self.publish is not None and (layout.req_ids or finished):
                 # Read in this order: the engine thread sets `paused` before counting the change.
                 pause = (self.pause_changes, self.paused)
-                self.publish(step_message(table, layout, raw, list(finished), pause))
+                message = step_message(table, layout, raw, list(finished), pause)
+                built = time.perf_counter()
+                self.publish(message)
+                self.consume_parts.add(step.rows, laid_out - began, gathered - laid_out, built - gathered,
+                                       time.perf_counter() - built)
             published = True
             if capture_failure is not None:
                 raise capture_failure
@@ -543,6 +552,35 @@ class TapController:
 # A read of the tokens this soon after the scores' consume found them ready: the device had
 # finished sampling before the consume did, so the consume held the step's output back.
 TOKENS_READY_S = 50e-6
+
+
+class ConsumeParts:
+    """Where a published step's consume goes, on whichever thread consumes: the layout built
+    (where the runner adapter left that to the consumer), the scores gathered into probe
+    columns, the message built, and its publishing (encoding and the socket's send). Split
+    apart for steps of more than LARGE_STEP_ROWS rows (prefill chunks, on a first token's way).
+    Sums and counts; readers take differences between snapshots."""
+
+    PARTS = ("layout", "gather", "message", "publish")
+
+    def __init__(self) -> None:
+        self.count = self.large_count = 0
+        self.sums = dict.fromkeys(self.PARTS, 0.0)
+        self.large_sums = dict.fromkeys(self.PARTS, 0.0)
+
+    def add(self, rows: int, *seconds: float) -> None:
+        self.count += 1
+        for part, value in zip(self.PARTS, seconds):
+            self.sums[part] += value
+        if rows > LARGE_STEP_ROWS:
+            self.large_count += 1
+            for part, value in zip(self.PARTS, seconds):
+                self.large_sums[part] += value
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"count": self.count, "large_count": self.large_count,
+                **{f"{part}_s": value for part, value in self.sums.items()},
+                **{f"large_{part}_s": value for part, value in self.large_sums.items()}}
 
 
 class TokenReads:

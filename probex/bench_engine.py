@@ -1704,6 +1704,9 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
         if large > 0:  # prefill-sized steps: their consume is on the way to a first token
             out["transfer"]["large_steps"] = large
             out["transfer"]["large_consume_mean_ms"] = (t1["large_consume_s"] - t0["large_consume_s"]) / large * 1e3
+        parts = consume_parts_delta(t0.get("consume_parts"), t1.get("consume_parts"))
+        if parts:
+            out["transfer"]["consume_parts"] = parts
     e0, e1 = before.get("engine_thread") or {}, after.get("engine_thread") or {}
     engine_steps = e1.get("steps", 0) - e0.get("steps", 0)
     if engine_steps > 0:
@@ -1798,6 +1801,24 @@ def phase_server_fields(url: str, before: tuple[dict[str, tuple[float, float]], 
     return out
 
 
+CONSUME_PARTS = ("layout", "gather", "message", "publish")
+
+
+def consume_parts_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
+    """The worker's consume of a step split (`ConsumeParts`), per published step over a phase,
+    ms: every step's (`all`) and the prefill-sized ones' (`large`); {} for workers that do not
+    split it (older runs) or a phase that published nothing."""
+    if not before or not after:
+        return {}
+    out: dict[str, Any] = {}
+    for label, prefix, count in (("all", "", "count"), ("large", "large_", "large_count")):
+        steps = after[count] - before[count]
+        if steps > 0:
+            out[label] = {"steps": steps, **{f"{part}_mean_ms": (after[f"{prefix}{part}_s"] - before[f"{prefix}{part}_s"])
+                                             / steps * 1e3 for part in CONSUME_PARTS}}
+    return out
+
+
 def delivery_line(delivery: dict[str, Any]) -> str:
     parts = []
     if "engine_thread" in delivery:
@@ -1817,6 +1838,11 @@ def delivery_line(delivery: dict[str, Any]) -> str:
         parts.append(f"transfer: landed {t['landed_mean_ms']:.3f} ms, consume {t['consume_mean_ms']:.3f} ms per step"
                      + (f" ({t['large_consume_mean_ms']:.3f} ms for the {t['large_steps']} prefill-sized)"
                         if t.get("large_steps") else ""))
+        for label, what in (("all", "published step"), ("large", "prefill-sized step")):
+            split = (t.get("consume_parts") or {}).get(label)
+            if split:
+                parts.append(f"consume per {what}: " + ", ".join(f"{part} {split[part + '_mean_ms']:.3f}"
+                                                                  for part in CONSUME_PARTS) + " ms")
     loop = delivery.get("api_loop") or {}
     if loop:
         parts.append("API server loop: " + ", ".join(f"{kind} {v['mean_ms']:.3f} ms x{v['count']}"

@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int | None:
     schema.add_argument("--out", default="config/policy.schema.json")
 
     args, extra = parser.parse_known_args(argv)
+    if args.command != "worker":  # the worker becomes vLLM (exec), which handles its own signals
+        from probex.processes import unwind_on_sigterm
+
+        unwind_on_sigterm()
     if args.command == "bench" and args.bench_command == "gateway":
         from probex import bench_gateway
 

@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -46,6 +47,19 @@ def free_port() -> int:
                 continue
         return port
     raise RuntimeError(f"no free port found in {candidates.start}-{candidates.stop - 1}")
+
+
+def _raise_system_exit(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM unwind this process (SystemExit, exit status 143) instead of ending it on
+    the spot, so the `finally` blocks that stop its workers run: they are started in sessions
+    of their own (a terminal's Ctrl-C must not reach vLLM ahead of the order they are stopped
+    in), so nothing else stops them. From the main thread (elsewhere Python refuses a handler)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_system_exit)
 
 
 class WorkerExited(RuntimeError):

@@ -12,19 +12,24 @@ from pathlib import Path
 from gateway.app import GatewayConfig
 from gateway.policy import PolicyError, load_policy
 from gateway.serving import run_gateway
-from probex.processes import WorkerExited, wait_until_healthy
+from probex.processes import WorkerExited, unwind_on_sigterm, wait_until_healthy
 
 
 def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_port: int, redis_url: str | None,
-                 worker_args: list[str]) -> None:
+                 worker_args: list[str], worker_command: list[str] | None = None) -> None:
+    """`worker_command` replaces `probex worker` (tests start a stand-in)."""
     try:
         policy = load_policy(policy_path)
     except PolicyError as exc:
         raise SystemExit(f"probex serve: {exc}") from None
     # The worker's live-swap endpoint needs a token; the gateway is the only one told it.
     token = os.environ.get("PROBEX_ADMIN_TOKEN") or secrets.token_urlsafe(24)
-    cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", model, "--port", str(worker_port),
-           "--admin-token", token, *[f"--probe={d}" for d in policy.probe_dirs], *worker_args]
+    cmd = worker_command or [sys.executable, "-m", "probex.cli", "worker", "--model", model, "--port", str(worker_port),
+                             "--admin-token", token, *[f"--probe={d}" for d in policy.probe_dirs], *worker_args]
+    # The worker runs in a session of its own (a terminal's Ctrl-C reaches this process, which
+    # stops it in order), so a `kill` of this process must also end in the `finally` below
+    # (uvicorn, which catches SIGTERM while serving, raises it again once the gateway is down).
+    unwind_on_sigterm()
     print(f"probex serve: starting worker on :{worker_port} ({len(policy.probes)} probes); first start compiles, "
           "allow a minute or two", flush=True)
     worker = subprocess.Popen(cmd, start_new_session=True)

@@ -339,6 +339,43 @@ def test_prefill_sized_steps_have_their_consume_timed_apart():
     transfer.close()
 
 
+def test_the_consume_is_split_into_its_parts_for_published_steps(tmp_path, monkeypatch):
+    """Each published step's consume is timed in four parts (layout, gather, message,
+    publish), prefill-sized steps apart; a step with nothing to publish is not counted."""
+    from engine_worker.score_transfer import LARGE_STEP_ROWS
+
+    rows = LARGE_STEP_ROWS + 8
+    taps = {1: LayerTap(1, HIDDEN, capacity=2, max_rows=rows)}
+    published = Published()
+
+    def slow_publish(message: dict) -> None:
+        time.sleep(0.002)  # the socket's send, made long enough to be told from the rest
+        published.append(message)
+
+    controller = TapController(taps, served(), slow_publish, threaded=False)
+    controller.load([str(make_probe(tmp_path, "first", 1, ReadPoint.LAST_PROMPT_TOKEN, 0))])
+    controller.after_forward(StepLayout(["a"], np.array([rows]), np.array([0]), np.array([rows])))  # a prefill
+    controller.after_forward(functools.partial(StepLayout, ["a"], np.array([1]), np.array([rows]), np.array([rows])),
+                             num_rows=1)  # a decode step whose layout the consumer builds
+    controller.after_forward(StepLayout.empty())  # nothing to publish
+    parts = controller.listing()["transfer"]["consume_parts"]
+    assert len(published) == 2 and parts["count"] == 2 and parts["large_count"] == 1
+    assert parts["publish_s"] >= 0.004 and parts["large_publish_s"] >= 0.002
+    assert parts["publish_s"] > 10 * (parts["layout_s"] + parts["gather_s"] + parts["message_s"])
+    assert all(parts[f"large_{part}_s"] <= parts[f"{part}_s"] for part in ("layout", "gather", "message", "publish"))
+    # the benchmark reads them per step over a phase, from two snapshots
+    import probex.bench_engine as be
+
+    before = dict.fromkeys(parts, 0)
+    split = be.consume_parts_delta(before, parts)
+    assert split["all"]["steps"] == 2 and split["large"]["steps"] == 1
+    assert split["all"]["publish_mean_ms"] == pytest.approx(parts["publish_s"] / 2 * 1e3)
+    assert be.consume_parts_delta(None, parts) == {}
+    line = be.delivery_line({"transfer": {"landed_mean_ms": 0.1, "consume_mean_ms": 1.0, "consume_parts": split}})
+    assert "consume per published step: layout" in line and "consume per prefill-sized step:" in line
+    controller.transfer.close()
+
+
 class RecordingDriver:
     """Stands in for the CUDA driver on the CPU: the copies are real memmoves between host
     addresses, so the consumer sees what a device copy would have delivered."""

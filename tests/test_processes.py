@@ -62,3 +62,50 @@ def test_logged_worker_names_a_worker_that_died(tmp_path):
         with logged_worker([sys.executable, "-c", "print('boom'); raise SystemExit(3)"], dict(os.environ), log,
                            "http://127.0.0.1:1", "toy", timeout_s=30):
             pass
+
+
+EMBEDDED = """
+import sys
+from pathlib import Path
+from probex.serve import run_embedded
+port, worker_port, policy = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+stand_in = [sys.executable, "-m", "gateway.mock_upstream", "--port", str(worker_port)]
+run_embedded(policy, "mock-model", "127.0.0.1", port, worker_port, None, [], worker_command=stand_in)
+"""
+
+
+def test_a_killed_probex_serve_stops_its_worker_too(tmp_path):
+    """`probex serve` (make run) started its worker in a session of its own: a SIGTERM to
+    `probex serve` (kill, a supervisor) must stop the worker too, not leave it holding its port
+    (and, served for real, the GPU). uvicorn raises the signal again after its shutdown, which
+    Python's default handler would turn into an exit that skips the worker's stop."""
+    import signal
+    import subprocess
+    import time
+
+    import httpx
+
+    from probex.cli import DEFAULT_POLICY
+
+    port, worker_port = free_port(), free_port()
+    serve = subprocess.Popen([sys.executable, "-c", EMBEDDED, str(port), str(worker_port), str(DEFAULT_POLICY)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert serve.poll() is None, serve.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the gateway did not come up"
+            time.sleep(0.2)
+        assert httpx.get(f"http://127.0.0.1:{worker_port}/health", timeout=2).status_code == 200
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(40) == 128 + signal.SIGTERM
+        with pytest.raises(httpx.ConnectError):  # the worker is gone with it
+            httpx.get(f"http://127.0.0.1:{worker_port}/health", timeout=2)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
