@@ -49,6 +49,18 @@ def free_port() -> int:
     raise RuntimeError(f"no free port found in {candidates.start}-{candidates.stop - 1}")
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether a server could not listen on `host`:`port` now (something listens there). With
+    SO_REUSEADDR, as servers bind: a port left in TIME_WAIT by a server just stopped is free."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def _raise_system_exit(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 

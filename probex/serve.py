@@ -12,7 +12,7 @@ from pathlib import Path
 from gateway.app import GatewayConfig
 from gateway.policy import PolicyError, load_policy
 from gateway.serving import run_gateway
-from probex.processes import WorkerExited, unwind_on_sigterm, wait_until_healthy
+from probex.processes import WorkerExited, port_taken, unwind_on_sigterm, wait_until_healthy
 
 
 def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_port: int, redis_url: str | None,
@@ -26,6 +26,13 @@ def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_por
     token = os.environ.get("PROBEX_ADMIN_TOKEN") or secrets.token_urlsafe(24)
     cmd = worker_command or [sys.executable, "-m", "probex.cli", "worker", "--model", model, "--port", str(worker_port),
                              "--admin-token", token, *[f"--probe={d}" for d in policy.probe_dirs], *worker_args]
+    # Checked before the worker's minute of start-up: and a worker port already served (by a
+    # worker left from an earlier start, say) would pass the health check below for ours.
+    for role, where, number in (("gateway", host, port), ("worker", "127.0.0.1", worker_port)):
+        if port_taken(where, number):
+            flag = "--port" if role == "gateway" else "--worker-port"
+            raise SystemExit(f"probex serve: port {number} ({role}) is in use; stop what listens there or pick "
+                             f"another with {flag}")
     # The worker runs in a session of its own (a terminal's Ctrl-C reaches this process, which
     # stops it in order), so a `kill` of this process must also end in the `finally` below
     # (uvicorn, which catches SIGTERM while serving, raises it again once the gateway is down).

@@ -2,6 +2,7 @@
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,29 @@ def test_a_killed_probex_serve_stops_its_worker_too(tmp_path):
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+@pytest.mark.parametrize("role", ["gateway", "worker"])
+def test_probex_serve_refuses_a_port_in_use_before_starting_its_worker(tmp_path, role):
+    """A worker port already served (a worker left from an earlier start) would pass the health
+    check for the new worker; a gateway port in use would fail only after the worker's start-up.
+    Both are refused at once, naming the port and the option, with no worker started."""
+    import socket
+
+    from probex.cli import DEFAULT_POLICY
+    from probex.processes import port_taken
+    from probex.serve import run_embedded
+
+    port, worker_port = free_port(), free_port()
+    marker = tmp_path / "started"
+    stand_in = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    taken = port if role == "gateway" else worker_port
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", taken))
+        listener.listen()
+        assert port_taken("127.0.0.1", taken)
+        with pytest.raises(SystemExit, match=f"port {taken} \\({role}\\) is in use"):
+            run_embedded(Path(DEFAULT_POLICY), "mock-model", "127.0.0.1", port, worker_port, None, [],
+                         worker_command=stand_in)
+    assert not marker.exists()
+    assert not port_taken("127.0.0.1", port)
