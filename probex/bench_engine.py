@@ -1819,6 +1819,32 @@ def consume_parts_delta(before: dict[str, Any] | None, after: dict[str, Any] | N
     return out
 
 
+def consume_split_rows(setups: Sequence[dict[str, Any]]) -> list[tuple[str, str, str, dict[str, float]]]:
+    """(set-up, phase, which steps, per-part mean ms) of the worker's consume, where the phases
+    recorded it (`consume_parts_delta`): each concurrency's phases with the tap running pooled
+    (weighted by their steps), and the idle requests; `which` is "all" or "large" (prefill-sized)."""
+    out = []
+    for s in setups:
+        phases: dict[str, list[dict[str, Any]]] = {}
+        for c, entry in (s.get("results") or {}).items():
+            phases.setdefault(c, []).append(entry)
+        for c, toggled in (s.get("toggle") or {}).items():
+            phases.setdefault(c, []).extend(p for p in toggled if not p["paused"])
+        if s.get("idle_ttft_toggle"):
+            phases.setdefault("idle", []).append(s["idle_ttft_toggle"])
+        for phase, entries in phases.items():
+            for which in ("all", "large"):
+                splits = [((e.get("delivery") or {}).get("transfer") or {}).get("consume_parts", {}).get(which)
+                          for e in entries]
+                splits = [x for x in splits if x]
+                steps = sum(x["steps"] for x in splits)
+                if steps:
+                    out.append((s["label"], phase, which, {
+                        part: sum(x[f"{part}_mean_ms"] * x["steps"] for x in splits) / steps for part in CONSUME_PARTS
+                    } | {"steps": steps}))
+    return out
+
+
 def delivery_line(delivery: dict[str, Any]) -> str:
     parts = []
     if "engine_thread" in delivery:
@@ -3399,6 +3425,17 @@ def markdown_tables(result: dict[str, Any]) -> str:
         lines += ["", "TPOT p50 over plain on the same GPU (set-ups side by side): "
                   + "; ".join(f"{kind} on GPU {gpu} c={c}: {_pct(v)}" for kind, per_gpu in by_gpu.items()
                               for gpu, per_c in per_gpu.items() for c, v in per_c.items())]
+    consume = consume_split_rows(result["setups"])
+    if consume:
+        lines += ["", "The worker's consume of each published step, by part, ms per step (phases with the tap "
+                  "running; prefill-sized: the steps the worker counts as prefill chunks):", "",
+                  "| set-up | phase | steps | " + " | ".join(CONSUME_PARTS) + " | sum |",
+                  "|---|---|---|" + "---:|" * (len(CONSUME_PARTS) + 1)]
+        for label, phase, which, split in consume:
+            where = phase if phase == "idle" else f"c={phase}"
+            lines.append(f"| {label} | {where} | {'prefill-sized' if which == 'large' else 'all'} "
+                         f"({split['steps']}) | " + " | ".join(f"{split[part]:.3f}" for part in CONSUME_PARTS)
+                         + f" | {sum(split[part] for part in CONSUME_PARTS):.3f} |")
     lines += goal_lines(result.get("goals") or {})
     return "\n".join(lines)
 

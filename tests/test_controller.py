@@ -373,6 +373,14 @@ def test_the_consume_is_split_into_its_parts_for_published_steps(tmp_path, monke
     assert be.consume_parts_delta(None, parts) == {}
     line = be.delivery_line({"transfer": {"landed_mean_ms": 0.1, "consume_mean_ms": 1.0, "consume_parts": split}})
     assert "consume per published step: layout" in line and "consume per prefill-sized step:" in line
+    # the re-render's table pools each set-up's running phases by their steps; paused phases are left out
+    running = {"paused": False, "delivery": {"transfer": {"consume_parts": split}}}
+    twice = {"all": dict(split["all"], steps=6, publish_mean_ms=4.0)}
+    setups = [{"label": "tap-toggle#1", "toggle": {"64": [running, {"paused": True, "delivery": {"transfer": {
+        "consume_parts": twice}}}, dict(running, delivery={"transfer": {"consume_parts": twice}})]}}]
+    rows = {(phase, which): values for _, phase, which, values in be.consume_split_rows(setups)}
+    assert rows[("64", "all")]["steps"] == 8 and rows[("64", "large")]["steps"] == 1
+    assert rows[("64", "all")]["publish"] == pytest.approx((split["all"]["publish_mean_ms"] * 2 + 24.0) / 8)
     controller.transfer.close()
 
 
