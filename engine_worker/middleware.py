@@ -110,6 +110,10 @@ def inspect_request(path: str, body: Any, owner: str = "") -> MonitoredCall | No
         steering = steering_from_xargs(xargs)
     except SteeringError as exc:
         raise RequestRefused(str(exc), param=exc.param) from None
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        # vLLM reads "false" as false: taken as true here, its JSON answer would go out as a broken stream
+        raise RequestRefused("stream must be true or false", param="stream")
     for name in ("n", "best_of"):
         value = body.get(name)
         if value not in (None, 1):
@@ -187,6 +191,7 @@ def body_as_sent(path: str, raw: bytes, owner: str = "") -> tuple[MonitoredCall,
     if xargs is not None and (not isinstance(xargs, dict) or any(str(key).startswith("probex_") for key in xargs)):
         return None
     if (fields.n not in (None, 1) or fields.best_of not in (None, 1) or fields.use_beam_search
+            or not isinstance(fields.stream, (bool, type(None)))
             or (path == "/v1/completions" and fields.echo) or fields.include_reasoning is False):
         return None
     if path == "/v1/completions" and _lists_several_prompts(bytes(fields.prompt)):

@@ -27,6 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from gateway.audit import POLICY_VERSION_KEY, AuditSink, JsonlAudit, RedisAudit, audit_event
@@ -34,7 +35,8 @@ from gateway.decisions import StreamJudge, Verdict, generated_scores, judge_gene
 from gateway.jsoncodec import dumps, loads, loads_strict
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Decision, LoadedPolicy, PolicyError, TenantView, load_policy
-from gateway.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeout
+from gateway.upstream_http import (UpstreamAbandoned, UpstreamClient, UpstreamError, UpstreamResponse,
+                                   UpstreamTimeout)
 from gateway.upstreams import NoHealthyUpstream, Upstream, UpstreamPool
 
 log = logging.getLogger("probex.gateway")
@@ -233,6 +235,12 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     async def _api_error(request: Request, exc: ApiError):
         return exc.response({"x-probex-policy-version": manager.current.version})
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # Unknown routes and wrong methods, as OpenAI errors like every other answer (405 keeps `Allow`)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), kind=kind).response(exc.headers)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("probex gateway: unexpected error")
@@ -368,6 +376,12 @@ async def _read_body(receive, limit: int, declared: bytes | None) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+# Deeper request bodies are refused: the standard library's parser, which the gateway uses to
+# re-encode a body exactly and the worker's server uses to read it, recurses once per level and
+# fails near 1000; no OpenAI request nests anywhere near this.
+MAX_JSON_DEPTH = 256
+
+
 def _parse_body(raw: bytes) -> tuple[dict, bool]:
     """The body, and whether it is plain UTF-8 JSON that can be forwarded as it came."""
     try:
@@ -375,11 +389,31 @@ def _parse_body(raw: bytes) -> tuple[dict, bool]:
     except ValueError:
         try:  # NaN / Infinity, lone surrogates, UTF-16: what the standard library accepts
             body, plain = json.loads(raw), False
+        except RecursionError:
+            raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
         except (ValueError, UnicodeDecodeError):
             raise ApiError(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    if _nested_deeper_than(raw, body, MAX_JSON_DEPTH):
+        raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
     return body, plain
+
+
+def _nested_deeper_than(raw: bytes, body: dict, limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` levels in `body` (parsed from `raw`).
+    A body with no more brackets than that cannot (the usual case, counted in C); the rest are
+    walked without recursion."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    pending: list[tuple[dict | list, int]] = [(body, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > limit:
+            return True
+        children = value.values() if isinstance(value, dict) else value
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 class _Call:
@@ -446,6 +480,11 @@ class Completions:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' is required", param="model")
+        streaming = body.get("stream")
+        if streaming is not None and not isinstance(streaming, bool):
+            # The worker's server reads "false" as false: taken as true here, its JSON answer
+            # would be relayed as an empty stream, unjudged.
+            raise ApiError(400, "'stream' must be true or false", param="stream")
         known = self.pool.models
         if known and model not in known:
             raise ApiError(404, f"model {model!r} does not exist; available: {sorted(known)}", code="model_not_found",
@@ -470,6 +509,7 @@ class Completions:
         except NoHealthyUpstream as exc:
             raise ApiError(502, f"{exc}; see /ready", kind="server_error", code="upstream_unavailable") from None
         upstream.outstanding += 1
+        watch = None
         try:
             try:
                 waited = time.perf_counter()
@@ -478,16 +518,25 @@ class Completions:
                 # The request is on its way: the book-keeping is done while the worker works.
                 call = _Call(f"probex-gw-{_random_bits(128):032x}", tenant, policy, is_admin,
                              raw if policy.policy.audit.include_prompt else None, started, upstream_s)
+                # A whole response's head comes only with its body: a caller hanging up meanwhile
+                # must abort the worker's request (as vLLM does for its own callers), not leave it
+                # generating up to max_tokens for nobody. A stream's relay watches from its head on.
+                watch = None if streaming else _CallerWatch(receive, conn)
                 waited = time.perf_counter()
                 response = await self.client.response(conn)
                 call.upstream_s += time.perf_counter() - waited
             except _UPSTREAM_ERRORS as exc:
+                if isinstance(exc, UpstreamAbandoned):
+                    await _account_abandoned(call, self.metrics, self.audit)
+                    raise _ClientGone() from None
                 raise _upstream_failure(exc, upstream, self.metrics) from None
-            if body.get("stream"):
+            if streaming:
                 await self.stream(path, response, call, upstream, receive, send)
             else:
                 await self.whole(path, response, call, upstream, send)
         finally:
+            if watch is not None:
+                watch.stop()
             upstream.outstanding -= 1
 
     # -- whole responses
@@ -499,6 +548,9 @@ class Completions:
         try:
             content = await response.read()
         except _UPSTREAM_ERRORS as exc:
+            if isinstance(exc, UpstreamAbandoned):
+                await _account_abandoned(call, metrics, self.audit)
+                raise _ClientGone() from None
             raise _upstream_failure(exc, upstream, metrics) from None
         finally:
             response.release()
@@ -793,6 +845,30 @@ def _prompt_text(body: dict) -> str:
     if "messages" in body:
         return json.dumps(body["messages"])[:4000]
     return str(body.get("prompt"))[:4000]
+
+
+class _CallerWatch:
+    """Abandons the upstream connection (which aborts the request in the worker) if the caller
+    hangs up before `stop`."""
+
+    def __init__(self, receive, conn: UpstreamResponse) -> None:
+        self._conn = conn
+        self._task = asyncio.ensure_future(receive())
+        self._task.add_done_callback(self._heard)
+
+    def _heard(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is None and task.result().get("type") == "http.disconnect":
+            self._conn.abandon()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+async def _account_abandoned(call: _Call, metrics: GatewayMetrics, audit: AuditSink) -> None:
+    """A request whose caller left before its answer: counted as an abandoned stream is, with the
+    verdict as it stood (no scores yet: allow)."""
+    await _account(call, Verdict(), metrics, audit)
+    _observe_overhead(call, metrics)
 
 
 def _upstream_failure(exc: Exception, upstream: Upstream, metrics: GatewayMetrics) -> ApiError:

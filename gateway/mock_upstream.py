@@ -68,6 +68,19 @@ def _token_score(text: str, j: int) -> float:
     return min(0.99, 0.1 + 0.1 * j) if "escalate" in text.lower() else 0.05
 
 
+async def _hung_up_within(request: Request, seconds: float) -> bool:
+    """Wait `seconds`, or less if the caller hangs up first: whether it did."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    try:
+        await asyncio.wait_for(disconnected(), seconds)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
 def create_mock_app(state: MockState) -> Starlette:
     async def health(request: Request):
         return Response(status_code=200)
@@ -117,8 +130,9 @@ def create_mock_app(state: MockState) -> Starlette:
             return JSONResponse({"error": {"message": "invalid mock_tokens_per_s", "type": "BadRequestError"}},
                                 status_code=400)
         if not body.get("stream"):
-            if rate:
-                await asyncio.sleep(n / rate)
+            if rate and await _hung_up_within(request, n / rate):
+                state.aborted += 1  # as vLLM drops a request whose caller left
+                return Response(status_code=499)
             scores = {name: {**prompt[name], "generated": {"scores": [_token_score(text, j) for j in range(n)],
                                                            "max": max(_token_score(text, j) for j in range(n))}}
                       for name in state.probes}

@@ -38,6 +38,10 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
     """Connecting, or waiting for the next bytes of a response, took longer than the configured limit."""
 
 
+class UpstreamAbandoned(UpstreamError):
+    """The gateway's caller went away: the connection was closed on purpose, not to be retried."""
+
+
 class _Stale(Exception):
     """A reused keep-alive connection was closed before any byte of the response: safe to send again."""
 
@@ -134,7 +138,8 @@ class UpstreamResponse(asyncio.Protocol):
     async def head(self, timeout: float) -> None:
         while not self.head_done:
             if self.error is not None:
-                raise _Stale() if self.reused and not self.received else self.error
+                stale = self.reused and not self.received and not isinstance(self.error, UpstreamAbandoned)
+                raise _Stale() if stale else self.error
             await self._wait(timeout)
 
     async def readany(self) -> bytes:
@@ -180,6 +185,12 @@ class UpstreamResponse(asyncio.Protocol):
     def close(self) -> None:
         self.released = True
         self._fail(UpstreamError(f"connection to {self.origin.name} closed by the gateway"))
+
+    def abandon(self) -> None:
+        """Close it because the caller went away (which aborts the request in the worker); a
+        wait for the head or the body raises UpstreamAbandoned, and the request is not sent again."""
+        self.released = True
+        self._fail(UpstreamAbandoned(f"the caller went away; connection to {self.origin.name} closed"))
 
     def send_request(self, request: bytes) -> None:
         """Write the whole request. A transport that died before its `connection_lost` arrived

@@ -37,6 +37,9 @@ def test_engine_suffix_is_stripped():
         ({"use_beam_search": True}, "beam search"),
         # vLLM would leave out the token ids each chunk's scores are placed by
         ({"include_reasoning": False}, "include_reasoning: false"),
+        # vLLM reads "false" as false; taken as true, its JSON answer would be relayed as a stream
+        ({"stream": "false"}, "stream must be true or false"),
+        ({"stream": 1}, "stream must be true or false"),
     ],
 )
 def test_bad_probex_requests_are_refused(body, message):
@@ -659,6 +662,8 @@ def test_requests_with_anything_to_check_or_rewrite_take_the_full_path(raw):
 def test_a_refused_field_is_still_refused_when_the_rest_is_usual():
     app, status, answer = post_raw(b'{"prompt": [1, 2], "max_tokens": 2, "n": 3}')
     assert status == 400 and b"n=3" in answer and app.bodies == []
+    app, status, answer = post_raw(b'{"prompt": [1, 2], "max_tokens": 2, "stream": "false"}')
+    assert status == 400 and b'"param":"stream"' in answer.replace(b" ", b"") and app.bodies == []
 
 
 def test_a_batched_completions_chunks_are_spliced_with_their_own_prompts_scores():

@@ -271,6 +271,58 @@ def test_reload_under_load_fails_no_stream(tmp_path):
         s.stop()
 
 
+def test_odd_bodies_routes_and_methods_get_openai_errors(stack):
+    """Bodies nested too deeply for the standard library's parser (which the gateway falls back
+    to, and re-encodes with), unknown routes, wrong methods and a non-boolean `stream` (which
+    the worker would read as false) are 4xx OpenAI errors, not 500s or an empty stream."""
+    url = stack.url + "/v1/chat/completions"
+    http = httpx.Client(timeout=10)
+    nested = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for body in (b"[" * 1100 + b"]" * 1100,  # too deep for either parser
+                 json.dumps({**nested, "x": [[]] * 1}).replace('"x": [[]]', '"x": ' + "[" * 990 + "]" * 990).encode(),
+                 json.dumps(nested).replace('"max_tokens": 2', '"t": NaN, "x": ' + "[" * 990 + "]" * 990).encode()):
+        r = http.post(url, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested deeper than" in r.json()["error"]["message"], r.text
+    deep_enough = "[" * 200 + "]" * 200  # well within the limit: served
+    r = http.post(url, content=json.dumps(nested).replace('"max_tokens": 2', f'"max_tokens": 2, "x": {deep_enough}'),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    missing = http.post(stack.url + "/v1/embeddings", json={})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    wrong = http.get(url)
+    assert wrong.status_code == 405 and "POST" in wrong.headers["allow"] and "message" in wrong.json()["error"]
+    for value in ("false", "true", 1, 0, []):
+        r = http.post(url, json={**nested, "stream": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream", (value, r.text)
+    assert http.post(url, json={**nested, "stream": False}).status_code == 200
+
+
+def test_a_caller_hanging_up_on_a_whole_response_aborts_the_worker_request(tmp_path):
+    """vLLM stops a non-streaming request whose caller left; behind the gateway the caller is
+    the gateway, which must hang up too, or the worker generates up to max_tokens for nobody."""
+    s = start_stack(tmp_path, tokens_per_s=10)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 100}  # 10 s
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+        deadline = time.monotonic() + 5
+        while s.state.aborted == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.state.aborted == 1
+        counted = 'probex_requests_total{decision="allow",probe="",tenant="default"} 1.0'
+        while time.monotonic() < deadline:
+            if counted in httpx.get(s.url + "/metrics").text:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the abandoned request was never accounted")
+        # the gateway goes on serving
+        quick = httpx.post(s.url + "/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=10)
+        assert quick.status_code == 200
+    finally:
+        s.stop()
+
+
 def test_fuzzed_bodies_never_cause_a_500(stack):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -579,6 +631,31 @@ def test_upstream_client_sends_again_when_an_idle_connection_was_closed():
     ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
     (status, body), seen = _client_run([ok, None, ok], scenario)
     assert (status, body) == (200, b"ok") and len(seen) == 3
+
+
+def test_an_abandoned_request_on_a_reused_connection_is_not_sent_again():
+    """A caller gone before the head closes the connection on purpose: unlike a keep-alive
+    connection the worker closed, it must not count as stale and carry the request again."""
+    import asyncio
+
+    from gateway.upstream_http import UpstreamAbandoned
+
+    async def never_answer(writer):
+        await asyncio.sleep(5)
+
+    async def scenario(client, url):
+        first = await client.post(url, "/v1/completions", b"{}")
+        await first.read()
+        first.release()
+        conn = await client.send(url, "/v1/completions", b"{}")  # the pooled connection again
+        asyncio.get_running_loop().call_later(0.1, conn.abandon)
+        with pytest.raises(UpstreamAbandoned):
+            await client.response(conn)
+        await asyncio.sleep(0.3)  # time for a second send, were there one
+
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    _, seen = _client_run([ok, never_answer, ok], scenario)
+    assert len(seen) == 2
 
 
 def test_upstream_client_replaces_an_idle_connection_whose_transport_is_already_dead():
