@@ -533,7 +533,7 @@ class Completions:
             if streaming:
                 await self.stream(path, response, call, upstream, receive, send)
             else:
-                await self.whole(path, response, call, upstream, send)
+                await self.whole(path, response, call, upstream, watch, send)
         finally:
             if watch is not None:
                 watch.stop()
@@ -541,7 +541,8 @@ class Completions:
 
     # -- whole responses
 
-    async def whole(self, path: str, response: UpstreamResponse, call: _Call, upstream: Upstream, send) -> None:
+    async def whole(self, path: str, response: UpstreamResponse, call: _Call, upstream: Upstream,
+                    watch: "_CallerWatch", send) -> None:
         metrics = self.metrics
         status = response.status
         waited = time.perf_counter()
@@ -553,6 +554,7 @@ class Completions:
                 raise _ClientGone() from None
             raise _upstream_failure(exc, upstream, metrics) from None
         finally:
+            watch.stop()  # the answer is in: the connection may go back to the pool
             response.release()
             call.upstream_s += time.perf_counter() - waited
         if status != 200:
@@ -853,14 +855,20 @@ class _CallerWatch:
 
     def __init__(self, receive, conn: UpstreamResponse) -> None:
         self._conn = conn
+        self._stopped = False
         self._task = asyncio.ensure_future(receive())
         self._task.add_done_callback(self._heard)
 
     def _heard(self, task: asyncio.Future) -> None:
-        if not task.cancelled() and task.exception() is None and task.result().get("type") == "http.disconnect":
+        if self._stopped or task.cancelled() or task.exception() is not None:
+            return
+        if task.result().get("type") == "http.disconnect":
             self._conn.abandon()
 
     def stop(self) -> None:
+        """Before the connection goes back to the pool: a hang-up heard later must not close it
+        under the next request (the callback of a receive that has just completed still runs)."""
+        self._stopped = True
         self._task.cancel()
 
 

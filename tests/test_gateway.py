@@ -633,6 +633,33 @@ def test_upstream_client_sends_again_when_an_idle_connection_was_closed():
     assert (status, body) == (200, b"ok") and len(seen) == 3
 
 
+def test_a_hang_up_heard_after_the_answer_is_in_leaves_the_pooled_connection_alone():
+    """The watch is stopped before the connection goes back to the pool; a disconnect whose
+    receive completed in the same loop turn must not close it under the next request."""
+    import asyncio
+
+    from gateway.app import _CallerWatch
+
+    class Conn:
+        abandoned = 0
+
+        def abandon(self):
+            self.abandoned += 1
+
+    async def scenario():
+        hung_up, spoken = Conn(), Conn()
+        heard = asyncio.get_running_loop().create_future()
+        watch = _CallerWatch(lambda: heard, spoken)
+        heard.set_result({"type": "http.disconnect"})  # its callbacks are scheduled, not yet run
+        watch.stop()
+        live = _CallerWatch(lambda: asyncio.sleep(0, {"type": "http.disconnect"}), hung_up)
+        await asyncio.sleep(0.01)
+        live.stop()
+        return spoken.abandoned, hung_up.abandoned
+
+    assert asyncio.run(scenario()) == (0, 1)
+
+
 def test_an_abandoned_request_on_a_reused_connection_is_not_sent_again():
     """A caller gone before the head closes the connection on purpose: unlike a keep-alive
     connection the worker closed, it must not count as stale and carry the request again."""
