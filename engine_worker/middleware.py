@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import hmac
 import json
 import logging
 import os
@@ -61,8 +62,22 @@ class RequestRefused(Exception):
 
 
 def openai_error(message: str, *, status: int, param: str | None = None, code: str | None = None) -> dict:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
-    return {"error": {"message": message, "type": kind.get(status, "server_error"), "param": param, "code": code}}
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(status)
+    if kind is None:
+        kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# vLLM's other routes that generate text (those of vLLM 0.25-0.32 that a chat model can serve):
+# ProbeX monitors only MONITORED_PATHS, so a monitored worker refuses these instead of serving
+# them unscored (and, for steered requests, without the prefix-cache salt that keeps them apart).
+UNMONITORED_GENERATION_PATHS = frozenset({
+    "/invocations", "/v1/chat/completions/batch", "/v1/responses", "/v1/messages", "/inference/v1/generate",
+    "/cohere/v2/chat", "/generative_scoring", "/v1/systemone",
+})
+
+# A request body nested deeper than Python's parsers can follow (they recurse once per level).
+_TOO_DEEP = "request body is nested too deeply"
 
 
 def _truthy(key: str, value: Any) -> int:
@@ -185,8 +200,8 @@ def body_as_sent(path: str, raw: bytes, owner: str = "") -> tuple[MonitoredCall,
     (`python3 -m probex.bench_handoff`: request_us, request_decoded_us)."""
     try:
         fields = _request_fields.decode(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        return None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return None  # the full path answers (a body nested too deeply is refused there)
     xargs = fields.vllm_xargs
     if xargs is not None and (not isinstance(xargs, dict) or any(str(key).startswith("probex_") for key in xargs)):
         return None
@@ -300,13 +315,20 @@ class ProbexMiddleware:
         path, method = scope["path"], scope["method"]
         if path in MONITORED_PATHS and method == "POST":
             return await self._monitored(scope, receive, send)
+        if path in UNMONITORED_GENERATION_PATHS and method == "POST":
+            message = (f"{path} is not served by this ProbeX worker: generation is monitored on "
+                       f"{' and '.join(MONITORED_PATHS)} only")
+            return await _send_json(send, 404, openai_error(message, status=404, code="unmonitored_route"))
         if path == "/probex/probes":
             return await self._probes_route(scope, receive, send)
         if path == "/probex/steering":
             return await self._steering_route(scope, receive, send)
         if path == "/probex/tap":
             return await self._tap_route(scope, receive, send)
-        if path == "/probex/health" and method == "GET":
+        if path == "/probex/health":
+            if method != "GET":
+                return await _send_json(send, 405, openai_error(f"{method} not allowed on /probex/health",
+                                                                status=405))
             return await self._health(scope, send)
         if path == "/probex/step-timings":
             return await self._step_timings_route(scope, send)
@@ -324,9 +346,13 @@ class ProbexMiddleware:
                 timed = FirstChunkTimer(self.hub, arrived, send) if call.stream else None
                 return await self.app(scope, _replay(raw_body, receive), timed.send if timed else send)
             return await self._relayed(scope, receive, send, call, new_body, arrived)
-        body, encode = _decode_request(raw_body) if raw_body else (None, _encode_json)
         try:
+            body, encode = _decode_request(raw_body) if raw_body else (None, _encode_json)
             call = inspect_request(scope["path"], body, self.owner)
+            if call is not None and (call.body.get("vllm_xargs") or {}).get("probex_capture") \
+                    and not (self.tap_config is not None and self.tap_config.capture_rows):
+                raise RequestRefused("capture is off on this worker (start it with --capture-dir)",
+                                     param="vllm_xargs.probex_capture", code="capture_off")
         except RequestRefused as refusal:
             return await _send_json(send, refusal.status, openai_error(refusal.message, status=refusal.status, param=refusal.param, code=refusal.code))
         if call is None:  # not JSON we understand: vLLM answers with its own validation error
@@ -374,9 +400,10 @@ class ProbexMiddleware:
         if not self.admin_token:
             return False
         headers = dict(scope["headers"])
-        auth = headers.get(b"authorization", b"").decode()
-        token = auth[7:] if auth.lower().startswith("bearer ") else headers.get(b"x-probex-admin-token", b"").decode()
-        return token == self.admin_token
+        auth = headers.get(b"authorization", b"").decode("latin-1")  # HTTP header bytes: any byte decodes
+        token = auth[7:] if auth.lower().startswith("bearer ") else headers.get(b"x-probex-admin-token",
+                                                                                 b"").decode("latin-1")
+        return hmac.compare_digest(token.encode("latin-1"), self.admin_token.encode("utf-8", "surrogateescape"))
 
     async def _tap_route(self, scope: Scope, receive: Receive, send: Send) -> None:
         """GET says whether the tap is paused; PUT {"paused": true|false} (admin) switches it on
@@ -392,7 +419,7 @@ class ProbexMiddleware:
             paused = json.loads(await _read_body(receive))["paused"]
             if not isinstance(paused, bool):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return await _send_json(send, 400, openai_error('body must be {"paused": true} or {"paused": false}',
                                                             status=400, param="paused"))
         async with self._swap_lock:
@@ -416,8 +443,11 @@ class ProbexMiddleware:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         try:
             after = int(query.get("after", ["-1"])[-1])
+            if not -1 <= after < 2**62:  # a record number; larger ones cannot cross to the worker
+                raise ValueError
         except ValueError:
-            return await _send_json(send, 400, openai_error("after must be an integer", status=400, param="after"))
+            return await _send_json(send, 400, openai_error("after must be an integer from -1", status=400,
+                                                            param="after"))
         result = (await _engine_client(scope).collective_rpc("probex_step_timings", args=(after,)))[0]
         if not result.pop("ok"):
             return await _send_json(send, 409, openai_error(result["error"], status=409, code="step_timing_off"))
@@ -491,7 +521,7 @@ class ProbexMiddleware:
             dirs = json.loads(raw)[kind.body_key]
             if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             await _send_json(send, 400, openai_error(f'body must be {{"{kind.body_key}": ["/path/to/{kind.dir_word}-dir", ...]}}', status=400, param=kind.body_key))
             return None
         async with self._swap_lock:
@@ -903,10 +933,14 @@ def _decode_request(raw: bytes) -> tuple[Any, Callable[[Any], bytes]]:
         return _json_decoder.decode(raw), _encode_json
     except (msgspec.DecodeError, UnicodeDecodeError):
         pass
+    except RecursionError:
+        raise RequestRefused(_TOO_DEEP) from None
     try:
         return json.loads(raw), _encode_python_json
     except (ValueError, UnicodeDecodeError):
         return None, _encode_json
+    except RecursionError:
+        raise RequestRefused(_TOO_DEEP) from None
 
 
 def _encode_python_json(payload: Any) -> bytes:

@@ -203,13 +203,19 @@ def check_fits_model(where: Any, what: str, hidden_size: int, layer_phrase: str,
 def read_metadata(root: Path, meta_file: str, tensor_file: str, what: str) -> tuple[dict, Path, Path]:
     """(metadata mapping, its path, the tensor file's path) of an artifact directory, or a ProbeFormatError."""
     meta_path, tensor_path = root / meta_file, root / tensor_file
-    if not root.is_dir():
-        raise ProbeFormatError(f"{root}: {what} directory not found")
-    for path in (meta_path, tensor_path):
-        if not path.is_file():
-            raise ProbeFormatError(f"{path}: missing (a {what} directory holds {meta_file} and {tensor_file})")
+    try:  # a path the system refuses (too long, unreadable) or a file not in UTF-8 is the artifact's fault too
+        if not root.is_dir():
+            raise ProbeFormatError(f"{root}: {what} directory not found")
+        for path in (meta_path, tensor_path):
+            if not path.is_file():
+                raise ProbeFormatError(f"{path}: missing (a {what} directory holds {meta_file} and {tensor_file})")
+        text = meta_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ProbeFormatError(f"{root}: cannot read this {what} directory ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ProbeFormatError(f"{meta_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        meta = yaml.safe_load(meta_path.read_text())
+        meta = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ProbeFormatError(f"{meta_path}: not valid YAML ({exc})") from None
     if not isinstance(meta, dict):

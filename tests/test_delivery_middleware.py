@@ -729,7 +729,8 @@ def test_the_tap_is_paused_and_resumed_by_an_admin_and_paused_requests_pass_unmo
 
     async def go():
         app, engine = RecordingApp(), FakeEngineClient()
-        middleware = ProbexMiddleware(app, hub=idle_hub(), tap_config=TapConfig(layers=(3,)))
+        capturing = TapConfig(layers=(3,), capture_rows=16, capture_dir="/tmp/probex-test-captures")
+        middleware = ProbexMiddleware(app, hub=idle_hub(), tap_config=capturing)
         put = lambda body, headers=admin: call_route(middleware, "PUT", "/probex/tap", body, headers, engine)  # noqa: E731
         assert (await put(b'{"paused": true}', []))[0] == 401 and engine.calls == []
         status, answer = await put(b'{"paused": "yes"}')
@@ -1244,3 +1245,42 @@ def test_a_streamed_requests_way_through_the_process_is_timed_running_and_paused
     loop = asyncio.run(paused())
     assert all(loop[kind]["count"] == 1 for kind in ("request_way_in", "vllm_to_first_chunk", "first_chunk_out"))
     assert 0.025 <= loop["vllm_to_first_chunk"]["total_s"] < 1.0 and loop["first_chunk_out"]["total_s"] < 0.025
+
+
+def test_odd_requests_to_the_worker_get_4xx_openai_errors(monkeypatch):
+    """What a fuzzing review of the worker found: bodies nested too deeply for Python's parsers
+    (500s), vLLM's other generating routes (served unscored), capture asked of a worker without
+    capture mode (silently not captured), a non-UTF-8 admin token, wrong methods and an
+    out-of-range record number on ProbeX's routes."""
+    monkeypatch.setenv("PROBEX_ADMIN_TOKEN", "secret")
+    admin = [(b"authorization", b"Bearer secret")]
+    deep = "[" * 1000 + "]" * 1000
+
+    async def go():
+        app, engine = RecordingApp(), FakeEngineClient()
+        middleware = ProbexMiddleware(app, hub=idle_hub(), tap_config=TapConfig(layers=(3,)))
+        for raw in ('{"prompt": "hi", "x": %s}' % deep, '{"prompt": "hi", "top_p": NaN, "x": %s}' % deep):
+            status, answer = await call_route(middleware, "POST", "/v1/completions", raw.encode())
+            assert status == 400 and answer["error"]["message"] == "request body is nested too deeply"
+        for path in ("/invocations", "/v1/responses", "/v1/messages", "/v1/chat/completions/batch"):
+            status, answer = await call_route(middleware, "POST", path, b'{"model": "m", "messages": []}')
+            assert status == 404 and answer["error"]["code"] == "unmonitored_route"
+        capture = json.dumps({"prompt": "x", "vllm_xargs": {"probex_capture": True}}).encode()
+        status, answer = await call_route(middleware, "POST", "/v1/completions", capture)
+        assert status == 400 and answer["error"]["code"] == "capture_off"
+        assert app.bodies == []  # none of these reached vLLM
+        status, answer = await call_route(middleware, "PUT", "/probex/tap", ('{"paused": %s}' % deep).encode(), admin,
+                                          engine)
+        assert status == 400 and engine.calls == []
+        status, answer = await call_route(middleware, "PUT", "/probex/tap", b'{"paused": true}',
+                                          [(b"authorization", b"Bearer caf\xe9")], engine)
+        assert status == 401 and engine.calls == []
+        status, answer = await call_route(middleware, "POST", "/probex/tap", b"{}", admin, engine)
+        assert status == 405 and answer["error"]["type"] == "invalid_request_error"
+        status, answer = await call_route(middleware, "POST", "/probex/health")
+        assert status == 405 and "error" in answer
+        status, answer = await call_route(middleware, "GET", "/probex/step-timings", headers=admin, engine=engine,
+                                          query=b"after=" + b"9" * 30)
+        assert status == 400 and answer["error"]["param"] == "after" and engine.calls == []
+
+    asyncio.run(go())

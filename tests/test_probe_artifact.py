@@ -80,6 +80,17 @@ def test_missing_files_are_named(tmp_path):
         load_probe(tmp_path / "nope")
 
 
+def test_unreadable_paths_and_non_utf8_metadata_are_refused_as_format_errors(tmp_path):
+    """What the system refuses to read is the artifact's fault, named, not an OSError or a
+    UnicodeDecodeError out of the loader (a live swap answered those with a 500)."""
+    with pytest.raises(ProbeFormatError, match="cannot read this probe directory"):
+        load_probe(tmp_path / ("a" * 5000))  # a name longer than the file system allows
+    path = make_probe(tmp_path)
+    (path / "probe.yaml").write_bytes((path / "probe.yaml").read_bytes() + b"note: caf\xe9\n")
+    with pytest.raises(ProbeFormatError, match="probe.yaml: not UTF-8 text"):
+        load_probe(path)
+
+
 def test_corrupt_weights_file_is_refused(tmp_path):
     path = make_probe(tmp_path)
     (path / "probe.safetensors").write_bytes(b"not a safetensors file")
