@@ -14,7 +14,8 @@ run: setup
 
 # The worker alone (vLLM OpenAI API + tap) on port 8100.
 worker: setup
-	$(PROBEX) worker --model smollm2-135m-instruct --probe config/probes/harmful-request --port 8100
+	$(PROBEX) worker --model smollm2-135m-instruct --probe config/probes/harmful-request --port 8100 \
+		--max-model-len 4096 --gpu-memory-utilization 0.25
 
 # Test modules run in TEST_WORKERS processes (pytest-xdist, whole modules per process, the
 # engine modules first: tests/conftest.py). Most of the suite's time is vLLM engines starting,
