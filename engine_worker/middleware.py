@@ -443,7 +443,7 @@ class ProbexMiddleware:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         try:
             after = int(query.get("after", ["-1"])[-1])
-            if not -1 <= after < 2**62:  # a record number; larger ones cannot cross to the worker
+            if not -1 <= after < 2**63:  # a record number; larger ones cannot cross to the worker (int64)
                 raise ValueError
         except ValueError:
             return await _send_json(send, 400, openai_error("after must be an integer from -1", status=400,
