@@ -495,10 +495,11 @@ class TapController:
             if self.publish is not None and (layout.req_ids or finished):
                 # Read in this order: the engine thread sets `paused` before counting the change.
                 pause = (self.pause_changes, self.paused)
+                building = time.perf_counter()  # capture's work, if any, is not a part
                 message = step_message(table, layout, raw, list(finished), pause)
                 built = time.perf_counter()
                 self.publish(message)
-                self.consume_parts.add(step.rows, laid_out - began, gathered - laid_out, built - gathered,
+                self.consume_parts.add(step.rows, laid_out - began, gathered - laid_out, built - building,
                                        time.perf_counter() - built)
             published = True
             if capture_failure is not None:

@@ -386,6 +386,8 @@ def _parse_body(raw: bytes) -> tuple[dict, bool]:
     """The body, and whether it is plain UTF-8 JSON that can be forwarded as it came."""
     try:
         body, plain = loads_strict(raw), True
+    except RecursionError:  # the standard library's parser where orjson is not installed
+        raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError:
         try:  # NaN / Infinity, lone surrogates, UTF-16: what the standard library accepts
             body, plain = json.loads(raw), False
@@ -523,8 +525,10 @@ class Completions:
                 # generating up to max_tokens for nobody. A stream's relay watches from its head on.
                 watch = None if streaming else _CallerWatch(receive, conn)
                 waited = time.perf_counter()
-                response = await self.client.response(conn)
-                call.upstream_s += time.perf_counter() - waited
+                try:
+                    response = await self.client.response(conn, None if watch is None else watch.follow)
+                finally:
+                    call.upstream_s += time.perf_counter() - waited
             except _UPSTREAM_ERRORS as exc:
                 if isinstance(exc, UpstreamAbandoned):
                     await _account_abandoned(call, self.metrics, self.audit)
@@ -854,16 +858,28 @@ class _CallerWatch:
     hangs up before `stop`."""
 
     def __init__(self, receive, conn: UpstreamResponse) -> None:
-        self._conn = conn
-        self._stopped = False
-        self._task = asyncio.ensure_future(receive())
+        self._receive, self._conn = receive, conn
+        self._stopped = self.gone = False
+        self._listen()
+
+    def _listen(self) -> None:
+        self._task = asyncio.ensure_future(self._receive())
         self._task.add_done_callback(self._heard)
 
     def _heard(self, task: asyncio.Future) -> None:
-        if self._stopped or task.cancelled() or task.exception() is not None:
+        if task.cancelled() or task.exception() is not None or self._stopped:
             return
         if task.result().get("type") == "http.disconnect":
+            self.gone = True
             self._conn.abandon()
+        else:  # nothing else is expected once the body is in; keep listening
+            self._listen()
+
+    def follow(self, conn: UpstreamResponse) -> None:
+        """The request went out again on `conn` (the pooled connection was stale): watch that one."""
+        self._conn = conn
+        if self.gone:
+            conn.abandon()
 
     def stop(self) -> None:
         """Before the connection goes back to the pool: a hang-up heard later must not close it

@@ -18,6 +18,7 @@ import asyncio
 import socket
 import ssl
 import time
+from typing import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -338,8 +339,10 @@ class UpstreamClient:
         conn.send_request(request + body)
         return conn
 
-    async def response(self, conn: UpstreamResponse) -> UpstreamResponse:
-        """The connection carrying the answer to what `send` wrote, once the response head is in."""
+    async def response(self, conn: UpstreamResponse,
+                       follow: Callable[[UpstreamResponse], None] | None = None) -> UpstreamResponse:
+        """The connection carrying the answer to what `send` wrote, once the response head is in.
+        `follow` is told of the connection the request goes out on again, should `conn` be stale."""
         try:
             await conn.head(conn.origin.read_timeout)
         except _Stale:
@@ -349,7 +352,9 @@ class UpstreamClient:
             conn.close()
             fresh = await conn.origin.connect()
             fresh.send_request(conn.request)
-            return await self.response(fresh)
+            if follow is not None:
+                follow(fresh)
+            return await self.response(fresh, follow)
         except BaseException:
             conn.close()
             raise

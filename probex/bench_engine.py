@@ -947,10 +947,10 @@ def hodges_lehmann_shift(differences: Sequence[float] | np.ndarray, iterations: 
     first in half of the pairs) makes so for noise that comes with the order in a pair."""
     values = np.asarray([d for d in differences if math.isfinite(d)], dtype=float)
     n = len(values)
-    if n < 2:
-        return math.nan, (math.nan, math.nan)
     centre = n * (n + 1) / 4.0
     spread = math.sqrt(n * (n + 1) * (2 * n + 1) / 24.0)
+    if centre - 1.96 * spread < 1:  # under 6 pairs even the extremes are inside a 95% interval: no reading
+        return math.nan, (math.nan, math.nan)
 
     def shift_where(target: float, reached: bool = False) -> float:
         # The statistic falls in steps as the shift grows: the shift where it drops below
@@ -1826,12 +1826,15 @@ def consume_split_rows(setups: Sequence[dict[str, Any]]) -> list[tuple[str, str,
     out = []
     for s in setups:
         phases: dict[str, list[dict[str, Any]]] = {}
-        for c, entry in (s.get("results") or {}).items():
-            phases.setdefault(c, []).append(entry)
-        for c, toggled in (s.get("toggle") or {}).items():
-            phases.setdefault(c, []).extend(p for p in toggled if not p["paused"])
-        if s.get("idle_ttft_toggle"):
-            phases.setdefault("idle", []).append(s["idle_ttft_toggle"])
+        if s.get("toggle"):  # a toggled set-up's results phase is one of its running phases
+            for c, toggled in s["toggle"].items():
+                phases.setdefault(c, []).extend(p for p in toggled if not p["paused"])
+        else:
+            for c, entry in (s.get("results") or {}).items():
+                phases.setdefault(c, []).append(entry)
+        for idle in ("idle_ttft_toggle", "idle_ttft"):
+            if s.get(idle):
+                phases.setdefault("idle", []).append(s[idle])
         for phase, entries in phases.items():
             for which in ("all", "large"):
                 splits = [((e.get("delivery") or {}).get("transfer") or {}).get("consume_parts", {}).get(which)

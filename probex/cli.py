@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -90,10 +91,22 @@ def main(argv: list[str] | None = None) -> int | None:
     schema.add_argument("--out", default="config/policy.schema.json")
 
     args, extra = parser.parse_known_args(argv)
-    if args.command != "worker":  # the worker becomes vLLM (exec), which handles its own signals
-        from probex.processes import unwind_on_sigterm
+    if args.command == "worker":  # it becomes vLLM (exec), which handles its own signals
+        return _run(parser, args, extra)
+    from probex.processes import Terminated, end_as_terminated, unwind_on_sigterm
 
-        unwind_on_sigterm()
+    previous = unwind_on_sigterm()
+    try:
+        return _run(parser, args, extra)
+    except Terminated:
+        end_as_terminated()  # unwound: now end as a process SIGTERM stops (supervisors read it as clean)
+        raise
+    finally:
+        if previous is not None:  # main() may be called in a process that goes on (tests)
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int | None:
     if args.command == "bench" and args.bench_command == "gateway":
         from probex import bench_gateway
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import signal
@@ -50,28 +51,47 @@ def free_port() -> int:
 
 
 def port_taken(host: str, port: int) -> bool:
-    """Whether a server could not listen on `host`:`port` now (something listens there). With
-    SO_REUSEADDR, as servers bind: a port left in TIME_WAIT by a server just stopped is free."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
+    """Whether something listens on `host`:`port` now, so a server could not (IPv4 or IPv6, as
+    the host resolves). With SO_REUSEADDR, as servers bind: a port left in TIME_WAIT by a server
+    just stopped is free. A host that cannot be bound for another reason (not this machine's,
+    unknown) raises OSError saying so."""
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM,
+                                                              0, socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+                raise
     return False
 
 
-def _raise_system_exit(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)
+class Terminated(SystemExit):
+    """SIGTERM, unwinding the process (see `unwind_on_sigterm`)."""
 
 
-def unwind_on_sigterm() -> None:
-    """Make SIGTERM unwind this process (SystemExit, exit status 143) instead of ending it on
-    the spot, so the `finally` blocks that stop its workers run: they are started in sessions
-    of their own (a terminal's Ctrl-C must not reach vLLM ahead of the order they are stopped
-    in), so nothing else stops them. From the main thread (elsewhere Python refuses a handler)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_system_exit)
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated(128 + signum)
+
+
+def unwind_on_sigterm():
+    """Make SIGTERM unwind this process (`Terminated`, a SystemExit) instead of ending it on the
+    spot, so the `finally` blocks that stop its workers run: they are started in sessions of
+    their own (a terminal's Ctrl-C must not reach vLLM ahead of the order they are stopped in),
+    so nothing else stops them. Returns the handler it replaced (None off the main thread, where
+    Python refuses a handler and nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def end_as_terminated() -> None:
+    """Once unwound, end the way SIGTERM ends a process (what supervisors such as systemd count
+    as a clean stop; an exit status of 143 they count as a failure)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class WorkerExited(RuntimeError):

@@ -29,7 +29,11 @@ def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_por
     # Checked before the worker's minute of start-up: and a worker port already served (by a
     # worker left from an earlier start, say) would pass the health check below for ours.
     for role, where, number in (("gateway", host, port), ("worker", "127.0.0.1", worker_port)):
-        if port_taken(where, number):
+        try:
+            taken = port_taken(where, number)
+        except OSError as exc:
+            raise SystemExit(f"probex serve: cannot listen on {where}:{number} ({role}): {exc}") from None
+        if taken:
             flag = "--port" if role == "gateway" else "--worker-port"
             raise SystemExit(f"probex serve: port {number} ({role}) is in use; stop what listens there or pick "
                              f"another with {flag}")
@@ -50,6 +54,7 @@ def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_por
         config = GatewayConfig(policy_path=policy_path, upstreams=[url], worker_admin_token=token, redis_url=redis_url)
         run_gateway(config, host, port)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the worker's stop short
         if worker.poll() is None:
             os.killpg(worker.pid, signal.SIGTERM)
             try:

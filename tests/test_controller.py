@@ -349,7 +349,7 @@ def test_the_consume_is_split_into_its_parts_for_published_steps(tmp_path, monke
     published = Published()
 
     def slow_publish(message: dict) -> None:
-        time.sleep(0.002)  # the socket's send, made long enough to be told from the rest
+        time.sleep(0.02)  # the socket's send, made long enough to be told from the rest on a loaded machine
         published.append(message)
 
     controller = TapController(taps, served(), slow_publish, threaded=False)
@@ -360,8 +360,8 @@ def test_the_consume_is_split_into_its_parts_for_published_steps(tmp_path, monke
     controller.after_forward(StepLayout.empty())  # nothing to publish
     parts = controller.listing()["transfer"]["consume_parts"]
     assert len(published) == 2 and parts["count"] == 2 and parts["large_count"] == 1
-    assert parts["publish_s"] >= 0.004 and parts["large_publish_s"] >= 0.002
-    assert parts["publish_s"] > 10 * (parts["layout_s"] + parts["gather_s"] + parts["message_s"])
+    assert parts["publish_s"] >= 0.04 and parts["large_publish_s"] >= 0.02
+    assert parts["publish_s"] > parts["layout_s"] + parts["gather_s"] + parts["message_s"]
     assert all(parts[f"large_{part}_s"] <= parts[f"{part}_s"] for part in ("layout", "gather", "message", "publish"))
     # the benchmark reads them per step over a phase, from two snapshots
     import probex.bench_engine as be
@@ -376,11 +376,16 @@ def test_the_consume_is_split_into_its_parts_for_published_steps(tmp_path, monke
     # the re-render's table pools each set-up's running phases by their steps; paused phases are left out
     running = {"paused": False, "delivery": {"transfer": {"consume_parts": split}}}
     twice = {"all": dict(split["all"], steps=6, publish_mean_ms=4.0)}
-    setups = [{"label": "tap-toggle#1", "toggle": {"64": [running, {"paused": True, "delivery": {"transfer": {
-        "consume_parts": twice}}}, dict(running, delivery={"transfer": {"consume_parts": twice}})]}}]
-    rows = {(phase, which): values for _, phase, which, values in be.consume_split_rows(setups)}
-    assert rows[("64", "all")]["steps"] == 8 and rows[("64", "large")]["steps"] == 1
-    assert rows[("64", "all")]["publish"] == pytest.approx((split["all"]["publish_mean_ms"] * 2 + 24.0) / 8)
+    # the set-up's results phase is its first running phase: counted once
+    setups = [{"label": "tap-toggle#1", "results": {"64": running}, "toggle": {"64": [
+        running, {"paused": True, "delivery": {"transfer": {"consume_parts": twice}}},
+        dict(running, delivery={"transfer": {"consume_parts": twice}})]}},
+        {"label": "tap#1", "results": {"8": running}, "idle_ttft": running}]
+    rows = {(label, phase, which): values for label, phase, which, values in be.consume_split_rows(setups)}
+    assert rows[("tap-toggle#1", "64", "all")]["steps"] == 8 and rows[("tap-toggle#1", "64", "large")]["steps"] == 1
+    assert rows[("tap-toggle#1", "64", "all")]["publish"] == pytest.approx(
+        (split["all"]["publish_mean_ms"] * 2 + 24.0) / 8)
+    assert rows[("tap#1", "8", "all")]["steps"] == 2 and rows[("tap#1", "idle", "all")]["steps"] == 2
     controller.transfer.close()
 
 

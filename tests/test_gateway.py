@@ -314,11 +314,14 @@ def test_a_caller_hanging_up_on_a_whole_response_aborts_the_worker_request(tmp_p
         assert s.state.aborted == 1
         counted = 'probex_requests_total{decision="allow",probe="",tenant="default"} 1.0'
         while time.monotonic() < deadline:
-            if counted in httpx.get(s.url + "/metrics").text:
+            if counted in (metrics := httpx.get(s.url + "/metrics").text):
                 break
             time.sleep(0.05)
         else:
             pytest.fail("the abandoned request was never accounted")
+        # the half second spent waiting for the worker is not the gateway's own time
+        overhead = float(metrics.split("probex_gateway_overhead_seconds_sum ")[1].split()[0])
+        assert overhead < 0.25
         # the gateway goes on serving
         quick = httpx.post(s.url + "/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=10)
         assert quick.status_code == 200
@@ -661,6 +664,36 @@ def test_a_hang_up_heard_after_the_answer_is_in_leaves_the_pooled_connection_alo
         return spoken.abandoned, hung_up.abandoned
 
     assert asyncio.run(scenario()) == (0, 1)
+
+
+def test_the_hang_up_watch_follows_a_request_sent_again_on_a_fresh_connection():
+    """A stale pooled connection sends the request again on a new one: a caller hanging up
+    after that must abandon the new connection, not the dead one."""
+    import asyncio
+
+    from gateway.app import _CallerWatch
+    from gateway.upstream_http import UpstreamAbandoned
+
+    async def never_answer(writer):
+        await asyncio.sleep(5)
+
+    async def scenario(client, url):
+        first = await client.post(url, "/v1/completions", b"{}")
+        await first.read()
+        first.release()
+        conn = await client.send(url, "/v1/completions", b"{}")  # the pooled one: the server closes it
+        hang_up = asyncio.get_running_loop().create_future()
+        watch = _CallerWatch(lambda: hang_up, conn)
+        asyncio.get_running_loop().call_later(0.3, hang_up.set_result, {"type": "http.disconnect"})
+        started = time.monotonic()
+        with pytest.raises(UpstreamAbandoned):
+            await client.response(conn, watch.follow)
+        watch.stop()
+        return time.monotonic() - started
+
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    waited, seen = _client_run([ok, None, never_answer], scenario, read_timeout=4.0)
+    assert len(seen) == 3 and waited < 2.0  # sent again once, then abandoned, not read to the timeout
 
 
 def test_an_abandoned_request_on_a_reused_connection_is_not_sent_again():

@@ -136,3 +136,59 @@ def test_probex_serve_refuses_a_port_in_use_before_starting_its_worker(tmp_path,
                          worker_command=stand_in)
     assert not marker.exists()
     assert not port_taken("127.0.0.1", port)
+
+
+def test_a_probex_command_stopped_by_sigterm_ends_as_sigterm_ends_a_process(tmp_path):
+    """Unwound on SIGTERM (so its workers are stopped), a probex command still ends the way
+    SIGTERM ends a process, which supervisors (systemd) count as a clean stop, where an exit
+    status of 143 counts as a failure."""
+    import signal
+    import subprocess
+    import time
+
+    import httpx
+
+    from probex.cli import DEFAULT_POLICY
+
+    port = free_port()
+    gateway = subprocess.Popen([sys.executable, "-m", "probex.cli", "gateway", "--config", DEFAULT_POLICY,
+                                "--upstream", f"http://127.0.0.1:{free_port()}", "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert gateway.poll() is None and time.monotonic() < deadline, "the gateway did not come up"
+            time.sleep(0.2)
+        gateway.send_signal(signal.SIGTERM)
+        assert gateway.wait(30) == -signal.SIGTERM
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+
+
+def test_port_taken_reads_ipv6_hosts_and_tells_other_failures_apart():
+    import socket
+
+    from probex.processes import port_taken
+
+    port = free_port()
+    assert not port_taken("127.0.0.1", port) and not port_taken("localhost", port)
+    if socket.has_ipv6:
+        try:
+            with socket.socket(socket.AF_INET6) as probe:
+                probe.bind(("::1", 0))
+        except OSError:
+            pass  # no IPv6 loopback on this machine
+        else:
+            assert not port_taken("::1", port)
+            with socket.socket(socket.AF_INET6) as listener:
+                listener.bind(("::1", port))
+                listener.listen()
+                assert port_taken("::1", port)
+    with pytest.raises(OSError):  # not an address of this machine: not "in use"
+        port_taken("192.0.2.1", port)
