@@ -666,6 +666,20 @@ def test_a_hang_up_heard_after_the_answer_is_in_leaves_the_pooled_connection_alo
     assert asyncio.run(scenario()) == (0, 1)
 
 
+async def _never_answer(writer):
+    import asyncio
+
+    await asyncio.sleep(5)
+
+
+async def _second_request_on_the_pooled_connection(client, url):
+    """A first request answered and its connection pooled, then a second sent on it: its connection."""
+    first = await client.post(url, "/v1/completions", b"{}")
+    await first.read()
+    first.release()
+    return await client.send(url, "/v1/completions", b"{}")
+
+
 def test_the_hang_up_watch_follows_a_request_sent_again_on_a_fresh_connection():
     """A stale pooled connection sends the request again on a new one: a caller hanging up
     after that must abandon the new connection, not the dead one."""
@@ -674,14 +688,8 @@ def test_the_hang_up_watch_follows_a_request_sent_again_on_a_fresh_connection():
     from gateway.app import _CallerWatch
     from gateway.upstream_http import UpstreamAbandoned
 
-    async def never_answer(writer):
-        await asyncio.sleep(5)
-
     async def scenario(client, url):
-        first = await client.post(url, "/v1/completions", b"{}")
-        await first.read()
-        first.release()
-        conn = await client.send(url, "/v1/completions", b"{}")  # the pooled one: the server closes it
+        conn = await _second_request_on_the_pooled_connection(client, url)  # which the server closes
         hang_up = asyncio.get_running_loop().create_future()
         watch = _CallerWatch(lambda: hang_up, conn)
         asyncio.get_running_loop().call_later(0.3, hang_up.set_result, {"type": "http.disconnect"})
@@ -692,7 +700,7 @@ def test_the_hang_up_watch_follows_a_request_sent_again_on_a_fresh_connection():
         return time.monotonic() - started
 
     ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-    waited, seen = _client_run([ok, None, never_answer], scenario, read_timeout=4.0)
+    waited, seen = _client_run([ok, None, _never_answer], scenario, read_timeout=4.0)
     assert len(seen) == 3 and waited < 2.0  # sent again once, then abandoned, not read to the timeout
 
 
@@ -703,21 +711,15 @@ def test_an_abandoned_request_on_a_reused_connection_is_not_sent_again():
 
     from gateway.upstream_http import UpstreamAbandoned
 
-    async def never_answer(writer):
-        await asyncio.sleep(5)
-
     async def scenario(client, url):
-        first = await client.post(url, "/v1/completions", b"{}")
-        await first.read()
-        first.release()
-        conn = await client.send(url, "/v1/completions", b"{}")  # the pooled connection again
+        conn = await _second_request_on_the_pooled_connection(client, url)
         asyncio.get_running_loop().call_later(0.1, conn.abandon)
         with pytest.raises(UpstreamAbandoned):
             await client.response(conn)
         await asyncio.sleep(0.3)  # time for a second send, were there one
 
     ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-    _, seen = _client_run([ok, never_answer, ok], scenario)
+    _, seen = _client_run([ok, _never_answer, ok], scenario)
     assert len(seen) == 2
 
 
