@@ -26,7 +26,7 @@ def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_por
     token = os.environ.get("PROBEX_ADMIN_TOKEN") or secrets.token_urlsafe(24)
     cmd = worker_command or [sys.executable, "-m", "probex.cli", "worker", "--model", model, "--port", str(worker_port),
                              "--admin-token", token, *[f"--probe={d}" for d in policy.probe_dirs], *worker_args]
-    # Checked before the worker's minute of start-up: and a worker port already served (by a
+    # Checked before the worker's minute of start-up; besides, a worker port already served (by a
     # worker left from an earlier start, say) would pass the health check below for ours.
     for role, where, number in (("gateway", host, port), ("worker", "127.0.0.1", worker_port)):
         try:
