@@ -382,23 +382,27 @@ async def _read_body(receive, limit: int, declared: bytes | None) -> bytes:
 MAX_JSON_DEPTH = 256
 
 
+def _too_deep() -> ApiError:
+    return ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+
+
 def _parse_body(raw: bytes) -> tuple[dict, bool]:
     """The body, and whether it is plain UTF-8 JSON that can be forwarded as it came."""
     try:
         body, plain = loads_strict(raw), True
     except RecursionError:  # the standard library's parser where orjson is not installed
-        raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise _too_deep() from None
     except ValueError:
         try:  # NaN / Infinity, lone surrogates, UTF-16: what the standard library accepts
             body, plain = json.loads(raw), False
         except RecursionError:
-            raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+            raise _too_deep() from None
         except (ValueError, UnicodeDecodeError):
             raise ApiError(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     if _nested_deeper_than(raw, body, MAX_JSON_DEPTH):
-        raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        raise _too_deep()
     return body, plain
 
 
@@ -511,7 +515,7 @@ class Completions:
         except NoHealthyUpstream as exc:
             raise ApiError(502, f"{exc}; see /ready", kind="server_error", code="upstream_unavailable") from None
         upstream.outstanding += 1
-        watch = None
+        watch = call = None  # the call exists once the request is sent (an abandoned one always has it)
         try:
             try:
                 waited = time.perf_counter()
@@ -530,10 +534,7 @@ class Completions:
                 finally:
                     call.upstream_s += time.perf_counter() - waited
             except _UPSTREAM_ERRORS as exc:
-                if isinstance(exc, UpstreamAbandoned):
-                    await _account_abandoned(call, self.metrics, self.audit)
-                    raise _ClientGone() from None
-                raise _upstream_failure(exc, upstream, self.metrics) from None
+                raise await self._whole_failed(exc, call, upstream) from None
             if streaming:
                 await self.stream(path, response, call, upstream, receive, send)
             else:
@@ -545,6 +546,15 @@ class Completions:
 
     # -- whole responses
 
+    async def _whole_failed(self, exc: UpstreamError, call: _Call | None, upstream: Upstream) -> Exception:
+        """What to raise for an upstream failure before a response's answer is in: a caller who
+        hung up (the connection abandoned) is accounted and gone; anything else is the worker's."""
+        if isinstance(exc, UpstreamAbandoned):
+            await _account(call, Verdict(), self.metrics, self.audit)  # as an abandoned stream: no scores yet
+            _observe_overhead(call, self.metrics)
+            return _ClientGone()
+        return _upstream_failure(exc, upstream, self.metrics)
+
     async def whole(self, path: str, response: UpstreamResponse, call: _Call, upstream: Upstream,
                     watch: "_CallerWatch", send) -> None:
         metrics = self.metrics
@@ -553,10 +563,7 @@ class Completions:
         try:
             content = await response.read()
         except _UPSTREAM_ERRORS as exc:
-            if isinstance(exc, UpstreamAbandoned):
-                await _account_abandoned(call, metrics, self.audit)
-                raise _ClientGone() from None
-            raise _upstream_failure(exc, upstream, metrics) from None
+            raise await self._whole_failed(exc, call, upstream) from None
         finally:
             watch.stop()  # the answer is in: the connection may go back to the pool
             response.release()
@@ -886,13 +893,6 @@ class _CallerWatch:
         under the next request (the callback of a receive that has just completed still runs)."""
         self._stopped = True
         self._task.cancel()
-
-
-async def _account_abandoned(call: _Call, metrics: GatewayMetrics, audit: AuditSink) -> None:
-    """A request whose caller left before its answer: counted as an abandoned stream is, with the
-    verdict as it stood (no scores yet: allow)."""
-    await _account(call, Verdict(), metrics, audit)
-    _observe_overhead(call, metrics)
 
 
 def _upstream_failure(exc: Exception, upstream: Upstream, metrics: GatewayMetrics) -> ApiError:

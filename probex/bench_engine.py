@@ -922,13 +922,9 @@ def _signed_rank_sum(differences: np.ndarray, shift: float) -> float:
     centred = differences - shift
     magnitudes = np.abs(centred)
     order = np.argsort(magnitudes, kind="stable")
+    _, first, counts = np.unique(magnitudes[order], return_index=True, return_counts=True)
     ranks = np.empty(len(centred))
-    ranks[order] = np.arange(1, len(centred) + 1)
-    sorted_magnitudes = magnitudes[order]
-    if len(np.unique(sorted_magnitudes)) < len(sorted_magnitudes):  # ties: mean ranks
-        _, first, counts = np.unique(sorted_magnitudes, return_index=True, return_counts=True)
-        mean_ranks = np.repeat(first + (counts + 1) / 2.0, counts)
-        ranks[order] = mean_ranks
+    ranks[order] = np.repeat(first + (counts + 1) / 2.0, counts)  # ties of magnitude share their mean rank
     return float(ranks[centred > 0].sum() + 0.5 * ranks[centred == 0].sum())
 
 
@@ -2680,17 +2676,14 @@ def toggled_idle_ttft_summary(setups: Sequence[dict[str, Any]]) -> dict[str, Any
     summary = {"per_start": per_start, "all_starts": paired_ttft_overhead(pairs)}
     # The pooled interval treats every pair as independent; should the tap's cost differ from
     # start to start, the starts' own spread is the honest interval.
-    figures = np.array([x["pct"] for x in per_start if "pct" in x])
-    if len(figures) >= 2:
-        half = _t_half_width(figures)
-        summary["over_starts"] = {"starts": len(figures), "pct": float(figures.mean()),
-                                  "ci95_pct": [float(figures.mean() - half), float(figures.mean() + half)]}
-    ranked = np.array([x["hodges_lehmann"]["pct"] for x in per_start if "hodges_lehmann" in x])
-    ranked = ranked[np.isfinite(ranked)]
-    if len(ranked) >= 2:
-        half = _t_half_width(ranked)
-        summary["over_starts_by_rank"] = {"starts": len(ranked), "pct": float(ranked.mean()),
-                                          "ci95_pct": [float(ranked.mean() - half), float(ranked.mean() + half)]}
+    for key, figures in (("over_starts", [x["pct"] for x in per_start if "pct" in x]),
+                         ("over_starts_by_rank", [x["hodges_lehmann"]["pct"] for x in per_start
+                                                  if "hodges_lehmann" in x])):
+        values = np.array([v for v in figures if math.isfinite(v)])
+        if len(values) >= 2:
+            half = _t_half_width(values)
+            summary[key] = {"starts": len(values), "pct": float(values.mean()),
+                            "ci95_pct": [float(values.mean() - half), float(values.mean() + half)]}
     return summary
 
 
