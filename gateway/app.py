@@ -99,27 +99,41 @@ class PolicyManager:
     async def reload(self, reason: str) -> tuple[bool, str]:
         async with self._lock:
             try:
-                candidate = load_policy(self.config.policy_path)
+                return await self._reload(reason)
+            except Exception as exc:
+                # A reload is reached from the watcher and the replica follower too: an exception
+                # escaping here would end those tasks and with them every later live reload.
+                log.exception("probex: policy reload (%s) failed unexpectedly", reason)
+                return self._failed(f"reload failed unexpectedly ({type(exc).__name__}: {exc})", reason)
+
+    async def _reload(self, reason: str) -> tuple[bool, str]:
+        try:
+            candidate = load_policy(self.config.policy_path)
+        except PolicyError as exc:
+            return self._failed(str(exc), reason)
+        except Exception as exc:  # the file is what is new, so a crash on it refuses the file
+            log.exception("probex: policy reload (%s): loading %s crashed", reason, self.config.policy_path)
+            return self._failed(f"{self.config.policy_path}: cannot load policy ({type(exc).__name__}: {exc})",
+                                reason)
+        if candidate.version == self.current.version:
+            self.last_error = None  # the file again matches what is served: an earlier refusal is history
+            return True, f"policy {candidate.version} unchanged"
+        if candidate.probe_dirs != self.current.probe_dirs or candidate.probe_digests != self.current.probe_digests:
+            try:
+                await self.push_probes(candidate.probe_dirs)
             except PolicyError as exc:
+                try:  # put back what the old policy serves on workers that did take the new set
+                    await self.push_probes(self.current.probe_dirs)
+                except PolicyError:
+                    log.exception("probex: rollback of the probe set failed")
                 return self._failed(str(exc), reason)
-            if candidate.version == self.current.version:
-                return True, f"policy {candidate.version} unchanged"
-            if candidate.probe_dirs != self.current.probe_dirs or _probe_files_changed(candidate, self.current):
-                try:
-                    await self.push_probes(candidate.probe_dirs)
-                except PolicyError as exc:
-                    try:  # put back what the old policy serves on workers that did take the new set
-                        await self.push_probes(self.current.probe_dirs)
-                    except PolicyError:
-                        log.exception("probex: rollback of the probe set failed")
-                    return self._failed(str(exc), reason)
-            previous, self.current = self.current, candidate
-            self.metrics.reloads.labels(result="ok").inc()
-            self.metrics.set_policy_version(candidate.version)
-            await self.audit.publish_policy_version(candidate.version)
-            self.last_error = None
-            log.info("probex: policy %s -> %s (%s)", previous.version, candidate.version, reason)
-            return True, f"policy {candidate.version} active"
+        previous, self.current = self.current, candidate
+        self.metrics.reloads.labels(result="ok").inc()
+        self.metrics.set_policy_version(candidate.version)
+        await self.audit.publish_policy_version(candidate.version)
+        self.last_error = None
+        log.info("probex: policy %s -> %s (%s)", previous.version, candidate.version, reason)
+        return True, f"policy {candidate.version} active"
 
     def _failed(self, message: str, reason: str) -> tuple[bool, str]:
         self.metrics.reloads.labels(result="error").inc()
@@ -131,9 +145,22 @@ class PolicyManager:
         from watchfiles import awatch
 
         path = self.config.policy_path.resolve()
-        async for changes in awatch(path.parent, debounce=50, step=20):
-            if any(Path(p).resolve() == path for _, p in changes):
-                await self.reload("file changed")
+        retry_s = 1.0
+        while True:
+            try:
+                async for changes in awatch(path.parent, debounce=50, step=20):
+                    retry_s = 1.0
+                    if any(Path(p).resolve() == path for _, p in changes):
+                        await self.reload("file changed")
+            except Exception:
+                # Live reload must outlive a failing watch (its directory replaced, say): watch again,
+                # and reload once in case the file changed while nobody watched.
+                log.exception("probex: watching %s failed; watching again in %.0f s", path, retry_s)
+                await asyncio.sleep(retry_s)
+                retry_s = min(retry_s * 2, 30.0)
+                await self.reload("file watch restarted")
+            else:
+                return
 
     async def follow_replicas(self, redis_client, interval_s: float = 1.0) -> None:
         """Replicas sharing a policy file converge on the version one of them published."""
@@ -141,9 +168,10 @@ class PolicyManager:
             await asyncio.sleep(interval_s)
             try:
                 raw = await redis_client.get(POLICY_VERSION_KEY)
-            except Exception:
+                published = json.loads(raw).get("version") if raw else None
+            except Exception:  # Redis away, or a value this follower cannot read: not this replica's policy
                 continue
-            if raw and json.loads(raw).get("version") != self.current.version:
+            if published and published != self.current.version:
                 await self.reload("another replica published a new version")
 
     async def poll_retention(self) -> None:
@@ -165,14 +193,6 @@ class PolicyManager:
                 if alarm:
                     log.warning("probex: calibration retention alarm: probe %s retention %.3f < %.3f",
                                 probe, value, threshold)
-
-
-def _probe_files_changed(a: LoadedPolicy, b: LoadedPolicy) -> bool:
-    return any(
-        not (pa.weight.shape == pb.weight.shape and (pa.weight == pb.weight).all() and pa.bias == pb.bias)
-        for name, pa in a.probes.items()
-        if (pb := b.probes.get(name)) is not None
-    )
 
 
 class GatewayApp(FastAPI):

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from probes.artifact import ProbeArtifact, ProbeFormatError, check_probe_set, load_probe
+from probes.artifact import (METADATA_FILE, WEIGHTS_FILE, ProbeArtifact, ProbeFormatError, check_probe_set,
+                             load_probe)
 
 
 class PolicyError(ValueError):
@@ -129,6 +130,14 @@ class Rule(_Strict):
 class ProbeRef(_Strict):
     path: str
 
+    @field_validator("path")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        # The OS cannot name such a file, and pathlib raises a bare ValueError on it.
+        if "\0" in value:
+            raise ValueError(f"probe path {value!r} contains a NUL character")
+        return value
+
 
 class AuditSettings(_Strict):
     include_prompt: bool = False
@@ -191,9 +200,10 @@ class TenantView:
 @dataclass(frozen=True)
 class LoadedPolicy:
     policy: Policy
-    version: str
+    version: str  # of the text and the probe files: a probe retrained in place is a new policy
     source: Path | None
     probes: dict[str, ProbeArtifact]
+    probe_digests: dict[str, str] = field(default_factory=dict)  # which probes a reload must push again
 
     @property
     def probe_dirs(self) -> list[str]:
@@ -228,9 +238,16 @@ class LoadedPolicy:
 def parse_policy(text: str, source: Path | None = None) -> LoadedPolicy:
     where = source or "<policy>"
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise PolicyError(f"{where}: not valid YAML ({exc})") from None
+    except RecursionError:
+        raise PolicyError(f"{where}: not a usable policy (YAML nested too deeply to parse)") from None
+    if data is None:
+        # An editor's truncated save reads as an empty document; serving it would silently turn
+        # off every rule, so emptiness has to be said explicitly.
+        raise PolicyError(f"{where}: policy file is empty (no document, or only comments); to serve a policy"
+                          " with no probes and no rules on purpose, write an explicit empty mapping: {}")
     if not isinstance(data, dict):
         raise PolicyError(f"{where}: expected a mapping at the top level")
     try:
@@ -238,28 +255,70 @@ def parse_policy(text: str, source: Path | None = None) -> LoadedPolicy:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors())
         raise PolicyError(f"{where}: {problems}") from None
+    except RecursionError:
+        raise PolicyError(f"{where}: not a usable policy (nested too deeply to validate)") from None
     base = source.parent if source else Path.cwd()
     probes: dict[str, ProbeArtifact] = {}
+    digests: dict[str, str] = {}
     try:
         for name, ref in policy.probes.items():
-            path = Path(ref.path)
-            probe = load_probe(path if path.is_absolute() else (base / path).resolve())
+            directory = _probe_directory(base, ref.path, f"{where}: probes.{name}.path")
+            # Digest before loading: a probe rewritten in between then differs from this digest on
+            # the next reload, instead of going unnoticed.
+            digests[name] = _artifact_digest(directory)
+            probe = load_probe(directory)
             if probe.name != name:
                 raise PolicyError(f"{where}: probes.{name} points at a probe named {probe.name!r}; names must match")
             probes[name] = probe
         check_probe_set(list(probes.values()))
     except ProbeFormatError as exc:
         raise PolicyError(f"{where}: {exc}") from None
-    version = hashlib.sha256(text.encode()).hexdigest()[:12]
-    return LoadedPolicy(policy=policy, version=version, source=source, probes=probes)
+    return LoadedPolicy(policy=policy, version=_version(text, digests), source=source, probes=probes,
+                        probe_digests=digests)
+
+
+def _probe_directory(base: Path, ref_path: str, what: str) -> Path:
+    path = Path(ref_path)
+    if path.is_absolute():
+        return path
+    try:
+        return (base / path).resolve()
+    except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a symlink loop, before Python 3.13
+        raise PolicyError(f"{what}: cannot resolve {ref_path!r} ({exc})") from None
+
+
+def _artifact_digest(directory: Path) -> str:
+    """Covers everything a worker reads from the probe directory (weights and every metadata field)."""
+    digest = hashlib.sha256()
+    for file_name in (METADATA_FILE, WEIGHTS_FILE):
+        try:
+            content = (directory / file_name).read_bytes()
+        except (OSError, ValueError):
+            content = b""  # load_probe refuses the directory with a precise message
+        digest.update(hashlib.sha256(content).digest())
+    return digest.hexdigest()
+
+
+def _version(text: str, probe_digests: dict[str, str]) -> str:
+    # Fixed-length parts, so that no two different (text, probes) pairs hash the same bytes.
+    digest = hashlib.sha256(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
+    for name, probe_digest in probe_digests.items():
+        digest.update(hashlib.sha256(name.encode("utf-8", "surrogatepass")).digest() + bytes.fromhex(probe_digest))
+    return digest.hexdigest()[:12]
 
 
 def load_policy(path: str | Path) -> LoadedPolicy:
-    path = Path(path).resolve()
     try:
-        text = path.read_text()
+        path = Path(path).resolve()
+        raw = path.read_bytes()
     except OSError as exc:
-        raise PolicyError(f"{path}: cannot read policy ({exc.strerror})") from None
+        raise PolicyError(f"{path}: cannot read policy ({exc.strerror or exc})") from None
+    except (ValueError, RuntimeError) as exc:  # a NUL in the path; a symlink loop before Python 3.13
+        raise PolicyError(f"{path}: cannot read policy ({exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"{path}: policy is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return parse_policy(text, path)
 
 
