@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,44 @@ class ReadPoint(str, enum.Enum):
     def reads_interior_tokens(self) -> bool:
         # Interior reads need every prompt row computed, which prefix caching prevents.
         return self is not ReadPoint.LAST_PROMPT_TOKEN
+
+
+class Features(str, enum.Enum):
+    """The per-prompt vector a probe's direction was fitted on, and its retention reference measured on.
+
+    The values are the words probe.yaml records under `retention.features`. A mean read
+    does not say by itself which rows were averaged: `probex train` averages every prompt
+    row (what the engine computes), `probes.demo` the user's message only (`read_span:
+    user_message`), and a retention check on the other one measures a different quantity.
+    """
+
+    LAST_PROMPT_TOKEN = "last prompt token"
+    USER_MESSAGE_MEAN = "user-message mean"
+    ALL_ROWS_MEAN = "mean of all prompt rows"
+
+
+READ_SPAN_USER_MESSAGE = "user_message"
+
+
+def features_for(read: ReadPoint, read_span: str | None = None) -> Features:
+    """What a probe read at `read` is fitted on: the one place training and retention agree on it.
+
+    `read_span` is the artifact's `read_span` field; without it an interior read covers every
+    prompt row, as the engine serves it. `prompt_max` is fitted on the mean too (probes/train.py).
+    """
+    if read is ReadPoint.LAST_PROMPT_TOKEN:
+        return Features.LAST_PROMPT_TOKEN
+    return Features.USER_MESSAGE_MEAN if read_span == READ_SPAN_USER_MESSAGE else Features.ALL_ROWS_MEAN
+
+
+def is_finite_number(value: Any) -> bool:
+    """A real int or float that float64 can hold (YAML gives ints of any size)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
 
 
 @dataclass(frozen=True)
@@ -87,6 +126,14 @@ class ProbeArtifact:
     @property
     def hidden_size(self) -> int:
         return int(self.weight.shape[0])
+
+    @property
+    def features(self) -> Features:
+        """What the direction and retention reference were computed on: as recorded, else as the read implies."""
+        recorded = (self.extra.get("retention") or {}).get("features")
+        if recorded is not None:
+            return Features(recorded)
+        return features_for(self.read, self.extra.get("read_span"))
 
     def raw_score(self, activation: np.ndarray) -> np.ndarray:
         """w·x + b for one activation [hidden] or a batch [n, hidden]."""
@@ -149,9 +196,12 @@ def load_probe(directory: str | Path, served: ServedModel | None = None) -> Prob
     calibration = field_of("calibration", dict, {"slope": 1.0, "intercept": 0.0})
     slope, intercept = calibration.get("slope", 1.0), calibration.get("intercept", 0.0)
     for label, value in (("calibration.slope", slope), ("calibration.intercept", intercept)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ProbeFormatError(f"{meta_path}: {label} must be a finite number, got {value!r}")
+        if not is_finite_number(value):
+            raise ProbeFormatError(f"{meta_path}: {label} must be a finite number, got {_short(value)}")
     model = field_of("model", dict, {})
+    check_read_span(meta, meta_path)
+    if "retention" in meta:
+        check_retention(field_of("retention", dict), meta_path, layer, read, meta.get("read_span"))
 
     tensors = read_tensors(weights_path, ("weight", "bias"))
     weight, bias = tensors["weight"], tensors["bias"]
@@ -176,6 +226,61 @@ def load_probe(directory: str | Path, served: ServedModel | None = None) -> Prob
     if served is not None:
         probe.check_fits(served)
     return probe
+
+
+def _short(value: Any) -> str:
+    # An int of 400 digits is still an int: name it without printing it whole.
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def check_read_span(meta: dict, meta_path: Path) -> None:
+    if "read_span" in meta and meta["read_span"] != READ_SPAN_USER_MESSAGE:
+        raise ProbeFormatError(
+            f"{meta_path}: read_span must be {READ_SPAN_USER_MESSAGE!r} (or absent: every prompt row),"
+            f" got {_short(meta['read_span'])}"
+        )
+
+
+_RETENTION_REF = re.compile(r".+#[0-9]+")  # the row after the last "#", as retention_set splits it
+
+
+def check_retention(info: dict, meta_path: Path, layer: int, read: ReadPoint, read_span: str | None) -> None:
+    """The retention reference as `probex train` and probes.demo write it; each field optional, none malformed.
+
+    Retention runs in the worker after every probe swap, so a bad field must be refused when
+    the probe is loaded, not surface later as a crash (or a division by zero) in that check.
+    """
+    where = f"{meta_path}: retention"
+    if "set" in info:
+        refs = info["set"]
+        if not isinstance(refs, list):
+            raise ProbeFormatError(f"{where}.set must be a list of prompt refs ('<file ref>#<row>'),"
+                                   f" got {_short(refs)}")
+        for ref in refs:
+            if not (isinstance(ref, str) and _RETENTION_REF.fullmatch(ref)):
+                raise ProbeFormatError(f"{where}.set: {_short(ref)} is not a prompt ref ('<file ref>#<row number>')")
+    if "reference_cosine" in info:
+        value = info["reference_cosine"]
+        # Retention divides by it: zero would give no number at all, not a low one.
+        if not is_finite_number(value) or value == 0:
+            raise ProbeFormatError(f"{where}.reference_cosine must be a non-zero finite number, got {_short(value)}")
+    if "layer" in info:
+        value = info["layer"]
+        if isinstance(value, bool) or not isinstance(value, int) or value != layer:
+            raise ProbeFormatError(f"{where}.layer must be the probe's layer {layer}, got {_short(value)}")
+    if "features" in info:
+        value = info["features"]
+        try:
+            recorded = Features(value)
+        except ValueError:
+            valid = ", ".join(repr(f.value) for f in Features)
+            raise ProbeFormatError(f"{where}.features {_short(value)} is not one of {valid}") from None
+        if (recorded is Features.LAST_PROMPT_TOKEN) != (read is ReadPoint.LAST_PROMPT_TOKEN) or (
+            read_span is not None and recorded is not features_for(read, read_span)
+        ):
+            span = f" and read_span {read_span!r}" if read_span is not None else ""
+            raise ProbeFormatError(f"{where}.features {recorded.value!r} contradicts read {read.value!r}{span}")
 
 
 def check_probe_set(probes: list[ProbeArtifact]) -> None:

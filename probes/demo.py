@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from probes.artifact import ReadPoint, ServedModel, load_probe, save_probe
+from probes.artifact import READ_SPAN_USER_MESSAGE, ReadPoint, ServedModel, features_for, load_probe, save_probe
 from probes.datasets import (
     LabelledPrompt,
     SplitFractions,
@@ -551,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra: dict[str, Any] = {"probe_kind": chosen.kind.value}
     if chosen.read.reads_interior_tokens:
         # The mean / max were taken over the user's message tokens only; an engine must do the same.
-        extra["read_span"] = "user_message"
+        extra["read_span"] = READ_SPAN_USER_MESSAGE
     extra.update({
         "training": {
             "script": "python -m probes.demo",
@@ -569,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "retention": {
             "reference_cosine": round(reference_cosine, 6),
             "layer": chosen.layer,
-            "features": "last prompt token" if chosen.read is ReadPoint.LAST_PROMPT_TOKEN else "user-message mean",
+            "features": features_for(chosen.read, READ_SPAN_USER_MESSAGE).value,
             "set": [e.ref for e in retention_examples],
         },
     })

@@ -15,6 +15,18 @@ import numpy as np
 from probes.datasets import EmptyDatasetError, SingleClassError
 
 
+def check_labels(labels: np.ndarray, what: str) -> None:
+    """Labels are 1 (harmful) or 0 (benign); anything else would be silently left out of both classes."""
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "biuf":
+        raise ValueError(f"{what}: labels must be 0 (benign) or 1 (harmful), got values of type {labels.dtype}")
+    values = np.unique(labels).tolist()
+    others = [v for v in values if v not in (0, 1)]  # NaN is no label either: NaN != 0 and != 1
+    if others:
+        shown = others[:5] + (["..."] if len(others) > 5 else [])
+        raise ValueError(f"{what}: labels must be 0 (benign) or 1 (harmful), got {shown}")
+
+
 def _split_by_label(scores: np.ndarray, labels: np.ndarray, what: str = "scores") -> tuple[np.ndarray, np.ndarray]:
     scores = np.asarray(scores, dtype=np.float64)
     labels = np.asarray(labels)
@@ -24,6 +36,7 @@ def _split_by_label(scores: np.ndarray, labels: np.ndarray, what: str = "scores"
         raise EmptyDatasetError(f"{what}: nothing to evaluate")
     if not np.isfinite(scores).all():
         raise ValueError(f"{what}: scores hold NaN or inf")
+    check_labels(labels, what)
     pos, neg = scores[labels == 1], scores[labels == 0]
     if pos.size == 0 or neg.size == 0:
         raise SingleClassError(f"{what}: AUROC needs both harmful (1) and benign (0) examples, got {pos.size} and {neg.size}")
@@ -67,6 +80,10 @@ def bootstrap_auroc_ci(
     Positives and negatives are resampled separately (stratified), so every resample
     has both classes and the class balance of the evaluation set is kept.
     """
+    if isinstance(n_resamples, bool) or not isinstance(n_resamples, (int, np.integer)) or n_resamples < 1:
+        raise ValueError(f"bootstrap: n_resamples must be an integer >= 1, got {n_resamples!r}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"bootstrap: confidence must be in (0, 1), got {confidence!r}")
     pos, neg = _split_by_label(scores, labels)
     rng = np.random.default_rng(seed)
     values = np.empty(n_resamples)

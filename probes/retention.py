@@ -3,20 +3,23 @@
 retention = cos(frozen w, fresh difference of means over the probe's retention set) / reference cosine
 
 The retention set (refs to labelled prompts) and the reference cosine are recorded in
-probe.yaml at training time (`retention: {reference_cosine, set}`); the fresh difference of
-means is taken on the model being served now. Near 1: the direction still points where the
-classes separate. Far below 1: the model changed under the probe (e.g. a broken quantization).
+probe.yaml at training time (`retention: {reference_cosine, set, features}`); the fresh
+difference of means is taken on the model being served now, over the per-prompt vectors the
+reference was measured on (`ProbeArtifact.features`: the last token, or a mean over the rows
+the probe's read covers). Near 1: the direction still points where the classes separate.
+Far below 1: the model changed under the probe (e.g. a broken quantization).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 
 from probes.artifact import ProbeArtifact, load_probe
 from probes.datasets import load_all_known, resolve_refs
-from probes.train import retention_reference
+from probes.train import feature_vectors, readout_raw_scores, retention_reference
 
 
 class NoRetentionReference(ValueError):
@@ -40,7 +43,28 @@ def retention_set(probe: ProbeArtifact, known=None) -> tuple[list[str], np.ndarr
 
 def relative_retention(weight: np.ndarray, features: np.ndarray, labels: np.ndarray, reference: float) -> float:
     """The training-time measurement (retention_reference) repeated now, relative to its recorded value."""
+    if not (isinstance(reference, (int, float)) and np.isfinite(reference) and reference != 0):
+        raise ValueError(f"retention: the reference cosine must be a non-zero finite number, got {reference!r}")
     return retention_reference(weight, features, labels) / reference
+
+
+_ROWS = re.compile(r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*")
+
+
+def split_refs(probe: ProbeArtifact, split: str) -> dict[str, str]:
+    """The refs of a split recorded in probe.yaml (`splits.<split>.refs`), or a ValueError naming those there are."""
+    splits = probe.extra.get("splits")
+    recorded = splits.get(split) if isinstance(splits, dict) else None
+    if not isinstance(recorded, dict):
+        names = [k for k, v in splits.items() if isinstance(v, dict) and "refs" in v] if isinstance(splits, dict) else []
+        raise ValueError(f"{probe.source}/probe.yaml records no split {split!r}"
+                         f" (splits with refs: {', '.join(sorted(map(str, names))) or 'none'})")
+    refs = recorded.get("refs")
+    if not (isinstance(refs, dict) and refs and all(isinstance(k, str) and isinstance(v, str) and _ROWS.fullmatch(v)
+                                                     for k, v in refs.items())):
+        raise ValueError(f"{probe.source}/probe.yaml: splits.{split}.refs must map file refs to row lists"
+                         f" such as '1-3,17', got {refs!r:.80}")
+    return refs
 
 
 def compute_retention(model_dir: Path, probe_dirs: list[Path | str], eval_split: str | None = None,
@@ -67,15 +91,17 @@ def compute_retention(model_dir: Path, probe_dirs: list[Path | str], eval_split:
         except NoRetentionReference as exc:
             results[probe.name] = {"retention": None, "reason": str(exc)}
             continue
-        acts = extract_activations(texts, model_dir, [probe.layer], show_progress=False, dtype=dtype)[probe.layer].last
-        entry = {"retention": relative_retention(probe.weight, acts, labels,
+        eval_refs = split_refs(probe, eval_split) if eval_split else None  # refused before the slow part
+        acts = extract_activations(texts, model_dir, [probe.layer], show_progress=False, dtype=dtype)[probe.layer]
+        # The reference was measured on the vectors the probe was fitted on; any others give another cosine.
+        entry = {"retention": relative_retention(probe.weight, feature_vectors(acts, probe.features), labels,
                                                  float(probe.extra["retention"]["reference_cosine"])),
                  "retention_prompts": len(texts)}
-        if eval_split:
-            examples = resolve_refs(probe.extra["splits"][eval_split]["refs"], known)
+        if eval_refs is not None:
+            examples = resolve_refs(eval_refs, known)
             x = extract_activations([e.text for e in examples], model_dir, [probe.layer], show_progress=False,
-                                    dtype=dtype)
-            ev = evaluate_scores(probe.raw_score(x[probe.layer].last), np.asarray([e.label for e in examples]))
-            entry[f"auroc_{eval_split}"] = ev.as_dict()
+                                    dtype=dtype)[probe.layer]
+            raw = readout_raw_scores(probe, x, probe.read, probe.features)
+            entry[f"auroc_{eval_split}"] = evaluate_scores(raw, np.asarray([e.label for e in examples])).as_dict()
         results[probe.name] = entry
     return results

@@ -31,9 +31,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from probes.artifact import ProbeArtifact, ReadPoint
+from probes.artifact import READ_SPAN_USER_MESSAGE, Features, ProbeArtifact, ReadPoint, features_for
 from probes.datasets import EmptyDatasetError, SingleClassError
-from probes.evaluate import auroc
+from probes.evaluate import auroc, check_labels
 from probes.scoring import calibrate_array
 from probes.extract_hf import LayerActivations
 
@@ -90,14 +90,15 @@ def check_training_data(x: np.ndarray, y: np.ndarray, what: str = "training data
 def fit_diff_of_means(x: np.ndarray, y: np.ndarray) -> LinearProbe:
     """Unit direction from the benign mean to the harmful mean; raw 0 at the midpoint."""
     x, y = check_training_data(x, y)
-    mu_harmful, mu_benign = x[y == 1].mean(axis=0), x[y == 0].mean(axis=0)
-    direction = mu_harmful - mu_benign
-    norm = float(np.linalg.norm(direction))
-    if norm == 0.0:
-        raise ValueError("difference of means is zero: the two classes have identical mean activations")
-    weight = direction / norm
-    bias = -float(weight @ (mu_harmful + mu_benign) / 2.0)
-    return LinearProbe(ProbeKind.DIFF_OF_MEANS, weight, bias)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below, as a refusal
+        mu_harmful, mu_benign = x[y == 1].mean(axis=0), x[y == 0].mean(axis=0)
+        direction = mu_harmful - mu_benign
+        norm = float(np.linalg.norm(direction))
+        if norm == 0.0:
+            raise ValueError("difference of means is zero: the two classes have identical mean activations")
+        weight = direction / norm
+        bias = -float(weight @ (mu_harmful + mu_benign) / 2.0)
+    return checked_probe(LinearProbe(ProbeKind.DIFF_OF_MEANS, weight, bias))
 
 
 def fit_logistic_regression(x: np.ndarray, y: np.ndarray, *, c: float = 0.1, seed: int = 0) -> LinearProbe:
@@ -105,15 +106,28 @@ def fit_logistic_regression(x: np.ndarray, y: np.ndarray, *, c: float = 0.1, see
     from sklearn.linear_model import LogisticRegression
 
     x, y = check_training_data(x, y)
-    mean = x.mean(axis=0)
-    scale = x.std(axis=0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = x.mean(axis=0)
+        scale = x.std(axis=0)
+    if not (np.isfinite(mean).all() and np.isfinite(scale).all()):
+        raise ValueError("logistic regression: the activations are too large to standardise"
+                         " (their mean or spread overflows float64)")
     scale[scale == 0] = 1.0  # a constant dimension carries nothing; avoid dividing by 0
     model = LogisticRegression(C=c, max_iter=5000, random_state=seed)
     model.fit((x - mean) / scale, y)
     coef = model.coef_[0] / scale
     # w·((x - mean) / scale) + b0  ==  (coef)·x + (b0 - coef·mean)
-    bias = float(model.intercept_[0] - coef @ mean)
-    return LinearProbe(ProbeKind.LOGISTIC_REGRESSION, coef, bias)
+    with np.errstate(over="ignore", invalid="ignore"):
+        bias = float(model.intercept_[0] - coef @ mean)
+    return checked_probe(LinearProbe(ProbeKind.LOGISTIC_REGRESSION, coef, bias))
+
+
+def checked_probe(probe: LinearProbe) -> LinearProbe:
+    """Refuse a fit that came out non-finite (activations near float64's limit) instead of returning it."""
+    if not (np.isfinite(probe.weight).all() and math.isfinite(probe.bias)):
+        raise ValueError(f"{probe.kind.value}: the fitted weights or bias are not finite"
+                         " (the activations are too large for float64 arithmetic)")
+    return probe
 
 
 def fit_probe(kind: ProbeKind, x: np.ndarray, y: np.ndarray, *, logreg_c: float = 0.1) -> LinearProbe:
@@ -133,12 +147,19 @@ def fit_platt(raw: np.ndarray, y: np.ndarray, *, max_iter: int = 100) -> Calibra
     y = np.asarray(y)
     if raw.ndim != 1 or raw.shape != y.shape:
         raise ValueError(f"calibration: raw scores and labels must be 1-D and the same length, got {raw.shape} and {y.shape}")
+    check_labels(y, "calibration")
     n_pos, n_neg = int((y == 1).sum()), int((y == 0).sum())
     if n_pos == 0 or n_neg == 0:
         raise SingleClassError(f"calibration: needs both classes in the validation set, got {n_pos} harmful and {n_neg} benign")
+    if not np.isfinite(raw).all():
+        raise ValueError("calibration: raw scores hold NaN or inf")
     target = np.where(y == 1, (n_pos + 1.0) / (n_pos + 2.0), 1.0 / (n_neg + 2.0))
 
-    center, spread = raw.mean(), raw.std()
+    with np.errstate(over="ignore", invalid="ignore"):
+        center, spread = raw.mean(), raw.std()
+    # An overflowing spread would make z all 0 and "fit" slope 0: a calibration that hides the problem.
+    if not (math.isfinite(center) and math.isfinite(spread)):
+        raise ValueError("calibration: raw scores too large to calibrate (their mean or spread overflows float64)")
     spread = spread if spread > 0 else 1.0
     z = (raw - center) / spread
     a, b = 0.0, 0.0  # fitting sigmoid(a * z + b)
@@ -171,21 +192,40 @@ def fit_platt(raw: np.ndarray, y: np.ndarray, *, max_iter: int = 100) -> Calibra
 # --------------------------------------------------------------------------- readouts
 
 
-def fitting_features(acts: LayerActivations, read: ReadPoint) -> np.ndarray:
-    """The per-prompt vectors a probe for `read` is fitted on."""
-    if read is ReadPoint.LAST_PROMPT_TOKEN:
+def feature_vectors(acts: LayerActivations, features: Features) -> np.ndarray:
+    """The [N, hidden] per-prompt vectors that `features` names."""
+    if features is Features.LAST_PROMPT_TOKEN:
         return acts.last
-    return acts.user_mean  # prompt_mean, and prompt_max (see the module docstring)
+    if features is Features.USER_MESSAGE_MEAN:
+        return acts.user_mean
+    return acts.all_mean
 
 
-def readout_raw_scores(probe: LinearProbe, acts: LayerActivations, read: ReadPoint) -> np.ndarray:
-    """Per-prompt raw scores as the engine reads them for `read` (on the user-message span)."""
-    if read is ReadPoint.LAST_PROMPT_TOKEN:
-        return probe.raw(acts.last)
-    if read is ReadPoint.PROMPT_MEAN:
-        # w·mean(x) + b == mean(w·x + b): scoring the mean vector is scoring the mean raw.
-        return probe.raw(acts.user_mean)
-    return acts.max_of_raw(probe.weight, probe.bias)
+def fitting_features(acts: LayerActivations, read: ReadPoint,
+                     read_span: str | None = READ_SPAN_USER_MESSAGE) -> np.ndarray:
+    """The per-prompt vectors a probe for `read` is fitted on (by default over the user's message, as the sweep)."""
+    return feature_vectors(acts, features_for(read, read_span))
+
+
+def readout_raw_scores(probe: LinearProbe | ProbeArtifact, acts: LayerActivations, read: ReadPoint,
+                       features: Features | None = None) -> np.ndarray:
+    """Per-prompt raw scores as the engine reads them for `read`, over the rows `features` names.
+
+    `features` defaults to the user-message span, as the sweep fits; pass a probe artifact's
+    `features` to score it on what it was trained on.
+    """
+    features = features if features is not None else features_for(read, READ_SPAN_USER_MESSAGE)
+    if (features is Features.LAST_PROMPT_TOKEN) != (read is ReadPoint.LAST_PROMPT_TOKEN):
+        raise ValueError(f"read {read.value!r} is not read from the {features.value}")
+    if read is ReadPoint.PROMPT_MAX:
+        if features is not Features.USER_MESSAGE_MEAN:
+            # Cached activations keep the user's tokens only, so a max over the template's rows cannot be taken.
+            raise ValueError(f"prompt_max over the {features.value} cannot be computed from cached activations"
+                             " (they keep the user-message tokens only)")
+        return acts.max_of_raw(probe.weight, probe.bias)
+    # w·mean(x) + b == mean(w·x + b): scoring the mean vector is scoring the mean raw.
+    x = np.asarray(feature_vectors(acts, features), dtype=np.float64)
+    return x @ np.asarray(probe.weight, dtype=np.float64) + float(probe.bias)
 
 
 # --------------------------------------------------------------------------- sweep
@@ -208,9 +248,19 @@ def separation(raw: np.ndarray, labels: np.ndarray) -> float:
     this says how far apart the classes are, and is scale-free so probes compare fairly.
     """
     raw, labels = np.asarray(raw, dtype=np.float64), np.asarray(labels)
+    if raw.ndim != 1 or raw.shape != labels.shape:
+        raise ValueError(f"separation: raw scores and labels must be 1-D and the same length,"
+                         f" got {raw.shape} and {labels.shape}")
+    check_labels(labels, "separation")
     pos, neg = raw[labels == 1], raw[labels == 0]
+    if pos.size == 0 or neg.size == 0:
+        raise SingleClassError(f"separation: needs both classes, got {pos.size} harmful and {neg.size} benign")
+    gap = float(pos.mean() - neg.mean())
     pooled = math.sqrt((pos.var() + neg.var()) / 2.0)
-    return float((pos.mean() - neg.mean()) / pooled) if pooled > 0 else math.inf
+    if pooled > 0:
+        return gap / pooled
+    # Both classes constant: infinitely far apart in the gap's direction, or not apart at all.
+    return math.copysign(math.inf, gap) if gap != 0 else 0.0
 
 
 def sweep(
@@ -278,11 +328,16 @@ def to_artifact(
     model: dict[str, Any],
     extra: dict[str, Any],
 ) -> ProbeArtifact:
+    # The artifact stores float32: a probe that only float64 can hold would be saved as inf or 0.
+    with np.errstate(over="ignore"):
+        weight, bias = probe.weight.astype(np.float32), np.float32(probe.bias)
+    if not (np.isfinite(weight).all() and np.isfinite(bias)) or not weight.any():
+        raise ValueError(f"probe {name!r}: weights or bias do not fit float32 (the artifact's format)")
     return ProbeArtifact(
         name=name,
         layer=layer,
         read=read,
-        weight=probe.weight.astype(np.float32),
+        weight=weight,
         bias=float(probe.bias),
         slope=calibration.slope,
         intercept=calibration.intercept,

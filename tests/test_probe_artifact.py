@@ -1,8 +1,11 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 import yaml
 
 from probes.artifact import (
+    Features,
     ProbeArtifact,
     ProbeFormatError,
     ProbeMismatchError,
@@ -60,6 +63,9 @@ def test_nan_weights_are_refused(tmp_path):
         (lambda m: m.update(layer="two"), "'layer' must be an integer"),
         (lambda m: m.update(calibration={"slope": "x"}), "calibration.slope must be a finite number"),
         (lambda m: m.update(hidden_size=9), "says hidden_size 9 but 'weight' has 8"),
+        # YAML reads 1 followed by 400 zeros as an int beyond float's range (was an OverflowError)
+        (lambda m: m.update(calibration={"slope": 10**400}), "calibration.slope must be a finite number"),
+        (lambda m: m.update(calibration={"intercept": -10**400}), "calibration.intercept must be a finite number"),
     ],
 )
 def test_bad_metadata_is_refused(tmp_path, edit, message):
@@ -69,6 +75,76 @@ def test_bad_metadata_is_refused(tmp_path, edit, message):
     (path / "probe.yaml").write_text(yaml.safe_dump(meta))
     with pytest.raises(ProbeFormatError, match=message):
         load_probe(path)
+
+
+# What `probex train` writes (probex/train_cli.py) and the demo artifact under config/ holds.
+VALID_RETENTION = {"reference_cosine": 0.377447, "layer": 2, "features": "last prompt token",
+                   "set": ["temaq-abliterated==1.1.1:harmful_probes.txt#4", "probex:benign_hard_negatives.txt#27"]}
+
+
+def write_meta(path, **fields):
+    meta = yaml.safe_load((path / "probe.yaml").read_text())
+    meta.update(fields)
+    (path / "probe.yaml").write_text(yaml.safe_dump(meta))
+    return path
+
+
+@pytest.mark.parametrize(
+    "retention, message",
+    [
+        ("oops", "field 'retention' must be a mapping, got 'oops'"),
+        (None, "field 'retention' must be a mapping, got None"),
+        ({**VALID_RETENTION, "set": "abc"}, r"retention.set must be a list of prompt refs"),
+        ({**VALID_RETENTION, "set": ["pkg:f.txt#1", 7]}, r"retention.set: 7 is not a prompt ref"),
+        ({**VALID_RETENTION, "set": ["pkg:f.txt"]}, r"retention.set: 'pkg:f.txt' is not a prompt ref"),
+        ({**VALID_RETENTION, "set": ["pkg:f.txt#abc"]}, r"retention.set: 'pkg:f.txt#abc' is not a prompt ref"),
+        ({**VALID_RETENTION, "reference_cosine": 0}, r"retention.reference_cosine must be a non-zero finite number, got 0"),
+        ({**VALID_RETENTION, "reference_cosine": "high"}, r"retention.reference_cosine must be .* got 'high'"),
+        ({**VALID_RETENTION, "reference_cosine": float("nan")}, r"retention.reference_cosine must be .* got nan"),
+        ({**VALID_RETENTION, "reference_cosine": 10**400}, r"retention.reference_cosine must be a non-zero finite"),
+        ({**VALID_RETENTION, "reference_cosine": True}, r"retention.reference_cosine must be .* got True"),
+        ({**VALID_RETENTION, "layer": 3}, r"retention.layer must be the probe's layer 2, got 3"),
+        ({**VALID_RETENTION, "features": "first token"}, r"retention.features 'first token' is not one of"),
+        ({**VALID_RETENTION, "features": "mean of all prompt rows"},
+         r"retention.features 'mean of all prompt rows' contradicts read 'last_prompt_token'"),
+    ],
+)
+def test_malformed_retention_fields_are_refused_naming_the_field(tmp_path, retention, message):
+    """The worker computes retention after every swap: a bad field must fail the load, named,
+    not crash the check later (AttributeError, ZeroDivisionError, ValueError deep in expand_rows)."""
+    path = write_meta(make_probe(tmp_path), retention=retention)
+    with pytest.raises(ProbeFormatError, match=message) as err:
+        load_probe(path)
+    assert str(path / "probe.yaml") in str(err.value)
+
+
+def test_mean_features_must_agree_with_the_read_span(tmp_path):
+    path = make_probe(tmp_path, read=ReadPoint.PROMPT_MEAN)
+    write_meta(path, read_span="user_message", retention={**VALID_RETENTION, "features": "mean of all prompt rows"})
+    with pytest.raises(ProbeFormatError, match="contradicts read 'prompt_mean' and read_span 'user_message'"):
+        load_probe(path)
+    write_meta(path, read_span="everything", retention=VALID_RETENTION)
+    with pytest.raises(ProbeFormatError, match="read_span must be 'user_message'"):
+        load_probe(path)
+
+
+def test_features_are_those_recorded_else_those_the_read_implies(tmp_path):
+    """`probex train --read prompt_mean` fits on every prompt row, probes.demo on the user's message
+    (`read_span: user_message`): retention must re-measure on the same vectors."""
+    path = write_meta(make_probe(tmp_path), retention=VALID_RETENTION)
+    assert load_probe(path).features is Features.LAST_PROMPT_TOKEN
+    mean = make_probe(tmp_path, name="m", read=ReadPoint.PROMPT_MEAN)
+    assert load_probe(mean).features is Features.ALL_ROWS_MEAN
+    write_meta(mean, read_span="user_message")
+    assert load_probe(mean).features is Features.USER_MESSAGE_MEAN
+    write_meta(mean, retention={**VALID_RETENTION, "features": "user-message mean"})
+    assert load_probe(mean).features is Features.USER_MESSAGE_MEAN
+    # What the project ships still loads, and so does a reference above 1 (tests/test_observability.py
+    # scales the demo's by 10 to raise the calibration alarm) and a user file's name holding a "#".
+    demo = load_probe(Path(__file__).resolve().parent.parent / "config" / "probes" / "harmful-request")
+    assert demo.features is Features.LAST_PROMPT_TOKEN
+    write_meta(path, retention={**VALID_RETENTION, "reference_cosine": 3.77, "set": ["file:a#b.jsonl#3"]})
+    assert load_probe(path).extra["retention"]["reference_cosine"] == 3.77
 
 
 def test_missing_files_are_named(tmp_path):

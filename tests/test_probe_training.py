@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from probes.artifact import ReadPoint, ServedModel, load_probe, save_probe
+from probes.artifact import Features, ReadPoint, ServedModel, features_for, load_probe, save_probe
 from probes.datasets import (
     BENIGN,
     HARMFUL,
@@ -40,8 +40,10 @@ from probes.train import (
     fit_diff_of_means,
     fit_logistic_regression,
     fit_platt,
+    fitting_features,
     readout_raw_scores,
     retention_reference,
+    separation,
     sweep,
     to_artifact,
 )
@@ -104,6 +106,24 @@ def test_probe_fitting_refuses_single_class_and_empty_data():
         fit_diff_of_means(np.full((4, 3), np.nan), np.array([0, 1, 0, 1]))
 
 
+def test_fits_refuse_activations_too_large_for_float64_instead_of_returning_nan_weights():
+    huge = np.array([[1e308, 1.0], [1e308, 2.0], [-1e308, 1.0], [1e308, 0.0]])
+    y = np.array([1, 1, 0, 0])
+    with pytest.raises(ValueError, match="diff_of_means: the fitted weights or bias are not finite"):
+        fit_diff_of_means(huge, y)
+    with pytest.raises(ValueError, match="logistic regression: the activations are too large to standardise"):
+        fit_logistic_regression(huge, y)
+
+
+def test_a_probe_that_float32_cannot_hold_is_not_packaged():
+    """The artifact stores float32: a bias of 1e300 would be saved as inf and refused only at load."""
+    from probes.train import LinearProbe
+
+    big = LinearProbe(ProbeKind.DIFF_OF_MEANS, np.array([1.0, 0.0]), 1e300)
+    with pytest.raises(ValueError, match="weights or bias do not fit float32"):
+        to_artifact("p", 2, ReadPoint.LAST_PROMPT_TOKEN, big, Calibration(1.0, 0.0), model={}, extra={})
+
+
 # --------------------------------------------------------------------------- calibration
 
 
@@ -144,6 +164,13 @@ def test_platt_matches_scoring_calibrate_and_refuses_one_class():
         assert cal.apply(np.array([raw]))[0] == pytest.approx(calibrate(raw, 1.7, -0.3), abs=1e-12)
     with pytest.raises(SingleClassError):
         fit_platt(np.array([0.1, 0.2]), np.array([1, 1]))
+
+
+def test_platt_refuses_raw_scores_whose_spread_overflows_rather_than_fitting_slope_zero():
+    with pytest.raises(ValueError, match="raw scores too large to calibrate"):
+        fit_platt(np.array([-1e200, -2e200, 1e200, 2e200]), np.array([0, 0, 1, 1]))
+    with pytest.raises(ValueError, match="labels must be 0 .* or 1 .*, got \\[2\\]"):
+        fit_platt(np.array([0.0, 1.0, 2.0, 3.0]), np.array([0, 0, 2, 1]))
 
 
 # --------------------------------------------------------------------------- metrics
@@ -195,6 +222,42 @@ def test_evaluation_refuses_one_class_and_empty_sets():
         auroc(np.array([0.1, 0.2]), np.array([0, 0]))
     with pytest.raises(EmptyDatasetError):
         evaluate_scores(np.array([]), np.array([]))
+
+
+def test_metrics_refuse_labels_other_than_0_and_1():
+    """A label 2 used to be left out of both classes: auroc([.1,.9,.4,.6], [0,2,0,1]) said 1.0."""
+    scores = np.array([0.1, 0.9, 0.4, 0.6])
+    for labels in ([0, 2, 0, 1], [-1, 1, -1, 1], [0, 1, 0.5, 1], ["0", "1", "0", "1"]):
+        for metric in (auroc, evaluate_scores, roc_curve, lambda s, l: tpr_at_fpr(s, l, 0.05)):
+            with pytest.raises(ValueError, match=r"labels must be 0 \(benign\) or 1 \(harmful\)"):
+                metric(scores, np.array(labels))
+    assert auroc(scores, np.array([False, True, False, True])) == 1.0  # booleans are 0 and 1
+
+
+def test_bootstrap_refuses_no_resamples_and_impossible_confidence():
+    scores, labels = np.array([0.1, 0.9, 0.4, 0.6]), np.array([0, 1, 0, 1])
+    for n in (0, -5, 2.5):
+        with pytest.raises(ValueError, match="n_resamples must be an integer >= 1"):
+            bootstrap_auroc_ci(scores, labels, n_resamples=n)
+    with pytest.raises(ValueError, match="n_resamples must be an integer >= 1"):
+        evaluate_scores(scores, labels, n_resamples=0)
+    for confidence in (0.0, 1.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="confidence must be in"):
+            bootstrap_auroc_ci(scores, labels, confidence=confidence)
+    assert bootstrap_auroc_ci(scores, labels, n_resamples=1) == (1.0, 1.0)
+
+
+def test_separation_of_constant_scores_follows_the_gap():
+    """Pooled std 0 used to mean +inf whatever the gap: a useless or inverted probe won tie-breaks."""
+    y = np.array([1, 1, 0, 0])
+    assert separation(np.array([1.0, 1.0, 1.0, 1.0]), y) == 0.0
+    assert separation(np.array([0.0, 0.0, 1.0, 1.0]), y) == -np.inf
+    assert separation(np.array([1.0, 1.0, 0.0, 0.0]), y) == np.inf
+    assert separation(np.array([2.0, 0.0, 1.0, -1.0]), y) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="labels must be 0"):
+        separation(np.array([1.0, 2.0, 3.0]), np.array([0, 1, 2]))
+    with pytest.raises(SingleClassError):
+        separation(np.array([1.0, 2.0]), np.array([1, 1]))
 
 
 def test_roc_curve_runs_from_origin_to_corner():
@@ -404,6 +467,25 @@ def test_readouts_and_subset():
     sub = acts.subset(np.array([2, 0]))
     np.testing.assert_allclose(readout_raw_scores(probe, sub, ReadPoint.PROMPT_MAX), [4.5, 2.5])
     assert sub.offsets.tolist() == [0, 3]
+
+
+def test_features_per_read_are_decided_in_one_place():
+    """probex train's prompt_mean fits on every prompt row (what the engine serves); the demo sweep on
+    the user's message. Retention and evaluation must read the same vectors as the fit did."""
+    tokens = [np.array([[1.0, 0.0], [3.0, 0.0]]), np.array([[0.0, 2.0]])]
+    acts = layer_acts(3, tokens)
+    acts.all_mean = np.array([[7.0, 7.0], [8.0, 8.0]], np.float32)  # the template's rows too
+    assert features_for(ReadPoint.LAST_PROMPT_TOKEN, "user_message") is Features.LAST_PROMPT_TOKEN
+    assert features_for(ReadPoint.PROMPT_MEAN) is Features.ALL_ROWS_MEAN
+    assert features_for(ReadPoint.PROMPT_MAX, "user_message") is Features.USER_MESSAGE_MEAN
+    np.testing.assert_array_equal(fitting_features(acts, ReadPoint.PROMPT_MEAN), acts.user_mean)
+    np.testing.assert_array_equal(fitting_features(acts, ReadPoint.PROMPT_MEAN, None), acts.all_mean)
+    probe = fit_diff_of_means(np.array([[1.0, 0.0], [0.0, 0.0]]), np.array([1, 0]))  # w = e0, b = -0.5
+    np.testing.assert_allclose(readout_raw_scores(probe, acts, ReadPoint.PROMPT_MEAN, Features.ALL_ROWS_MEAN), [6.5, 7.5])
+    with pytest.raises(ValueError, match="prompt_max over the mean of all prompt rows cannot be computed"):
+        readout_raw_scores(probe, acts, ReadPoint.PROMPT_MAX, Features.ALL_ROWS_MEAN)
+    with pytest.raises(ValueError, match="'last_prompt_token' is not read from the user-message mean"):
+        readout_raw_scores(probe, acts, ReadPoint.LAST_PROMPT_TOKEN, Features.USER_MESSAGE_MEAN)
 
 
 def test_sweep_picks_the_layer_that_carries_the_signal():

@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from probes.artifact import ProbeArtifact, ReadPoint
+from probes.artifact import ProbeArtifact, ReadPoint, save_probe
 from probes.datasets import LabelledPrompt, MissingDataFileError, resolve_refs
-from probes.retention import NoRetentionReference, relative_retention, retention_set
+from probes.extract_hf import LayerActivations
+from probes.retention import NoRetentionReference, compute_retention, relative_retention, retention_set
+from probes.train import retention_reference
 from probex.quantize import fake_quantize
 
 
@@ -41,6 +43,103 @@ def test_probe_without_retention_reference_is_refused_clearly():
     probe = ProbeArtifact(name="p", layer=1, read=ReadPoint.LAST_PROMPT_TOKEN, weight=np.ones(4, np.float32), bias=0)
     with pytest.raises(NoRetentionReference, match="no retention reference"):
         retention_set(probe, known=[])
+
+
+def test_a_zero_reference_is_refused_rather_than_divided_by():
+    x, y, w = planted()
+    with pytest.raises(ValueError, match="reference cosine must be a non-zero finite number"):
+        relative_retention(w, x, y, 0.0)
+
+
+# --------------------------------------------------------------------------- compute_retention, model-free
+
+HIDDEN = 8
+KNOWN = [LabelledPrompt(f"prompt {i}", i % 2, "s", f"pkg==1:f.txt#{i}") for i in range(1, 41)]
+
+
+def fake_extraction(monkeypatch, calls=None):
+    """Each prompt's vectors differ per reading: the classes separate along e0 in the mean over
+    all prompt rows, along e1 in the user-message mean, and not at all in the last token."""
+    import probes.extract_hf
+    import probes.retention
+
+    by_text = {e.text: e for e in KNOWN}
+
+    def rows(texts):
+        labels = np.array([by_text[t].label for t in texts], dtype=np.float32)
+        seeds = [int(t.split()[-1]) for t in texts]
+        noise = np.stack([np.random.default_rng(s).standard_normal(HIDDEN) for s in seeds]).astype(np.float32)
+        all_mean, user_mean = noise.copy(), noise.copy()
+        all_mean[:, 0] += 10 * labels
+        user_mean[:, 1] += 10 * labels
+        return noise, user_mean, all_mean
+
+    def extract(texts, model_dir, layers, **kwargs):
+        if calls is not None:
+            calls.append(list(texts))
+        last, user_mean, all_mean = rows(list(texts))
+        offsets = np.arange(len(texts), dtype=np.int64)  # one user token per prompt: the user mean itself
+        return {l: LayerActivations(l, last, user_mean, all_mean, user_mean.copy(), offsets) for l in layers}
+
+    monkeypatch.setattr(probes.extract_hf, "extract_activations", extract)
+    monkeypatch.setattr(probes.retention, "load_all_known", lambda: KNOWN)
+    return rows
+
+
+def saved_probe(tmp_path, rows, name, read, axis, features, read_span=None):
+    """A probe along `axis` whose reference is measured on `features` of its retention set, as at training."""
+    retention_set_ = KNOWN[:20]
+    last, user_mean, all_mean = rows([e.text for e in retention_set_])
+    vectors = {"last prompt token": last, "user-message mean": user_mean, "mean of all prompt rows": all_mean}[features]
+    weight = np.zeros(HIDDEN, np.float32)
+    weight[axis] = 1.0
+    reference = retention_reference(weight, vectors, np.array([e.label for e in retention_set_]))
+    extra = {"retention": {"reference_cosine": round(reference, 6), "layer": 3, "features": features,
+                           "set": [e.ref for e in retention_set_]},
+             "splits": {"seed": 0, "test": {"refs": {"pkg==1:f.txt": "21-40"}}}}
+    if read_span:
+        extra["read_span"] = read_span
+    probe = ProbeArtifact(name=name, layer=3, read=read, weight=weight, bias=-5.0, extra=extra)
+    return save_probe(probe, tmp_path / name)
+
+
+def test_retention_and_eval_auroc_read_the_features_the_probe_was_trained_on(tmp_path, monkeypatch):
+    """On the unchanged model every probe's retention is ~1 and its eval AUROC is what training saw.
+
+    Reading the last token for every probe gave a prompt_mean probe of `probex train` 0.35 on the
+    same model (and a false calibration alarm in the worker)."""
+    rows = fake_extraction(monkeypatch)
+    dirs = [
+        saved_probe(tmp_path, rows, "all-rows-mean", ReadPoint.PROMPT_MEAN, 0, "mean of all prompt rows"),
+        saved_probe(tmp_path, rows, "user-mean", ReadPoint.PROMPT_MEAN, 1, "user-message mean", "user_message"),
+        saved_probe(tmp_path, rows, "user-max", ReadPoint.PROMPT_MAX, 1, "user-message mean", "user_message"),
+    ]
+    results = compute_retention(tmp_path / "model", dirs, eval_split="test")
+    for name, entry in results.items():
+        assert entry["retention"] == pytest.approx(1.0, abs=1e-5), (name, entry)
+        assert entry["retention_prompts"] == 20
+        assert entry["auroc_test"]["auroc"] == 1.0, (name, entry)
+        assert entry["auroc_test"]["n_harmful"] + entry["auroc_test"]["n_benign"] == 20
+
+
+def test_features_come_from_the_read_when_the_artifact_does_not_record_them(tmp_path, monkeypatch):
+    import yaml
+
+    rows = fake_extraction(monkeypatch)
+    path = saved_probe(tmp_path, rows, "p", ReadPoint.PROMPT_MEAN, 0, "mean of all prompt rows")
+    meta = yaml.safe_load((path / "probe.yaml").read_text())
+    del meta["retention"]["features"]  # a prompt_mean probe without read_span: every prompt row, as served
+    (path / "probe.yaml").write_text(yaml.safe_dump(meta))
+    assert compute_retention(tmp_path / "model", [path])["p"]["retention"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_an_eval_split_the_probe_does_not_record_is_named_before_any_extraction(tmp_path, monkeypatch):
+    calls = []
+    rows = fake_extraction(monkeypatch, calls)
+    path = saved_probe(tmp_path, rows, "p", ReadPoint.LAST_PROMPT_TOKEN, 0, "last prompt token")
+    with pytest.raises(ValueError, match=r"records no split 'held_out' \(splits with refs: test\)"):
+        compute_retention(tmp_path / "model", [path], eval_split="held_out")
+    assert calls == []
 
 
 def test_rtn_error_grows_as_scales_get_coarser_and_int8_is_tight():
