@@ -8,7 +8,8 @@ Where the prompts come from
   ("temaq-abliterated==1.1.1:harmful_probes.txt#17") that says where to find it instead.
 - The project's own benign set, `probes/data/benign_hard_negatives.txt`, written for
   ProbeX: benign requests that use alarming words ("kill a process", "shoot a portrait").
-- User files (JSONL or CSV with `text` and `label` columns), via `load_user_file`.
+- User files (JSONL or CSV with `text` and `label` columns), via `load_user_file`;
+  unlabelled prompt files (one per line, or JSONL with `text`), via `load_prompts`.
 
 Labels: 1 = harmful request, 0 = benign request.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -179,12 +181,39 @@ def fetch_wheel_files(requirement: str, members: Sequence[str], *, force: bool =
     return folder
 
 
-def _read_lines(path: Path) -> list[tuple[int, str]]:
-    """(1-based line number, stripped text) for every non-blank line."""
+def read_text_file(path: Path) -> str:
+    """The file's text as UTF-8, or a DatasetError naming the file and the line that is not UTF-8.
+
+    utf-8-sig: a byte-order mark (Excel and Notepad write one) would otherwise become part of
+    the first prompt, or of the first CSV column's name, which then no longer reads "text".
+    """
     if not path.is_file():
         raise MissingDataFileError(f"{path}: file not found")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise DatasetError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"
+                           ) from None
+
+
+def _read_lines(path: Path) -> list[tuple[int, str]]:
+    """(1-based line number, stripped text) for every non-blank line."""
+    lines = read_text_file(path).splitlines()
     return [(i, line.strip()) for i, line in enumerate(lines, start=1) if line.strip()]
+
+
+def _json_line(path: Path, n: int, line: str) -> Any:
+    # Not only JSONDecodeError: an integer of thousands of digits is a plain ValueError,
+    # deep nesting a RecursionError; both are a bad line in the user's file all the same.
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise DatasetError(f"{path}:{n}: not valid JSON ({exc})") from None
 
 
 # --------------------------------------------------------------------------- public sets
@@ -251,10 +280,8 @@ def load_advbench() -> list[LabelledPrompt]:
     """AdvBench's 520 harmful behaviours, as PyRIT packages them (YAML, `seeds: [{value: ...}]`)."""
     folder = fetch_wheel_files(PYRIT, [ADVBENCH.member])
     path = folder / ADVBENCH.member
-    if not path.is_file():
-        raise MissingDataFileError(f"{path}: file not found")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(read_text_file(path))
     except yaml.YAMLError as exc:
         raise DatasetError(f"{path}: not valid YAML ({exc})") from None
     seeds = data.get("seeds") if isinstance(data, dict) else None
@@ -284,10 +311,7 @@ def load_donotanswer(categories: Sequence[str] = ("malicious_uses",)) -> list[La
     for category, src in zip(categories, sources):
         path = folder / src.member
         for n, line in _read_lines(path):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{n}: not valid JSON ({exc})") from None
+            row = _json_line(path, n, line)
             text = row.get("prompt") if isinstance(row, dict) else None
             if isinstance(text, str) and text.strip():
                 examples.append(LabelledPrompt(text.strip(), HARMFUL, f"donotanswer-{category}", f"{src.file_ref}#{n}"))
@@ -337,6 +361,30 @@ def _parse_label(value: Any, where: str) -> int:
     raise DatasetError(f"{where}: label must be 0 or 1 (or true/false), got {value!r}")
 
 
+# csv's default field limit (128 KiB) is below a long prompt pasted with its documents; a
+# field past this one is far beyond any model's context, so it is refused as a bad file.
+CSV_FIELD_LIMIT = 16 * 1024 * 1024
+
+
+def _read_csv_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    text = read_text_file(path)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    # The limit is process-wide state: raise it for this read only.
+    previous = csv.field_size_limit(CSV_FIELD_LIMIT)
+    try:
+        missing = {"text", "label"} - set(reader.fieldnames or [])
+        if missing:
+            raise DatasetError(f"{path}: CSV header lacks {', '.join(sorted(missing))} (needs text,label)")
+        # Row n of the reader is line n + 1 of the file (the header is line 1), as
+        # long as no field spans lines; good enough for a human to find the row.
+        return [(n, row) for n, row in enumerate(reader, start=2)]
+    except csv.Error as exc:
+        # The inner reader's count: DictReader's own is updated only after a row parses.
+        raise DatasetError(f"{path}:{reader.reader.line_num}: not valid CSV ({exc})") from None
+    finally:
+        csv.field_size_limit(previous)
+
+
 def load_user_file(path: str | Path, *, source: str | None = None) -> list[LabelledPrompt]:
     """Labelled prompts from a `.jsonl` or `.csv` file with `text` and `label` fields."""
     path = Path(path)
@@ -346,22 +394,12 @@ def load_user_file(path: str | Path, *, source: str | None = None) -> list[Label
     rows: list[tuple[int, dict[str, Any]]] = []
     if path.suffix.lower() == ".jsonl":
         for n, line in _read_lines(path):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{n}: not valid JSON ({exc})") from None
+            row = _json_line(path, n, line)
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{n}: expected a JSON object with 'text' and 'label'")
             rows.append((n, row))
     elif path.suffix.lower() == ".csv":
-        with open(path, newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            missing = {"text", "label"} - set(reader.fieldnames or [])
-            if missing:
-                raise DatasetError(f"{path}: CSV header lacks {', '.join(sorted(missing))} (needs text,label)")
-            # Row n of the reader is line n + 1 of the file (the header is line 1), as
-            # long as no field spans lines; good enough for a human to find the row.
-            rows = [(n, row) for n, row in enumerate(reader, start=2)]
+        rows = _read_csv_rows(path)
     else:
         raise DatasetError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .csv")
 
@@ -376,6 +414,29 @@ def load_user_file(path: str | Path, *, source: str | None = None) -> list[Label
         examples.append(LabelledPrompt(text.strip(), _parse_label(row["label"], where), source, f"file:{path.name}#{n}"))
     require_examples(examples, str(path))
     return examples
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Unlabelled prompts: a `.jsonl` file of objects with a `text` field, any other file one per line.
+
+    Texts are kept as written (not stripped), as `probex extract` reads the same files: the
+    same prompt then has the same activation key whichever command extracted it.
+    """
+    path = Path(path)
+    lines = [(n, line) for n, line in enumerate(read_text_file(path).splitlines(), start=1) if line.strip()]
+    if path.suffix.lower() == ".jsonl":
+        prompts = []
+        for n, line in lines:
+            row = _json_line(path, n, line)
+            text = row.get("text") if isinstance(row, dict) else None
+            if not (isinstance(text, str) and text.strip()):
+                raise DatasetError(f"{path}:{n}: expected a JSON object with a non-empty 'text' string")
+            prompts.append(text)
+    else:
+        prompts = [line for _, line in lines]
+    if not prompts:
+        raise EmptyDatasetError(f"{path}: no prompts")
+    return prompts
 
 
 # --------------------------------------------------------------------------- splits

@@ -101,9 +101,23 @@ def main(argv: list[str] | None = None) -> int | None:
     except Terminated:
         end_as_terminated()  # unwound: now end as a process SIGTERM stops (supervisors read it as clean)
         raise
+    except ValueError as exc:
+        if not isinstance(exc, _user_errors()):
+            raise  # anything else is a bug: its traceback is what finds it
+        # A bad dataset or probe a command did not refuse itself: the message already names the
+        # file and the fault, so it reads as the commands' own refusals do.
+        raise SystemExit(f"probex {args.command}: {exc}") from None
     finally:
         if previous is not None:  # main() may be called in a process that goes on (tests)
             signal.signal(signal.SIGTERM, previous)
+
+
+def _user_errors() -> tuple[type[ValueError], ...]:
+    """Errors whose message says which file is wrong and why: the user's to fix, not a bug in ProbeX."""
+    from probes.artifact import ProbeFormatError, ProbeMismatchError
+    from probes.datasets import DatasetError
+
+    return DatasetError, ProbeFormatError, ProbeMismatchError
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int | None:
@@ -173,7 +187,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
     elif args.command == "policy-schema":
         from gateway.policy import policy_json_schema
 
-        Path(args.out).write_text(json.dumps(policy_json_schema(), indent=2) + "\n")
+        try:
+            Path(args.out).write_text(json.dumps(policy_json_schema(), indent=2) + "\n")
+        except OSError as exc:
+            raise SystemExit(f"probex policy-schema: cannot write {args.out}: {exc.strerror or exc}") from None
         print(args.out)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from probes.artifact import ReadPoint, load_probe
+from probes.artifact import ProbeFormatError, ReadPoint, load_probe
 from probes.datasets import LabelledPrompt, load_all_known, resolve_refs
 from probes.evaluate import evaluate_scores
 
@@ -31,34 +31,74 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write ROC curves and score histograms per class (PNG) into this directory")
 
 
-def served_raw(worker: str, texts: list[str], probe_name: str) -> np.ndarray:
+def worker_failed(worker: str, exc: Exception) -> SystemExit:
+    if isinstance(exc, httpx.HTTPStatusError):
+        r = exc.response
+        return SystemExit(f"probex eval: the worker at {worker} answered {r.status_code} to"
+                          f" {r.request.url.path}: {r.text[:200]!r}")
+    return SystemExit(f"probex eval: could not reach the worker at {worker} ({str(exc) or type(exc).__name__})")
+
+
+def worker_model(client: httpx.Client, worker: str) -> str:
+    """The id of the model the worker serves (what chat requests must name)."""
+    try:
+        r = client.get(worker + "/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise worker_failed(worker, exc) from None
+    except (ValueError, LookupError, TypeError):
+        raise SystemExit(f"probex eval: {worker}/v1/models did not list a model:"
+                         f" is {worker} a probex worker?") from None
+
+
+def served_raw(worker: str, texts: list[str], probe_name: str, model: str | None = None) -> np.ndarray:
     with httpx.Client(timeout=300) as client:
-        model = client.get(worker + "/v1/models").json()["data"][0]["id"]
+        model = model or worker_model(client, worker)
         values = []
         for text in texts:
-            r = client.post(worker + "/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0})
-            r.raise_for_status()
-            values.append(r.json()["probex"]["scores"][probe_name]["prompt"]["last_raw"])
+            try:
+                r = client.post(worker + "/v1/chat/completions", json={
+                    "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                    "temperature": 0})
+                r.raise_for_status()
+            except httpx.HTTPError as exc:
+                raise worker_failed(worker, exc) from None
+            try:
+                values.append(r.json()["probex"]["scores"][probe_name]["prompt"]["last_raw"])
+            except (ValueError, LookupError, TypeError):
+                raise SystemExit(f"probex eval: {worker} returned no prompt score for probe {probe_name!r}:"
+                                 " is the worker serving this probe?") from None
     return np.asarray(values, dtype=np.float64)
 
 
 def compare(probe_dir: Path, worker: str, splits: list[str], model_dir: Path) -> dict:
     from probes.extract_hf import extract_activations
+    from probes.retention import split_refs
 
-    probe = load_probe(probe_dir)
+    try:
+        probe = load_probe(probe_dir)
+    except ProbeFormatError as exc:
+        raise SystemExit(f"probex eval: {exc}") from None
     if probe.read is not ReadPoint.LAST_PROMPT_TOKEN:
         raise SystemExit("probex eval: served-vs-offline comparison is implemented for last_prompt_token probes")
-    recorded = probe.extra.get("splits") or {}
+    # Every refusal below comes before the offline extraction, which takes minutes.
+    refs = {}
+    for split in splits:
+        try:
+            refs[split] = split_refs(probe, split)
+        except ValueError as exc:
+            raise SystemExit(f"probex eval: {exc}") from None
+    worker = worker.rstrip("/")
+    with httpx.Client(timeout=30) as client:
+        model = worker_model(client, worker)
     known = load_all_known()
     report: dict = {"probe": probe.name, "layer": probe.layer, "splits": {}}
     for split in splits:
-        if split not in recorded:
-            raise SystemExit(f"probex eval: {probe_dir}/probe.yaml records no split {split!r}")
-        examples: list[LabelledPrompt] = resolve_refs(recorded[split]["refs"], known)
+        examples: list[LabelledPrompt] = resolve_refs(refs[split], known)
         texts, labels = [e.text for e in examples], np.asarray([e.label for e in examples])
         offline = probe.raw_score(extract_activations(texts, model_dir, [probe.layer], show_progress=False)[probe.layer].last)
-        served = served_raw(worker, texts, probe.name)
+        served = served_raw(worker, texts, probe.name, model)
         rel = np.abs(served - offline) / np.maximum(np.abs(offline), 1e-3)
         off_eval, srv_eval = evaluate_scores(offline, labels), evaluate_scores(served, labels)
         report.setdefault("_scores", {})[split] = (offline, served, labels)
@@ -112,8 +152,12 @@ def plot(report: dict, probe_dir: Path, out_dir: Path) -> list[Path]:
 
 def run_eval(args: argparse.Namespace) -> None:
     from probex.models import fetch_model
+    from probex.train_cli import served_model
 
     model_dir = args.model_dir or fetch_model("smollm2-135m-instruct")
+    served_model(model_dir, "probex eval")  # a --model-dir that is no model is refused before any work
+    if args.out.is_dir():
+        raise SystemExit(f"probex eval: --out {args.out} is a directory; give a file path for the JSON")
     report = compare(args.probe, args.worker, args.split or ["test", "held_out"], model_dir)
     if args.plots:
         for path in plot(report, args.probe, args.plots):

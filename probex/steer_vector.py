@@ -80,17 +80,38 @@ def build_vector(positive: list[str], negative: list[str], worker_url: str, capt
     )
 
 
+def worker_model(worker: str) -> str:
+    import httpx
+
+    try:
+        r = httpx.get(worker + "/v1/models", timeout=10)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise SystemExit(f"probex steer-vector: could not reach the worker at {worker}"
+                         f" ({str(exc) or type(exc).__name__})") from None
+    except (ValueError, LookupError, TypeError):
+        raise SystemExit(f"probex steer-vector: {worker}/v1/models did not list a model:"
+                         f" is {worker} a probex worker?") from None
+
+
 def run_steer_vector(args: argparse.Namespace) -> None:
-    from probex.extract import capture_worker, read_prompts
+    from probes.datasets import DatasetError, load_prompts
+    from probex.extract import capture_worker
 
-    positive, negative = read_prompts(args.positive), read_prompts(args.negative)
+    # load_vector refuses a blank name: refuse it before the worker starts, not after.
+    if not args.name.strip():
+        raise SystemExit("probex steer-vector: --name is blank; give the vector a name")
+    try:
+        positive, negative = load_prompts(args.positive), load_prompts(args.negative)
+    except DatasetError as exc:
+        raise SystemExit(f"probex steer-vector: {exc}") from None
     if args.worker:
-        import httpx
-
         if not args.capture_dir:
             raise SystemExit("probex steer-vector: --worker needs --capture-dir (the worker's own)")
-        model = httpx.get(args.worker + "/v1/models", timeout=10).json()["data"][0]["id"]
-        vector = build_vector(positive, negative, args.worker, args.capture_dir, model, args.layer, args.read, args.name)
+        worker = args.worker.rstrip("/")
+        model = worker_model(worker)
+        vector = build_vector(positive, negative, worker, args.capture_dir, model, args.layer, args.read, args.name)
     else:
         with capture_worker(args.model, [args.layer], args.dtype, "probex steer-vector") as (url, capture, model):
             vector = build_vector(positive, negative, url, capture, model, args.layer, args.read, args.name)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from probes.artifact import ReadPoint, ServedModel, save_probe
+from probes.artifact import ProbeMismatchError, ReadPoint, ServedModel, features_for, save_probe
 from probes.datasets import (
     DatasetError,
     LabelledPrompt,
@@ -46,6 +46,7 @@ from probes.train import (
     ProbeKind,
     SweepCell,
     choose_best,
+    feature_vectors,
     fit_platt,
     fit_probe,
     retention_reference,
@@ -92,7 +93,7 @@ def features_hf(texts: list[str], model_dir: Path, layers: list[int], read: Read
     from probes.extract_hf import extract_activations
 
     acts = extract_activations(texts, model_dir, layers)
-    return {l: (a.last if read is ReadPoint.LAST_PROMPT_TOKEN else a.all_mean) for l, a in acts.items()}
+    return {l: feature_vectors(a, features_for(read)) for l, a in acts.items()}
 
 
 def features_tap(texts: list[str], model: str, layers: list[int], read: ReadPoint) -> dict[int, np.ndarray]:
@@ -116,11 +117,34 @@ def features_tap(texts: list[str], model: str, layers: list[int], read: ReadPoin
     return {l: np.stack(v) for l, v in result.items()}
 
 
+def served_model(model_dir: Path, command: str) -> ServedModel:
+    """The model's shape from its config.json, or an exit naming the directory that is not a model."""
+    try:
+        return ServedModel.from_model_dir(model_dir)
+    except ProbeMismatchError as exc:  # no config.json
+        raise SystemExit(f"{command}: {model_dir} is not a model directory ({exc})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SystemExit(f"{command}: {model_dir}/config.json is not a usable model config ({exc!r})") from None
+
+
+def probe_name(args: argparse.Namespace) -> str:
+    """--name, else the name of the directory --out resolves to (`--out .` has none of its own)."""
+    name = args.name if args.name is not None else args.out.resolve().name
+    if not name.strip():
+        # load_probe refuses a blank name: refuse it here, before minutes of extraction.
+        where = "--name is blank" if args.name is not None else f"--out {args.out} gives no probe name"
+        raise SystemExit(f"probex train: {where}; pass a non-empty --name")
+    return name
+
+
 def run_train(args: argparse.Namespace) -> None:
     from engine_worker.launch import resolve_model
 
+    artifact_name = probe_name(args)  # not `name`: the split loops below rebind that
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"probex train: --out {args.out} exists and is not a directory")
     model_dir = resolve_model(args.model)
-    served = ServedModel.from_model_dir(model_dir)
+    served = served_model(model_dir, "probex train")
     read, kind = ReadPoint(args.read), ProbeKind(args.kind)
     if not args.layer or args.layer == ["auto"]:
         layers = list(range(4, served.num_hidden_layers - 1, 2))
@@ -161,7 +185,6 @@ def run_train(args: argparse.Namespace) -> None:
     calibration = fit_platt(probe.raw(feats[layer][idx["validation"]]), labels[idx["validation"]])
     test_eval = evaluate_scores(probe.raw(feats[layer][idx["test"]]), labels[idx["test"]], seed=args.seed)
     reference = retention_reference(probe.weight, feats[layer][idx["test"]], labels[idx["test"]])
-    name = args.name or args.out.name
     extra = {
         "probe_kind": kind.value,
         "training": {"script": "probex train", "extract": args.extract, "datasets": args.dataset,
@@ -169,10 +192,10 @@ def run_train(args: argparse.Namespace) -> None:
         "splits": {"seed": args.seed, **{n: describe_split(p) for n, p in splits.items()}},
         "evaluation": {"test": test_eval.as_dict()},
         "retention": {"reference_cosine": round(reference, 6), "layer": layer,
-                      "features": "last prompt token" if read is ReadPoint.LAST_PROMPT_TOKEN else "mean of all prompt rows",
+                      "features": features_for(read).value,
                       "set": [e.ref for e in splits["test"]]},
     }
-    artifact = to_artifact(name, layer, read, probe, calibration, model={"name": model_dir.name}, extra=extra)
+    artifact = to_artifact(artifact_name, layer, read, probe, calibration, model={"name": model_dir.name}, extra=extra)
     artifact.check_fits(served)
     save_probe(artifact, args.out)
     print(f"layer {layer} ({args.read}, {kind.value}): test AUROC {test_eval.auroc:.4f} "

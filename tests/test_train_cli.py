@@ -20,17 +20,21 @@ BENIGN = ["What is the capital of France?", "Give me a pancake recipe.", "How do
           "How do plants make food?", "Recommend a good science fiction novel."]
 
 
-def run(*args):
+def run(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "probex.cli", "train", *args], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, cwd=cwd)
+
+
+def write_dataset(path):
+    rows = [{"text": t, "label": 1} for t in HARMFUL] + [{"text": t, "label": 0} for t in BENIGN]
+    # three variants of each prompt, so that every hash split holds both classes
+    path.write_text("".join(json.dumps({"text": f"{r['text']} ({i})", "label": r["label"]}) + "\n"
+                            for i in range(3) for r in rows))
+    return path
 
 
 def test_train_writes_a_loadable_calibrated_probe(tmp_path):
-    data = tmp_path / "mine.jsonl"
-    rows = [{"text": t, "label": 1} for t in HARMFUL] + [{"text": t, "label": 0} for t in BENIGN]
-    # three variants of each prompt, so that every hash split holds both classes
-    data.write_text("".join(json.dumps({"text": f"{r['text']} ({i})", "label": r["label"]}) + "\n"
-                            for i in range(3) for r in rows))
+    data = write_dataset(tmp_path / "mine.jsonl")
     out = tmp_path / "probe"
     result = run("--layer", "12", "--layer", "16", "--dataset", str(data), "--out", str(out),
                  "--kind", "diff_of_means")
@@ -53,3 +57,16 @@ def test_train_refuses_bad_datasets_clearly(tmp_path):
     empty.write_text("")
     result = run("--layer", "12", "--dataset", str(empty), "--out", str(tmp_path / "p"))
     assert result.returncode != 0 and "probex train:" in result.stderr
+
+
+def test_train_into_the_current_directory_names_the_probe_after_it(tmp_path):
+    """`--out .`: Path('.').name is '', which load_probe refuses; the name is the directory's own."""
+    data = write_dataset(tmp_path / "mine.jsonl")
+    here = tmp_path / "cwd-probe"
+    here.mkdir()
+    result = run("--layer", "12", "--dataset", str(data), "--out", ".", "--kind", "diff_of_means", cwd=here)
+    assert result.returncode == 0, result.stderr
+    assert load_probe(here, ServedModel(576, 30)).name == "cwd-probe"
+    blank = run("--layer", "12", "--dataset", str(data), "--out", str(tmp_path / "p"), "--name", "  ")
+    assert blank.returncode != 0 and "probex train: --name is blank" in blank.stderr
+    assert "Traceback" not in blank.stderr and not (tmp_path / "p").exists()
