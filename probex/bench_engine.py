@@ -773,11 +773,13 @@ def completion_body(model: str, prompt: list[int], max_tokens: int,
 async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurrency: int,
                     max_tokens: int | Sequence[int], probe_names: Sequence[str] | None,
                     xargs: dict[str, Any] | None = None,
-                    spread_s: float = 0.0) -> tuple[list[RequestResult], float, float]:
+                    spread_s: float = 0.0, paced: bool = False) -> tuple[list[RequestResult], float, float]:
     """All prompts, `concurrency` in flight at a time; returns results, wall seconds, client CPU seconds.
 
     `spread_s` > 0 starts the `concurrency` clients evenly over that many seconds instead of
-    all at once (see `arrival_spread_s`).
+    all at once (see `arrival_spread_s`). `paced` (with `spread_s`, a request's duration at
+    this concurrency): no clients, but one request every `spread_s / concurrency` seconds,
+    each sent on time whatever is still in flight (`paced_interval_s` says why).
 
     Bodies are encoded before the phase and the streams read after it (`StreamRecord`): while
     it runs the client's event loop only sends and stamps reads, the same work whether the
@@ -789,17 +791,38 @@ async def run_phase(url: str, model: str, prompts: Sequence[list[int]], concurre
     payloads = [json.dumps(completion_body(model, prompt, length, xargs)).encode()
                 for prompt, length in zip(prompts, lengths)]
 
-    async with _Transport(concurrency) as transport:
+    if paced and not spread_s > 0:
+        raise ValueError("paced arrivals need a request's duration (spread_s) to set their interval")
+    # Paced requests do not wait for each other: room for more than `concurrency` in flight,
+    # so none waits for a connection (a wait the client would count as the server's TTFT).
+    async with _Transport(concurrency * PACED_CONNECTIONS_PER_STREAM if paced else concurrency) as transport:
         async def worker(k: int) -> None:
             if spread_s > 0:
                 await asyncio.sleep(k * spread_s / concurrency)
             for i in order:
                 records[i] = await stream_request(transport, url + "/v1/completions", payloads[i])
 
+        async def one(i: int) -> None:
+            records[i] = await stream_request(transport, url + "/v1/completions", payloads[i])
+
+        async def paced_sends() -> None:
+            interval, began, sends = spread_s / concurrency, time.perf_counter(), []
+            for i in range(len(payloads)):
+                # From the phase's start, not the last send: a late wake-up does not push every
+                # later request back, so every phase sends on the same schedule.
+                delay = began + i * interval - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                sends.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*sends)
+
         # This thread's CPU: the phase's event loop runs here, and with set-ups side by side
         # (--gpus) another lane's client runs in another thread of this process.
         cpu0, t0 = time.thread_time(), time.perf_counter()
-        await asyncio.gather(*(worker(k) for k in range(concurrency)))
+        if paced:
+            await paced_sends()
+        else:
+            await asyncio.gather(*(worker(k) for k in range(concurrency)))
         wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
     results = []
     for record, length in zip(records, lengths):
@@ -1091,6 +1114,45 @@ def arrival_spread_s(warm_results: Sequence[RequestResult]) -> float:
     """
     durations = [r.e2e_s for r in warm_results if r.ok and math.isfinite(r.e2e_s)]
     return float(np.median(durations)) if durations else 0.0
+
+
+# Paced phases' connection pool, per stream of the concurrency: in flight they average the
+# concurrency and swing around it (`in_flight`), never near this many times it in a phase
+# that keeps up.
+PACED_CONNECTIONS_PER_STREAM = 4
+
+
+def paced_interval_s(warm_results: Sequence[RequestResult], concurrency: int) -> float:
+    """`--arrivals paced`: seconds between a phase's requests, so that `concurrency` are in
+    flight on average (Little's law: the rate is the concurrency over the mean request
+    duration of the warm-up, which ran `concurrency` streams); 0 where no warm-up request
+    succeeded.
+
+    With clients that send their next request when the last ends (staggered), when a request
+    arrives depends on when others ended, which depends on every step's timing before it: two
+    phases of the same state, the same requests, differed in TTFT p50 at 64 streams by 9.4% of
+    a first token (SD over 50 phase pairs, sessions 26-29), against a tap cost of about 1%.
+    Paced, every phase of a start sends the same requests at the same moments, so which
+    prompts meet in the engine is the same in both states of a pair, and what differs is
+    the server's own speed."""
+    durations = [r.e2e_s for r in warm_results if r.ok and math.isfinite(r.e2e_s)]
+    return float(np.mean(durations)) / concurrency if durations and concurrency > 0 else 0.0
+
+
+def in_flight(results: Sequence[RequestResult]) -> dict[str, float]:
+    """How many requests were in flight during a phase, from the client's send and end times:
+    the mean over the phase (first send to last end) and the most at once."""
+    spans = sorted((r.sent_at, r.sent_at + r.e2e_s) for r in results
+                   if math.isfinite(r.sent_at) and math.isfinite(r.e2e_s))
+    if not spans:
+        return {"mean": math.nan, "max": 0}
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    count = most = 0
+    for _, step in edges:
+        count += step
+        most = max(most, count)
+    length = max(end for _, end in spans) - spans[0][0]
+    return {"mean": sum(end - start for start, end in spans) / length if length > 0 else math.nan, "max": most}
 
 
 def scrape_server_metrics(url: str) -> dict[str, tuple[float, float]]:
@@ -1886,11 +1948,12 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   warmup: dict[int, int], input_len: int, output_len: int, seed: int,
                   probe_names: Sequence[str], record: dict[str, Any], save: Callable[[], None],
                   save_itl: bool, probe_layers: dict[str, int] | None = None,
-                  steer: SteerBench | None = None, staggered: bool = True, length_spread: float = 0.0,
+                  steer: SteerBench | None = None, arrivals: str = "staggered", length_spread: float = 0.0,
                   cancelled: Callable[[], bool] = lambda: False, idle_ttft_requests: int = 0,
                   idle_ttft_pause_s: float = 0.1, profile_requests: int = 0, toggle_pairs: int = 2,
-                  idle_ttft_pairs: int | None = None) -> None:
-    """`cancelled`: polled around every phase; once true, the phase in progress is dropped
+                  idle_ttft_pairs: int | None = None, interleave_one_stream: bool = False) -> None:
+    """`arrivals`: how a phase's requests arrive at concurrencies above 1 (`run_phase`:
+    staggered clients, clients together, or paced). `cancelled`: polled around every phase; once true, the phase in progress is dropped
     (its server was stopped under it) and SetupCancelled is raised. `toggle_pairs` (tap-toggle
     only): at each concurrency, phases with the tap running and paused (`toggle_order`,
     beginning paused where `plan.toggle_first_paused`), that many of each in all
@@ -1900,7 +1963,9 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     `idle_ttft_pairs` (tap-toggle; default as many): then that many pairs of requests, the tap
     running for one of each pair and paused for the other (`record["idle_ttft_toggle"]`).
     `profile_requests`: after those, that many requests one at a time under vLLM's torch
-    profiler, whose trace (under the plan's `trace_dir`) is summarised into `record["profile"]`."""
+    profiler, whose trace (under the plan's `trace_dir`) is summarised into `record["profile"]`.
+    `interleave_one_stream` (tap-toggle): at concurrency 1 each pair of phases is sent request
+    by request in turn (`interleaved_phase_pair`) instead of one phase after the other."""
     import httpx
 
     model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -1932,10 +1997,12 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         warm = random_prompts(warmup[c], input_len, seed * 1_000_003 + c * 2 + 1)
         # Staggered runs warm up at full length: the warm-up's request duration sets the spread
         # (one client has nothing to spread).
-        spreads = staggered and c > 1
+        spreads = arrivals in ("staggered", "paced") and c > 1
+        paced = arrivals == "paced" and c > 1
         warm_results, _, _ = asyncio.run(run_phase(server.url, model, warm, c,
                                                    output_len if spreads else min(output_len, 16), None, xargs))
-        spread = arrival_spread_s(warm_results) if spreads else 0.0
+        # paced: the spread is one request's mean duration, over which c requests are sent
+        spread = (paced_interval_s(warm_results, c) * c if paced else arrival_spread_s(warm_results)) if spreads else 0.0
         lengths = output_lengths(num_prompts[c], output_len, length_spread, seed * 1_000_003 + c * 2 + 7)
 
         def measured_phase(prompt_seed: int, paused: bool, label: str) -> dict[str, Any]:
@@ -1946,7 +2013,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             before = server_counters(server.url, worker)
             ticks_before, phase_began = group_cpu_ticks(server.proc.pid), time.monotonic()
             results, wall, cpu = asyncio.run(run_phase(server.url, model, prompts, c, lengths, expected, xargs,
-                                                       spread_s=spread))
+                                                       spread_s=spread, paced=paced and spread > 0))
             server_cpu = group_cpu_cores(ticks_before, group_cpu_ticks(server.proc.pid),
                                          time.monotonic() - phase_began)
             entry = summarize(results, wall, cpu, expected_tokens=output_len)
@@ -1955,6 +2022,9 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             entry["arrival_spread_s"] = round(spread, 4)
             if spreads and spread == 0:  # no warm-up request succeeded: the clients started together
                 entry["arrivals_not_spread"] = True
+            if paced and spread > 0:
+                entry["arrival_interval_s"] = round(spread / c, 6)
+            entry["in_flight"] = in_flight(results)
             entry.update(phase_server_fields(server.url, before, results, worker and not paused, len(probe_names)))
             entry["per_request"] = [
                 {"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
@@ -1981,7 +2051,25 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
             save()
             continue
         phases = record.setdefault("toggle", {})[str(c)] = []
-        for paused, phase_seed, own in toggle_phase_plan(order, seed * 1_000_003 + c * 2, seed, c):
+        plan_of_phases = toggle_phase_plan(order, seed * 1_000_003 + c * 2, seed, c)
+        if interleave_one_stream and c == 1:
+            for first, second in zip(plan_of_phases[::2], plan_of_phases[1::2]):
+                pair = interleaved_phase_pair(server.url, model, (first, second), num_prompts[c], input_len,
+                                              lengths, expect, xargs, worker, len(probe_names))
+                if cancelled():
+                    raise SetupCancelled(f"during concurrency {c}")
+                for (paused, _, own), entry in zip((first, second), pair):
+                    label = plan.label if own else f"{plan.label} {'paused' if paused else 'running'}"
+                    say(f"  {label:9} c={c:<3} TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  TPOT p50 "
+                        f"{entry['tpot_ms']['p50']:7.3f} ms  (request by request in turn with the other state)  "
+                        f"failed {entry['failed']}")
+                    if own:
+                        record["results"][str(c)] = entry
+                    phases.append({"paused": paused, **entry})
+                save()
+            set_tap_paused(server.url, False)
+            continue
+        for paused, phase_seed, own in plan_of_phases:
             set_tap_paused(server.url, paused)
             label = plan.label if own else f"{plan.label} {'paused' if paused else 'running'}"
             entry = measured_phase(phase_seed, paused, label)
@@ -2075,6 +2163,89 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         say(f"  {plan.label}: steered vs unsteered prompt scores, max |raw diff| after the write (layer "
             f"{steer.layer}) {effect['max_abs_raw_diff_after_write']:.3g}, at or before it "
             f"{effect['max_abs_raw_diff_at_or_before_write']:.3g}")
+
+
+def interleaved_phase_pair(url: str, model: str, pair: Sequence[tuple[bool, int, bool]], count: int,
+                           input_len: int, lengths: Sequence[int], probe_names: Sequence[str] | None,
+                           xargs: dict[str, Any] | None, worker: bool, probe_count: int) -> list[dict[str, Any]]:
+    """tap-toggle at concurrency 1 (`--interleave-one-stream`): a running and a paused phase
+    (`toggle_phase_plan`'s entries, in plan order) sent request by request in turn, the tap
+    switched before each request (`interleaved_states`), one at a time with nothing else in
+    flight. Returns the two phases' entries, in the order given.
+
+    One after the other, a phase of 16 requests at one stream lasts some 25 s, and the host's
+    slow spells (a lone request's first token at one of two levels some 4 ms apart, for
+    several requests in a row; session 27) fall on whole phases: the phases' TTFT p50 moved by
+    1-3% between states where the tap costs a fraction of that. In turn, a spell falls on
+    both phases alike. What it changes: each request waits for the tap's switch (an HTTP
+    call) after its predecessor ends, so it arrives at an engine that has finished the
+    predecessor's last step rather than during it.
+
+    vLLM's own means (`server`) cover both phases at once, so neither phase has them; the
+    worker's delivery account (the tap's work: paused, nothing is copied or delivered) goes
+    with the running phase."""
+    (first_paused, first_seed, _), (second_paused, second_seed, _) = pair
+    if first_paused == second_paused:
+        raise ValueError("an interleaved pair is one running phase and one paused phase")
+    prompts = {first_paused: random_prompts(count, input_len, first_seed),
+               second_paused: random_prompts(count, input_len, second_seed)}
+    states = interleaved_states(count, first_paused)
+    taken = {True: 0, False: 0}
+    sends = []
+    for paused in states:
+        sends.append((paused, prompts[paused][taken[paused]], lengths[taken[paused]]))
+        taken[paused] += 1
+    before = server_counters(url, worker)
+    cpu0 = time.thread_time()
+    results = asyncio.run(run_in_turn(url, model, sends, probe_names, xargs))
+    cpu = time.thread_time() - cpu0
+    after_fields = phase_server_fields(url, before, [r for (paused, _, _), r in zip(sends, results) if not paused],
+                                       worker, probe_count)
+    entries = []
+    for paused in (first_paused, second_paused):
+        mine = [r for (state, _, _), r in zip(sends, results) if state == paused]
+        # the server's time on this phase's requests, one after another: its tokens/s
+        entry = summarize(mine, sum(r.e2e_s for r in mine if math.isfinite(r.e2e_s)), cpu / 2)
+        entry["interleaved"] = True
+        entry["per_request"] = [{"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
+                                 "e2e_ms": r.e2e_s * 1e3, "tokens": r.output_tokens,
+                                 "expected_tokens": r.expected_tokens, "chunks": len(r.chunk_tokens),
+                                 "error": r.error} for r in mine]
+        if paused:
+            entry["responses_with_probex_field"] = sum(1 for r in mine if r.has_scores)
+        else:
+            entry.update({key: value for key, value in after_fields.items() if key != "server"})
+        entries.append(entry)
+    return entries
+
+
+def interleaved_states(count: int, first_paused: bool) -> list[bool]:
+    """The tap's state (paused or not) for each of an interleaved pair's 2 x `count` requests:
+    one of each state per pair of requests, the pairs' order alternating (ABBA), so neither
+    state comes first more often."""
+    return [paused != first_paused for paused in ([False, True, True, False] * count)[: 2 * count]]
+
+
+async def run_in_turn(url: str, model: str, sends: Sequence[tuple[bool, list[int], int]],
+                      probe_names: Sequence[str] | None, xargs: dict[str, Any] | None) -> list[RequestResult]:
+    """(paused, prompt, max_tokens) requests one at a time, the tap switched before each where
+    its state changes; the tap runs again afterwards. A paused request is expected without
+    scores."""
+    results, current = [], None
+    try:
+        async with _Transport(1) as transport:
+            for paused, prompt, max_tokens in sends:
+                if paused != current:
+                    await asyncio.to_thread(set_tap_paused, url, paused)
+                    current = paused
+                result = await one_request(transport, url + "/v1/completions",
+                                           completion_body(model, prompt, max_tokens, xargs),
+                                           None if paused else probe_names)
+                result.expected_tokens = max_tokens
+                results.append(result)
+    finally:
+        await asyncio.to_thread(set_tap_paused, url, False)
+    return results
 
 
 def toggle_order(pairs: int, first_paused: bool = False) -> list[bool]:
@@ -2280,7 +2451,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          "idle_ttft_requests": args.idle_ttft_requests, "idle_ttft_pause_s": args.idle_ttft_pause_s,
                          "idle_ttft_pairs": args.idle_ttft_requests if args.idle_ttft_pairs is None else args.idle_ttft_pairs,
                          "profile_requests": args.profile_requests, "toggle_pairs": args.toggle_pairs,
-                         "toggle_first": args.toggle_first, "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
+                         "toggle_first": args.toggle_first, "interleave_one_stream": args.interleave_one_stream,
+                         "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
             "engine_args": engine_args,
             "client": {"http": "aiohttp" if importlib.util.find_spec("aiohttp") else "httpx",
                        "json": "orjson" if _loads is not json.loads else "json"},
@@ -2347,11 +2519,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 say(f"{plan.label}: ready in {record['startup_s']} s")
                 measure_setup(server, plan, concurrencies, num_prompts, warmup, args.input_len, args.output_len,
                               args.seed, probe_names, record, save, args.save_itl,
-                              {p.name: p.layer for p in probes}, steer, staggered=args.arrivals == "staggered",
+                              {p.name: p.layer for p in probes}, steer, arrivals=args.arrivals,
                               length_spread=args.output_len_spread, cancelled=stopping.is_set,
                               idle_ttft_requests=args.idle_ttft_requests, idle_ttft_pause_s=args.idle_ttft_pause_s,
                               profile_requests=args.profile_requests, toggle_pairs=args.toggle_pairs,
-                              idle_ttft_pairs=args.idle_ttft_pairs)
+                              idle_ttft_pairs=args.idle_ttft_pairs,
+                              interleave_one_stream=args.interleave_one_stream)
             except Exception as exc:  # record it and go on: the other set-ups' numbers still count
                 if stopping.is_set():
                     record["error"] = "interrupted"
@@ -3595,11 +3768,17 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default max(16, 4 x concurrency))")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up requests per concurrency (default max(2, concurrency))")
-    parser.add_argument("--arrivals", choices=("staggered", "together"), default="staggered",
+    parser.add_argument("--arrivals", choices=("staggered", "together", "paced"), default="staggered",
                         help="staggered (default): the clients' first requests are spread over one request's "
                              "duration (measured in the warm-up), so requests arrive spread out as on a real "
                              "server; together: all clients start at once and stay in lock-step waves "
-                             "(the method of the session 1-5 runs)")
+                             "(the method of the session 1-5 runs); paced (concurrency above 1): one request "
+                             "every mean duration / concurrency seconds (from the warm-up), whatever is in "
+                             "flight, so every phase of a start sends the same requests at the same moments")
+    parser.add_argument("--interleave-one-stream", action="store_true",
+                        help="tap-toggle: at concurrency 1, send each pair of running and paused phases request by "
+                             "request in turn (ABBA), the tap switched between requests, instead of one phase "
+                             "after the other")
     parser.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1024)")
     parser.add_argument("--output-len", type=int, default=None, help="generated tokens per request (default 256)")
     parser.add_argument("--output-len-spread", type=float, default=0.5, metavar="S",

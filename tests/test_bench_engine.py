@@ -408,6 +408,55 @@ def test_clients_start_spread_over_the_given_window_or_together():
     assert len(together) == 4 and together[-1] < 1.2, together
 
 
+def test_paced_requests_are_sent_on_a_schedule_whatever_is_in_flight():
+    # Two streams, requests every 0.4 s, each lasting 2 s: clients that wait for their last
+    # request would send the third only after 2 s; paced, it goes at 0.8 s. Bounds a loaded
+    # machine cannot break: a sleep never ends early, and the third comes long before 2 s.
+    arrivals: list[float] = []
+    script = [(2.0, _sse(_token_chunk([5], 0)) + b"data: [DONE]\n\n")]
+    started = []
+
+    async def go():
+        server, port = await _serve_script(script, arrivals)
+        async with server:
+            started.append(time.perf_counter())
+            return await be.run_phase(f"http://127.0.0.1:{port}", "m", [[1]] * 5, 2, 1, None, spread_s=0.8,
+                                      paced=True)
+
+    results, _, _ = asyncio.run(go())
+    sent = sorted(a - started[0] for a in arrivals)
+    assert len(sent) == 5 and all(r.ok for r in results)
+    assert all(arrival >= 0.4 * k - 0.005 for k, arrival in enumerate(sent)), sent
+    assert sent[2] < 1.8, sent  # before any request ended
+    flight = be.in_flight(results)
+    assert flight["max"] >= 3 and flight["mean"] > 2, flight  # more than the two streams at once
+    with pytest.raises(ValueError, match="duration"):
+        asyncio.run(be.run_phase("http://127.0.0.1:9", "m", [[1]], 2, 1, None, paced=True))
+
+
+def test_paced_interval_keeps_the_concurrency_in_flight_on_average():
+    def done(e2e, ok=True):
+        return be.RequestResult(ok=ok, e2e_s=e2e)
+
+    # Little's law: 8 in flight at a mean duration of 2 s is 4 requests a second
+    assert be.paced_interval_s([done(1.0), done(3.0), done(2.0), done(50.0, ok=False)], 8) == pytest.approx(0.25)
+    assert be.paced_interval_s([done(math.nan, ok=False)], 8) == 0.0
+    # in flight: two overlapping requests, then a third alone (ends meet starts: not counted together)
+    spans = [be.RequestResult(ok=True, sent_at=0.0, e2e_s=2.0), be.RequestResult(ok=True, sent_at=1.0, e2e_s=1.0),
+             be.RequestResult(ok=True, sent_at=2.0, e2e_s=2.0), be.RequestResult(ok=False)]
+    assert be.in_flight(spans) == {"mean": pytest.approx(5.0 / 4.0), "max": 2}
+    assert be.in_flight([])["max"] == 0
+
+
+def test_one_stream_phases_interleave_request_by_request_abba():
+    # one of each state per pair of requests, the pairs' order alternating; each state count times
+    assert be.interleaved_states(4, first_paused=False) == [False, True, True, False, False, True, True, False]
+    assert be.interleaved_states(3, first_paused=True) == [True, False, False, True, True, False]
+    with pytest.raises(ValueError, match="one running phase and one paused"):
+        be.interleaved_phase_pair("http://127.0.0.1:9", "m", [(False, 1, True), (False, 2, False)], 2, 4, [2, 2],
+                                  None, None, True, 8)
+
+
 def test_output_lengths_are_seeded_and_spread_around_the_output_len():
     lengths = be.output_lengths(400, 256, 0.5, seed=3)
     assert lengths == be.output_lengths(400, 256, 0.5, seed=3)  # the same for every set-up
@@ -713,7 +762,8 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--setups",
                            "plain,tap-toggle,eager", "--profile-requests", "1", "--idle-ttft-pairs", "3",
-                           "--toggle-first", "paused", "--worker-env", "PROBEX_STEP_TIMING=1",
+                           "--toggle-first", "paused", "--arrivals", "paced", "--interleave-one-stream",
+                           "--worker-env", "PROBEX_STEP_TIMING=1",
                            "--worker-env", "PROBEX_STEP_TIMING_MIN_ROWS=32",
                            "--out", str(out)],
                           capture_output=True, text=True, timeout=1500)
@@ -727,7 +777,7 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     assert len(result["probes"]) == 8 and {p["layer"] for p in result["probes"]} == {1, 2}
     assert [s["label"] for s in result["setups"]] == ["plain", "tap-toggle", "eager"]
     workload = result["workload"]
-    assert workload["arrivals"] == "staggered"
+    assert workload["arrivals"] == "paced" and workload["interleave_one_stream"] is True
     for setup in result["setups"]:
         assert "error" not in setup, setup.get("error")
         assert (out / setup["log"]).stat().st_size > 0
@@ -743,12 +793,21 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
             for key in ("ttft_ms", "e2e_ms"):
                 assert all(math.isfinite(v) and v > 0 for v in e[key].values()), (where, key, e[key])
             assert e["output_tokens_per_s"] > 0, where
-            # two clients start one warm-up request's duration apart; one client has nobody to spread from
+            # two streams: a request every half of a warm-up request's mean duration; one has nothing to pace
             assert (e["arrival_spread_s"] > 0) is (c == "2"), (where, e["arrival_spread_s"])
+            assert ("arrival_interval_s" in e) is (c == "2"), where
+            if c == "2":
+                assert e["arrival_interval_s"] == pytest.approx(e["arrival_spread_s"] / 2, abs=1e-4), where
+            assert e["in_flight"]["max"] >= 1, (where, e["in_flight"])
+            # tap-toggle's one-stream phases ran request by request in turn with their paused
+            # neighbours: vLLM's own means covered both, so neither phase has them
+            interleaved = setup["kind"] == "tap-toggle" and c == "1"
+            assert e.get("interleaved", False) is interleaved, where
             # a loaded 2-core machine may deliver a whole short stream in one read (client gaps of 0);
             # vLLM's own per-token time below is the positive one
             assert all(math.isfinite(v) and v >= 0 for v in [*e["tpot_ms"].values(), *e["itl_ms"].values()]), where
-            assert e["server"].get("tpot_mean_ms", 0) > 0, where  # vLLM's own /metrics were read
+            if not interleaved:
+                assert e["server"].get("tpot_mean_ms", 0) > 0, where  # vLLM's own /metrics were read
             if setup["kind"] == "tap-toggle":
                 scores = e["scores"]
                 assert scores["coverage"] == 1.0 and scores["scored_tokens"] == e["output_tokens"], (where, scores)
@@ -799,9 +858,15 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
                 assert phase["responses_with_probex_field"] == 0 and "scores" not in phase, c
             else:
                 assert phase["scores"]["coverage"] == 1.0, (c, phase["scores"])
-            # every streamed request's way through the API server, timed running and paused alike
+            # every streamed request's way through the API server, timed running and paused alike;
+            # interleaved (one stream), the running phase's account holds its paused neighbour's too
+            assert phase.get("interleaved", False) is (c == "1"), c
+            if phase.get("interleaved") and phase["paused"]:
+                assert "delivery" not in phase and "server" not in phase, c
+                continue
             loop = phase["delivery"]["api_loop"]
-            assert all(loop[part]["count"] == phase["requests"] for part in
+            requests = phase["requests"] * (2 if phase.get("interleaved") else 1)
+            assert all(loop[part]["count"] == requests for part in
                        ("request_way_in", "vllm_to_first_chunk", "first_chunk_out")), (c, phase["paused"], loop)
     assert set(result["toggle_overhead_pct"]) == {"1", "2"} and "The tap within one start" in proc.stdout
     assert "| 2 | the middleware's way in (first look to vLLM) | 2 |" in proc.stdout
