@@ -38,19 +38,17 @@ def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_prompts(path: Path) -> list[str]:
+    """The prompts as `probes.datasets.load_prompts` reads them (the same texts, so the same
+    activation keys, whichever command reads a file); a file it refuses ends the command with
+    its one-line reason."""
+    from probes.datasets import DatasetError, load_prompts
+
     if not path.is_file():
         raise SystemExit(f"probex extract: {path} not found")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    if path.suffix == ".jsonl":
-        try:
-            prompts = [json.loads(line)["text"] for line in lines]
-        except (ValueError, KeyError, TypeError):
-            raise SystemExit(f"probex extract: {path}: every line must be a JSON object with a 'text' field") from None
-    else:
-        prompts = lines
-    if not prompts:
-        raise SystemExit(f"probex extract: {path} holds no prompts")
-    return prompts
+    try:
+        return load_prompts(path)
+    except DatasetError as exc:
+        raise SystemExit(f"probex extract: {exc}") from None
 
 
 def prompt_key(text: str) -> str:

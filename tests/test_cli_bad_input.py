@@ -128,6 +128,22 @@ def test_prompt_files_keep_text_as_extract_reads_it(tmp_path):
         load_prompts(jsonl)
 
 
+def test_extract_reports_bad_prompt_files_in_one_line(tmp_path):
+    # Read before any worker is started or reached (the worker address here is closed).
+    base = ["extract", "--out", str(tmp_path / "acts"), "--layer", "1", "--worker", CLOSED,
+            "--capture-dir", str(tmp_path)]
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9\n".encode("latin-1"))
+    assert "latin1.txt:1: not UTF-8" in refusal(base + ["--prompts", str(latin1)])
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"text": "a"}\n{"label": 1}\n')
+    assert "p.jsonl:2:" in refusal(base + ["--prompts", str(jsonl)])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n")
+    assert "empty.txt: no prompts" in refusal(base + ["--prompts", str(empty)])
+    assert "not found" in refusal(base + ["--prompts", str(tmp_path / "missing.txt")])
+
+
 # --------------------------------------------------------------------------- probex train
 
 
