@@ -2207,6 +2207,8 @@ def interleaved_phase_pair(url: str, model: str, pair: Sequence[tuple[bool, int,
         # the server's time on this phase's requests, one after another: its tokens/s
         entry = summarize(mine, sum(r.e2e_s for r in mine if math.isfinite(r.e2e_s)), cpu / 2)
         entry["interleaved"] = True
+        entry["arrival_spread_s"] = 0.0  # one at a time: nothing to spread
+        entry["in_flight"] = in_flight(mine)
         entry["per_request"] = [{"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
                                  "e2e_ms": r.e2e_s * 1e3, "tokens": r.output_tokens,
                                  "expected_tokens": r.expected_tokens, "chunks": len(r.chunk_tokens),
