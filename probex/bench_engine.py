@@ -34,7 +34,12 @@ evenly over one request's duration (measured in the warm-up, ``--arrivals stagge
 keep requests arriving spread out instead of in lock-step waves of c, which made TTFT at 8
 and 64 streams swing by tens of percent between identical runs. (Output tokens/s is over the
 phase's wall time, ramp-up included, so it reads lower than in runs with ``--arrivals
-together``; between set-ups of one run it compares like with like.) Reported per
+together``; between set-ups of one run it compares like with like.) ``--arrivals paced``
+sends one request every mean request duration / c seconds (from the warm-up) whatever is in
+flight, c in flight on average: every phase of a start then sends the same requests at the
+same moments, where clients that wait for their last request make when each request arrives
+depend on every step before it (``paced_interval_s``). ``--interleave-one-stream``
+(tap-toggle) sends each pair of one-stream phases request by request in turn. Reported per
 set-up and concurrency: TTFT, TPOT, ITL (p50/p99), output tokens/s, failures, score
 coverage (tap and steer set-ups), the load generator's own CPU use, and vLLM's own
 server-side means from ``/metrics``. Then the overhead of every set-up over plain, and of

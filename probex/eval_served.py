@@ -163,8 +163,13 @@ def run_eval(args: argparse.Namespace) -> None:
         for path in plot(report, args.probe, args.plots):
             print(f"plot: {path}")
     report.pop("_scores")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    except OSError as exc:
+        print(text)  # the served and offline scoring is not lost with the file
+        raise SystemExit(f"probex eval: cannot write {args.out}: {exc.strerror or exc}") from None
     print("| split | prompts | AUROC offline | AUROC served | abs diff | max raw rel diff |")
     print("|---|---:|---:|---:|---:|---:|")
     for split, r in report["splits"].items():

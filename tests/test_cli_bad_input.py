@@ -197,6 +197,20 @@ def test_eval_refuses_an_unreachable_worker_before_extraction(fake_model, tmp_pa
     assert f"could not reach the worker at {CLOSED}" in message
 
 
+def test_eval_that_cannot_write_its_out_prints_the_report_and_ends_in_one_line(fake_model, tmp_path, monkeypatch,
+                                                                                capsys):
+    from probex import eval_served
+
+    # the comparison itself (minutes of served and offline scoring) stands in here
+    monkeypatch.setattr(eval_served, "compare", lambda *a, **k: {"splits": {}, "_scores": {}})
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    message = refusal(["eval", "--probe", str(DEMO_PROBE), "--worker", CLOSED, "--model-dir", str(fake_model),
+                       "--out", str(blocker / "e.json")])
+    assert f"cannot write {blocker / 'e.json'}" in message
+    assert '"splits"' in capsys.readouterr().out  # the report is not lost with the file
+
+
 # --------------------------------------------------------------------------- policy-schema and the plumbing
 
 
