@@ -3612,8 +3612,24 @@ def markdown_tables(result: dict[str, Any]) -> str:
             lines.append(f"| {label} | {where} | {'prefill-sized' if which == 'large' else 'all'} "
                          f"({split['steps']}) | " + " | ".join(f"{split[part]:.3f}" for part in CONSUME_PARTS)
                          + f" | {sum(split[part] for part in CONSUME_PARTS):.3f} |")
-    lines += goal_lines(result.get("goals") or {})
+    goals = goal_lines(result.get("goals") or {})
+    if goals:
+        lines += goals[:2] + [arrivals_line(result.get("workload") or {})] + goals[2:]
     return "\n".join(lines)
+
+
+def arrivals_line(workload: dict[str, Any]) -> str:
+    """How the measured phases' requests arrived, as the goals table is read from them."""
+    arrivals = workload.get("arrivals", "staggered")
+    words = {"staggered": "above one stream, clients that each send their next request when the last ends, "
+                          "their first requests spread over one request's duration",
+             "together": "above one stream, clients that each send their next request when the last ends, "
+                         "started together",
+             "paced": "above one stream, one request every mean request duration / streams seconds (paced), "
+                      "whatever was in flight"}.get(arrivals, arrivals)
+    one = ("tap-toggle's one-stream phase pairs request by request in turn" if workload.get("interleave_one_stream")
+           else "one stream phase after phase")
+    return f"(Requests arrived: {words}; {one}.)"
 
 
 def tap_coverage_lines(result: dict[str, Any]) -> list[str]:

@@ -1440,6 +1440,10 @@ def test_the_run_is_held_against_the_taps_goals_within_one_start_where_it_can():
                                                                 ("tap over plain, across starts", True)]
     assert be.goal_readings({}) == {"rows": [], "all_met": None, "eager_tpot_p50_pct": {}}
     assert be.goal_lines(be.goal_readings({})) == []
+    # the table says how the phases' requests arrived (runs saved before the choice: staggered)
+    assert "clients that each send their next request when the last ends, their first" in be.arrivals_line({})
+    line = be.arrivals_line({"arrivals": "paced", "interleave_one_stream": True})
+    assert "(paced)" in line and "request by request in turn" in line
 
 
 def test_ttft_under_load_is_split_where_vllms_own_ttft_ends_phase_pair_by_phase_pair():
