@@ -2031,13 +2031,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                 entry["arrival_interval_s"] = round(spread / c, 6)
             entry["in_flight"] = in_flight(results)
             entry.update(phase_server_fields(server.url, before, results, worker and not paused, len(probe_names)))
-            entry["per_request"] = [
-                {"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
-                 "e2e_ms": r.e2e_s * 1e3,
-                 "tokens": r.output_tokens, "expected_tokens": r.expected_tokens, "chunks": len(r.chunk_tokens),
-                 "error": r.error, **({"itl_ms": [round(g * 1e3, 4) for g in r.itl_s]} if save_itl else {})}
-                for r in results
-            ]
+            entry["per_request"] = per_request_rows(results, save_itl)
             if cancelled():
                 raise SetupCancelled(f"during concurrency {c}")
             lines = [f"  {label:9} c={c:<3} TTFT p50 {entry['ttft_ms']['p50']:8.2f} ms  TPOT p50 "
@@ -2060,7 +2054,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
         if interleave_one_stream and c == 1:
             for first, second in zip(plan_of_phases[::2], plan_of_phases[1::2]):
                 pair = interleaved_phase_pair(server.url, model, (first, second), num_prompts[c], input_len,
-                                              lengths, expect, xargs, worker, len(probe_names))
+                                              lengths, expect, xargs, worker, len(probe_names), save_itl)
                 if cancelled():
                     raise SetupCancelled(f"during concurrency {c}")
                 for (paused, _, own), entry in zip((first, second), pair):
@@ -2172,7 +2166,8 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
 
 def interleaved_phase_pair(url: str, model: str, pair: Sequence[tuple[bool, int, bool]], count: int,
                            input_len: int, lengths: Sequence[int], probe_names: Sequence[str] | None,
-                           xargs: dict[str, Any] | None, worker: bool, probe_count: int) -> list[dict[str, Any]]:
+                           xargs: dict[str, Any] | None, worker: bool, probe_count: int,
+                           save_itl: bool = False) -> list[dict[str, Any]]:
     """tap-toggle at concurrency 1 (`--interleave-one-stream`): a running and a paused phase
     (`toggle_phase_plan`'s entries, in plan order) sent request by request in turn, the tap
     switched before each request (`interleaved_states`), one at a time with nothing else in
@@ -2214,16 +2209,23 @@ def interleaved_phase_pair(url: str, model: str, pair: Sequence[tuple[bool, int,
         entry["interleaved"] = True
         entry["arrival_spread_s"] = 0.0  # one at a time: nothing to spread
         entry["in_flight"] = in_flight(mine)
-        entry["per_request"] = [{"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
-                                 "e2e_ms": r.e2e_s * 1e3, "tokens": r.output_tokens,
-                                 "expected_tokens": r.expected_tokens, "chunks": len(r.chunk_tokens),
-                                 "error": r.error} for r in mine]
+        entry["per_request"] = per_request_rows(mine, save_itl)
         if paused:
             entry["responses_with_probex_field"] = sum(1 for r in mine if r.has_scores)
         else:
             entry.update({key: value for key, value in after_fields.items() if key != "server"})
         entries.append(entry)
     return entries
+
+
+def per_request_rows(results: Sequence[RequestResult], save_itl: bool = False) -> list[dict[str, Any]]:
+    """A phase's requests as its record keeps them, in the order sent (`--save-itl`: with
+    every chunk gap)."""
+    return [{"ttft_ms": r.ttft_s * 1e3, "tpot_ms": math.nan if r.tpot_s is None else r.tpot_s * 1e3,
+             "e2e_ms": r.e2e_s * 1e3, "tokens": r.output_tokens, "expected_tokens": r.expected_tokens,
+             "chunks": len(r.chunk_tokens), "error": r.error,
+             **({"itl_ms": [round(g * 1e3, 4) for g in r.itl_s]} if save_itl else {})}
+            for r in results]
 
 
 def interleaved_states(count: int, first_paused: bool) -> list[bool]:
