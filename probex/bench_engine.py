@@ -123,6 +123,7 @@ import shlex
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -3616,12 +3617,34 @@ def markdown_tables(result: dict[str, Any]) -> str:
                          + f" | {sum(split[part] for part in CONSUME_PARTS):.3f} |")
     goals = goal_lines(result.get("goals") or {})
     if goals:
-        lines += goals[:2] + [arrivals_line(result.get("workload") or {})] + goals[2:]
+        lines += goals[:2] + [arrivals_line(result.get("workload") or {}, result.get("setups"))] + goals[2:]
     return "\n".join(lines)
 
 
-def arrivals_line(workload: dict[str, Any]) -> str:
-    """How the measured phases' requests arrived, as the goals table is read from them."""
+def in_flight_by_concurrency(setups: Sequence[dict[str, Any]] | None) -> dict[str, tuple[float, int]]:
+    """Requests in flight in the measured phases, by concurrency: the mean of the phases' means
+    and the most at once. Paced arrivals hold the closed-loop clients' request rate, not their
+    count: requests that do not all queue at once finish sooner, so fewer are in flight."""
+    means: dict[str, list[float]] = {}
+    most: dict[str, int] = {}
+    for setup in setups or []:
+        for c, phases in (setup.get("toggle") or {}).items():
+            for phase in phases:
+                flight = phase.get("in_flight")
+                if flight and not phase.get("interleaved"):
+                    means.setdefault(c, []).append(flight["mean"])
+                    most[c] = max(most.get(c, 0), flight["max"])
+        for c, entry in (setup.get("results") or {}).items():
+            flight = entry.get("in_flight")
+            if flight and not entry.get("interleaved") and c not in (setup.get("toggle") or {}):
+                means.setdefault(c, []).append(flight["mean"])
+                most[c] = max(most.get(c, 0), flight["max"])
+    return {c: (statistics.fmean(v), most[c]) for c, v in sorted(means.items(), key=lambda kv: int(kv[0]))}
+
+
+def arrivals_line(workload: dict[str, Any], setups: Sequence[dict[str, Any]] | None = None) -> str:
+    """How the measured phases' requests arrived, as the goals table is read from them; for
+    paced arrivals, how many were in flight (`in_flight_by_concurrency`)."""
     arrivals = workload.get("arrivals", "staggered")
     words = {"staggered": "above one stream, clients that each send their next request when the last ends, "
                           "their first requests spread over one request's duration",
@@ -3631,7 +3654,13 @@ def arrivals_line(workload: dict[str, Any]) -> str:
                       "whatever was in flight"}.get(arrivals, arrivals)
     one = ("tap-toggle's one-stream phase pairs request by request in turn" if workload.get("interleave_one_stream")
            else "one stream phase after phase")
-    return f"(Requests arrived: {words}; {one}.)"
+    flight = ""
+    if arrivals == "paced":
+        counts = {c: v for c, v in in_flight_by_concurrency(setups).items() if int(c) > 1}
+        if counts:
+            flight = "; in flight on average (most at once): " + ", ".join(
+                f"{mean:.1f} ({most}) at {c}" for c, (mean, most) in counts.items())
+    return f"(Requests arrived: {words}{flight}; {one}.)"
 
 
 def tap_coverage_lines(result: dict[str, Any]) -> list[str]:

@@ -1443,7 +1443,23 @@ def test_the_run_is_held_against_the_taps_goals_within_one_start_where_it_can():
     # the table says how the phases' requests arrived (runs saved before the choice: staggered)
     assert "clients that each send their next request when the last ends, their first" in be.arrivals_line({})
     line = be.arrivals_line({"arrivals": "paced", "interleave_one_stream": True})
-    assert "(paced)" in line and "request by request in turn" in line
+    assert "(paced)" in line and "request by request in turn" in line and "on average" not in line
+
+
+def test_paced_goals_table_says_how_many_requests_were_in_flight():
+    """Paced arrivals hold waiting clients' request rate, not their count: the arrivals line
+    says how many were in flight per concurrency, over the measured phases (tap-toggle's
+    phases once each; interleaved one-stream phases and one stream left out)."""
+    def phase(mean, most, interleaved=False):
+        return {"in_flight": {"mean": mean, "max": most}, "interleaved": interleaved}
+    toggled = {"label": "tap-toggle", "results": {"64": phase(99.0, 99)},
+               "toggle": {"1": [phase(1.0, 1, True)] * 2, "64": [phase(44.0, 58), phase(46.0, 60)]}}
+    plain = {"label": "plain", "results": {"1": phase(0.5, 1), "8": phase(6.0, 10), "64": phase(48.0, 61)}}
+    assert be.in_flight_by_concurrency([toggled, plain]) == {"1": (0.5, 1), "8": (6.0, 10), "64": (46.0, 61)}
+    line = be.arrivals_line({"arrivals": "paced"}, [toggled, plain])
+    assert "in flight on average (most at once): 6.0 (10) at 8, 46.0 (61) at 64;" in line
+    # waiting clients hold the count itself: nothing to add
+    assert "on average" not in be.arrivals_line({"arrivals": "staggered"}, [toggled, plain])
 
 
 def test_ttft_under_load_is_split_where_vllms_own_ttft_ends_phase_pair_by_phase_pair():
