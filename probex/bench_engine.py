@@ -1883,19 +1883,21 @@ def consume_parts_delta(before: dict[str, Any] | None, after: dict[str, Any] | N
     return out
 
 
+def measured_phases(setup: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """A set-up's measured phases by concurrency: a tap-toggle start's phases in both states
+    (its results phase is one of its running ones), else its results phase."""
+    if setup.get("toggle"):
+        return {c: list(phases) for c, phases in setup["toggle"].items()}
+    return {c: [entry] for c, entry in (setup.get("results") or {}).items()}
+
+
 def consume_split_rows(setups: Sequence[dict[str, Any]]) -> list[tuple[str, str, str, dict[str, float]]]:
     """(set-up, phase, which steps, per-part mean ms) of the worker's consume, where the phases
     recorded it (`consume_parts_delta`): each concurrency's phases with the tap running pooled
     (weighted by their steps), and the idle requests; `which` is "all" or "large" (prefill-sized)."""
     out = []
     for s in setups:
-        phases: dict[str, list[dict[str, Any]]] = {}
-        if s.get("toggle"):  # a toggled set-up's results phase is one of its running phases
-            for c, toggled in s["toggle"].items():
-                phases.setdefault(c, []).extend(p for p in toggled if not p["paused"])
-        else:
-            for c, entry in (s.get("results") or {}).items():
-                phases.setdefault(c, []).append(entry)
+        phases = {c: [p for p in entries if not p.get("paused")] for c, entries in measured_phases(s).items()}
         for idle in ("idle_ttft_toggle", "idle_ttft"):
             if s.get(idle):
                 phases.setdefault("idle", []).append(s[idle])
@@ -3628,17 +3630,12 @@ def in_flight_by_concurrency(setups: Sequence[dict[str, Any]] | None) -> dict[st
     means: dict[str, list[float]] = {}
     most: dict[str, int] = {}
     for setup in setups or []:
-        for c, phases in (setup.get("toggle") or {}).items():
+        for c, phases in measured_phases(setup).items():
             for phase in phases:
                 flight = phase.get("in_flight")
                 if flight and not phase.get("interleaved"):
                     means.setdefault(c, []).append(flight["mean"])
                     most[c] = max(most.get(c, 0), flight["max"])
-        for c, entry in (setup.get("results") or {}).items():
-            flight = entry.get("in_flight")
-            if flight and not entry.get("interleaved") and c not in (setup.get("toggle") or {}):
-                means.setdefault(c, []).append(flight["mean"])
-                most[c] = max(most.get(c, 0), flight["max"])
     return {c: (statistics.fmean(v), most[c]) for c, v in sorted(means.items(), key=lambda kv: int(kv[0]))}
 
 
