@@ -3672,6 +3672,22 @@ def tap_coverage_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def chart_bar_label(result: dict[str, Any], kind: str, concurrency: str, tpot_p50: float) -> str:
+    """A bar's label on the TPOT chart: its milliseconds and its change over plain vLLM's start;
+    a toggled kind's bar also carries the reading the goals use, running over paused within
+    its own start(s), since its change over plain includes the two starts' difference."""
+    lines = [f"{tpot_p50:.2f}"]
+    base = result["summary"]["per_kind"].get("plain", {}).get(concurrency, {}).get("tpot_p50")
+    if kind != "plain" and base is not None:
+        lines.append(_pct(overhead_pct(tpot_p50, base)) + (" vs plain" if kind in TOGGLE_KINDS else ""))
+    if kind in TOGGLE_KINDS:
+        analysis = result if kind == TOGGLE_KIND else (result.get("toggle_variants") or {}).get(kind, {})
+        within = (analysis.get("toggle_overhead_pct") or {}).get(concurrency, {}).get("tpot_p50")
+        if within is not None:
+            lines.append(f"{_pct2(within)} in start")
+    return "\n".join(lines)
+
+
 def write_png(result: dict[str, Any], path: Path) -> bool:
     """Grouped bars of TPOT p50 by set-up and concurrency (mean of repeats, whiskers = min..max)."""
     try:
@@ -3709,7 +3725,9 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}
-    fig, ax = plt.subplots(figsize=(7.5 if len(kinds) <= 3 else 9.5, 4.4), dpi=150)
+    toggled = any(k in TOGGLE_KINDS for k in kinds)  # three-line labels: more room
+    fig, ax = plt.subplots(figsize=(7.5 if len(kinds) <= 3 and not toggled else 9.5, 4.8 if toggled else 4.4),
+                           dpi=150)
     width = 0.8 / max(1, len(kinds))
     x = np.arange(len(concurrencies))
     for i, kind in enumerate(kinds):
@@ -3724,9 +3742,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
         bars = ax.bar(x + (i - (len(kinds) - 1) / 2) * width, values, width, color=colors[kind], label=names[kind],
                       yerr=[low, high] if any(low) or any(high) else None, capsize=3)
         for bar, c, v in zip(bars, concurrencies, values):
-            base = per_kind.get("plain", {}).get(c, {}).get("tpot_p50")
-            text = f"{v:.2f}" if kind == "plain" or base is None else f"{v:.2f}\n{_pct(overhead_pct(v, base))}"
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7,
+            ax.annotate(chart_bar_label(result, kind, c, v), (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7,
                         xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(x, [str(c) for c in concurrencies])
     ax.set_xlabel("concurrent streams")
@@ -3736,8 +3752,10 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     workload = result.get("workload", {})
     ax.set_title(f"Time per output token (p50): {model} (dummy weights) on {gpu}\n"
                  f"vLLM {versions.get('vllm')}, {workload.get('input_len')} prompt / {workload.get('output_len')} "
-                 "generated tokens; label: ms and change vs plain", fontsize=9)
-    ax.margins(y=0.18)
+                 "generated tokens; label: ms and change vs plain"
+                 + ("\ntap-toggle: also its TPOT running over paused within its start, what the goals read"
+                    if toggled else ""), fontsize=9)
+    ax.margins(y=0.26 if toggled else 0.18)
     ax.legend(fontsize=8, frameon=False, ncol=min(3, len(kinds)), loc="upper center", bbox_to_anchor=(0.5, -0.14))
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()

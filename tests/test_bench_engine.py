@@ -1707,6 +1707,26 @@ def test_a_toggled_variant_is_read_on_its_own_starts_apart_from_tap_toggles():
     assert "toggle_variants" not in be.analyze(setups[:1])
 
 
+def test_a_toggled_bar_on_the_chart_also_carries_its_reading_within_its_start():
+    """The chart's tap-toggle bar is its first running phase against plain's start, which
+    includes the two starts' difference; its label also gives the running-over-paused figure
+    of its own start(s), the one the goals read, and a toggled variant's its own."""
+    def toggled(kind, label, running, paused):
+        setup = _setup(kind, label, {"1": running})
+        setup["toggle"] = {"1": [{"paused": False, **setup["results"]["1"]}, {"paused": True, **_entry(paused)}]}
+        return setup
+
+    setups = [_setup("plain", "plain", {"1": 5.0}), toggled("tap-toggle", "tap-toggle", 5.25, 5.2),
+              toggled("tap-toggle-direct", "tap-toggle-direct", 5.5, 5.0), _setup("eager", "eager", {"1": 15.0})]
+    result = {**be.analyze(setups), "setups": setups}
+    assert be.chart_bar_label(result, "plain", "1", 5.0) == "5.00"
+    assert be.chart_bar_label(result, "eager", "1", 15.0) == "15.00\n+200.0%"
+    assert be.chart_bar_label(result, "tap-toggle", "1", 5.25) == "5.25\n+5.0% vs plain\n+0.96% in start"
+    assert be.chart_bar_label(result, "tap-toggle-direct", "1", 5.5) == "5.50\n+10.0% vs plain\n+10.00% in start"
+    alone = {**be.analyze(setups[1:2]), "setups": setups[1:2]}  # no plain start: the reading within it alone
+    assert be.chart_bar_label(alone, "tap-toggle", "1", 5.25) == "5.25\n+0.96% in start"
+
+
 def test_the_gpu_scripts_cpu_split_gives_the_bench_two_disjoint_lists_of_whole_cores():
     """scripts/gpu/split_cpus.py, which the GPU session runs before pinning: two CPU lists the
     bench's --server-cpus / --client-cpus accept, disjoint, covering this process's CPUs, each
