@@ -3742,8 +3742,8 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
         bars = ax.bar(x + (i - (len(kinds) - 1) / 2) * width, values, width, color=colors[kind], label=names[kind],
                       yerr=[low, high] if any(low) or any(high) else None, capsize=3)
         for bar, c, v in zip(bars, concurrencies, values):
-            ax.annotate(chart_bar_label(result, kind, c, v), (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7,
-                        xytext=(0, 2), textcoords="offset points")
+            ax.annotate(chart_bar_label(result, kind, c, v), (bar.get_x() + bar.get_width() / 2, v), ha="center",
+                        va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(x, [str(c) for c in concurrencies])
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("TPOT p50 (ms)")
