@@ -472,6 +472,10 @@ class TapController:
         books here too, to know when a captured prompt is complete."""
         layout, table, finished, capture_plan, captured = step.context
         published = False
+        # A prompt-sized step's consume is on its first token's way: its thread's CPU time beside
+        # its wall time tells a slow consume (cold caches, a slow core) from one kept waiting
+        # (for the GIL, or descheduled). Not for every step: the clock is a system call.
+        began_on_cpu = time.thread_time() if step.rows > LARGE_STEP_ROWS else None
         try:
             began = time.perf_counter()
             if not isinstance(layout, StepLayout):
@@ -499,8 +503,10 @@ class TapController:
                 message = step_message(table, layout, raw, list(finished), pause)
                 built = time.perf_counter()
                 self.publish(message)
+                sent = time.perf_counter()
+                on_cpu = time.thread_time() - began_on_cpu if began_on_cpu is not None else None
                 self.consume_parts.add(step.rows, laid_out - began, gathered - laid_out, built - building,
-                                       time.perf_counter() - built)
+                                       sent - built, cpu_s=on_cpu)
             published = True
             if capture_failure is not None:
                 raise capture_failure
@@ -559,8 +565,9 @@ class ConsumeParts:
     """Where a published step's consume goes, on whichever thread consumes: the layout built
     (where the runner adapter left that to the consumer), the scores gathered into probe
     columns, the message built, and its publishing (encoding and the socket's send). Split
-    apart for steps of more than LARGE_STEP_ROWS rows (prefill chunks, on a first token's way).
-    Sums and counts; readers take differences between snapshots."""
+    apart for steps of more than LARGE_STEP_ROWS rows (prefill chunks, on a first token's way),
+    with, for those, the consuming thread's CPU time. Sums and counts; readers take
+    differences between snapshots."""
 
     PARTS = ("layout", "gather", "message", "publish")
 
@@ -568,8 +575,11 @@ class ConsumeParts:
         self.count = self.large_count = 0
         self.sums = dict.fromkeys(self.PARTS, 0.0)
         self.large_sums = dict.fromkeys(self.PARTS, 0.0)
+        # The consuming thread's CPU time over the same span (capture's work, if any, included),
+        # prefill-sized steps only.
+        self.large_cpu_s = 0.0
 
-    def add(self, rows: int, *seconds: float) -> None:
+    def add(self, rows: int, *seconds: float, cpu_s: float | None = None) -> None:
         self.count += 1
         for part, value in zip(self.PARTS, seconds):
             self.sums[part] += value
@@ -577,11 +587,13 @@ class ConsumeParts:
             self.large_count += 1
             for part, value in zip(self.PARTS, seconds):
                 self.large_sums[part] += value
+            self.large_cpu_s += cpu_s or 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         return {"count": self.count, "large_count": self.large_count,
                 **{f"{part}_s": value for part, value in self.sums.items()},
-                **{f"large_{part}_s": value for part, value in self.large_sums.items()}}
+                **{f"large_{part}_s": value for part, value in self.large_sums.items()},
+                "large_cpu_s": self.large_cpu_s}
 
 
 class TokenReads:

@@ -1880,6 +1880,9 @@ def consume_parts_delta(before: dict[str, Any] | None, after: dict[str, Any] | N
         if steps > 0:
             out[label] = {"steps": steps, **{f"{part}_mean_ms": (after[f"{prefix}{part}_s"] - before[f"{prefix}{part}_s"])
                                              / steps * 1e3 for part in CONSUME_PARTS}}
+            if label == "large" and "large_cpu_s" in before and "large_cpu_s" in after:
+                # the consuming thread's CPU time over the same parts (workers since session 34)
+                out[label]["cpu_mean_ms"] = (after["large_cpu_s"] - before["large_cpu_s"]) / steps * 1e3
     return out
 
 
@@ -1908,9 +1911,11 @@ def consume_split_rows(setups: Sequence[dict[str, Any]]) -> list[tuple[str, str,
                 splits = [x for x in splits if x]
                 steps = sum(x["steps"] for x in splits)
                 if steps:
-                    out.append((s["label"], phase, which, {
-                        part: sum(x[f"{part}_mean_ms"] * x["steps"] for x in splits) / steps for part in CONSUME_PARTS
-                    } | {"steps": steps}))
+                    pooled = {part: sum(x[f"{part}_mean_ms"] * x["steps"] for x in splits) / steps
+                              for part in CONSUME_PARTS} | {"steps": steps}
+                    if all("cpu_mean_ms" in x for x in splits):
+                        pooled["cpu"] = sum(x["cpu_mean_ms"] * x["steps"] for x in splits) / steps
+                    out.append((s["label"], phase, which, pooled))
     return out
 
 
@@ -1937,7 +1942,9 @@ def delivery_line(delivery: dict[str, Any]) -> str:
             split = (t.get("consume_parts") or {}).get(label)
             if split:
                 parts.append(f"consume per {what}: " + ", ".join(f"{part} {split[part + '_mean_ms']:.3f}"
-                                                                  for part in CONSUME_PARTS) + " ms")
+                                                                  for part in CONSUME_PARTS) + " ms"
+                             + (f" (on the thread's CPU {split['cpu_mean_ms']:.3f} ms)" if "cpu_mean_ms" in split
+                                else ""))
     loop = delivery.get("api_loop") or {}
     if loop:
         parts.append("API server loop: " + ", ".join(f"{kind} {v['mean_ms']:.3f} ms x{v['count']}"
@@ -3493,6 +3500,30 @@ def toggle_tables(result: dict[str, Any], kind: str = TOGGLE_KIND) -> list[str]:
     return lines
 
 
+def consume_table_lines(setups: Sequence[dict[str, Any]]) -> list[str]:
+    """The re-render's table of the worker's consume by part (`consume_split_rows`), led by a
+    blank line; none where no phase recorded it."""
+    consume = consume_split_rows(setups)
+    if not consume:
+        return []
+    # Where the worker timed it, the consuming thread's CPU time for the prefill-sized steps:
+    # well under the sum, the thread was kept waiting; near it, the work itself was slow.
+    on_cpu = any("cpu" in split for *_, split in consume)
+    lines = ["", "The worker's consume of each published step, by part, ms per step (phases with the tap "
+              "running; prefill-sized: the steps the worker counts as prefill chunks"
+              + ("; on CPU: the consuming thread's CPU time over the same parts" if on_cpu else "") + "):", "",
+              "| set-up | phase | steps | " + " | ".join(CONSUME_PARTS) + " | sum |"
+              + (" on CPU |" if on_cpu else ""),
+              "|---|---|---|" + "---:|" * (len(CONSUME_PARTS) + 1 + on_cpu)]
+    for label, phase, which, split in consume:
+        where = phase if phase == "idle" else f"c={phase}"
+        lines.append(f"| {label} | {where} | {'prefill-sized' if which == 'large' else 'all'} "
+                     f"({split['steps']}) | " + " | ".join(f"{split[part]:.3f}" for part in CONSUME_PARTS)
+                     + f" | {sum(split[part] for part in CONSUME_PARTS):.3f} |"
+                     + ((f" {split['cpu']:.3f} |" if "cpu" in split else " — |") if on_cpu else ""))
+    return lines
+
+
 def markdown_tables(result: dict[str, Any]) -> str:
     """The per-run table and the overhead table (for docs/benchmarks.md)."""
     lines = ["| set-up | concurrency | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | TPOT mean | ITL p50 | ITL p99 "
@@ -3606,17 +3637,7 @@ def markdown_tables(result: dict[str, Any]) -> str:
         lines += ["", "TPOT p50 over plain on the same GPU (set-ups side by side): "
                   + "; ".join(f"{kind} on GPU {gpu} c={c}: {_pct(v)}" for kind, per_gpu in by_gpu.items()
                               for gpu, per_c in per_gpu.items() for c, v in per_c.items())]
-    consume = consume_split_rows(result["setups"])
-    if consume:
-        lines += ["", "The worker's consume of each published step, by part, ms per step (phases with the tap "
-                  "running; prefill-sized: the steps the worker counts as prefill chunks):", "",
-                  "| set-up | phase | steps | " + " | ".join(CONSUME_PARTS) + " | sum |",
-                  "|---|---|---|" + "---:|" * (len(CONSUME_PARTS) + 1)]
-        for label, phase, which, split in consume:
-            where = phase if phase == "idle" else f"c={phase}"
-            lines.append(f"| {label} | {where} | {'prefill-sized' if which == 'large' else 'all'} "
-                         f"({split['steps']}) | " + " | ".join(f"{split[part]:.3f}" for part in CONSUME_PARTS)
-                         + f" | {sum(split[part] for part in CONSUME_PARTS):.3f} |")
+    lines += consume_table_lines(result["setups"])
     goals = goal_lines(result.get("goals") or {})
     if goals:
         lines += goals[:2] + [arrivals_line(result.get("workload") or {}, result.get("setups"))] + goals[2:]
