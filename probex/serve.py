@@ -15,6 +15,12 @@ from gateway.serving import run_gateway
 from probex.processes import WorkerExited, port_taken, unwind_on_sigterm, wait_until_healthy
 
 
+def worker_command_line(model: str, worker_port: int, probe_dirs, worker_args: list[str]) -> list[str]:
+    """`probex worker` as `probex serve` starts it (its admin token goes in its environment)."""
+    return [sys.executable, "-m", "probex.cli", "worker", "--model", model, "--port", str(worker_port),
+            *[f"--probe={d}" for d in probe_dirs], *worker_args]
+
+
 def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_port: int, redis_url: str | None,
                  worker_args: list[str], worker_command: list[str] | None = None) -> None:
     """`worker_command` replaces `probex worker` (tests start a stand-in)."""
@@ -22,10 +28,12 @@ def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_por
         policy = load_policy(policy_path)
     except PolicyError as exc:
         raise SystemExit(f"probex serve: {exc}") from None
-    # The worker's live-swap endpoint needs a token; the gateway is the only one told it.
+    # The worker's live-swap endpoint needs a token; the gateway is the only one told it. It goes
+    # to the worker in its environment, not its command line: there every local user's `ps`
+    # would show it, and a token starting with "-" (one in 64 of token_urlsafe's) would read as
+    # an option, so the worker refused to start.
     token = os.environ.get("PROBEX_ADMIN_TOKEN") or secrets.token_urlsafe(24)
-    cmd = worker_command or [sys.executable, "-m", "probex.cli", "worker", "--model", model, "--port", str(worker_port),
-                             "--admin-token", token, *[f"--probe={d}" for d in policy.probe_dirs], *worker_args]
+    cmd = worker_command or worker_command_line(model, worker_port, policy.probe_dirs, worker_args)
     # Checked before the worker's minute of start-up; besides, a worker port already served (by a
     # worker left from an earlier start, say) would pass the health check below for ours.
     for role, where, number in (("gateway", host, port), ("worker", "127.0.0.1", worker_port)):
@@ -43,7 +51,7 @@ def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_por
     unwind_on_sigterm()
     print(f"probex serve: starting worker on :{worker_port} ({len(policy.probes)} probes); first start compiles, "
           "allow a minute or two", flush=True)
-    worker = subprocess.Popen(cmd, start_new_session=True)
+    worker = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PROBEX_ADMIN_TOKEN": token})
     try:
         url = f"http://127.0.0.1:{worker_port}"
         try:

@@ -1,6 +1,8 @@
 """probex.processes.logged_worker: waits for /health, logs, stops the whole process group, reports early exits."""
 
+import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -136,6 +138,44 @@ def test_probex_serve_refuses_a_port_in_use_before_starting_its_worker(tmp_path,
                          worker_command=stand_in)
     assert not marker.exists()
     assert not port_taken("127.0.0.1", port)
+
+
+def test_probex_serve_hands_its_worker_the_admin_token_in_the_environment(tmp_path, monkeypatch):
+    """The worker's admin token reaches it in its environment, where the worker's
+    --admin-token reads its default, and never on its command line: there `ps` shows it to
+    every local user, and a token starting with "-" (token_urlsafe gives one in 64 times)
+    was read as an option, so `make run` failed to start its worker."""
+    import json
+    import secrets
+
+    from engine_worker.launch import add_worker_arguments
+    from probex.cli import DEFAULT_POLICY
+    from probex.serve import run_embedded, worker_command_line
+
+    monkeypatch.delenv("PROBEX_ADMIN_TOKEN", raising=False)
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: "-Xq3_a-dash-first")
+    seen = tmp_path / "seen.json"
+    stand_in = [sys.executable, "-c", "import json, os, sys; json.dump({'argv': sys.argv, 'token': "
+                f"os.environ.get('PROBEX_ADMIN_TOKEN')}}, open({str(seen)!r}, 'w'))"]
+    sigterm = signal.getsignal(signal.SIGTERM)  # run_embedded takes SIGTERM over, as a command does
+    try:
+        with pytest.raises(SystemExit, match="worker exited"):  # the stand-in exits once it has written
+            run_embedded(Path(DEFAULT_POLICY), "mock-model", "127.0.0.1", free_port(), free_port(), None, [],
+                         worker_command=stand_in)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    recorded = json.loads(seen.read_text())
+    assert recorded["token"] == "-Xq3_a-dash-first"
+    assert not any("-Xq3_a-dash-first" in arg for arg in recorded["argv"])
+    # the real worker's command line as probex serve builds it (no token), read by the worker's own parser
+    command = worker_command_line("mock-model", 8100, [tmp_path], ["--max-model-len", "512"])
+    assert command[:4] == [sys.executable, "-m", "probex.cli", "worker"] and "--admin-token" not in command
+    monkeypatch.setenv("PROBEX_ADMIN_TOKEN", recorded["token"])
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    args, passthrough = parser.parse_known_args(command[4:])
+    assert args.admin_token == "-Xq3_a-dash-first" and args.probe == [str(tmp_path)] and args.port == 8100
+    assert passthrough == ["--max-model-len", "512"]
 
 
 def test_a_probex_command_stopped_by_sigterm_ends_as_sigterm_ends_a_process(tmp_path):
