@@ -3368,10 +3368,16 @@ def _pct2(value: float) -> str:
     return f"{value:+.2f}%" if math.isfinite(value) else "n/a"
 
 
+def toggled_analysis(result: dict[str, Any], kind: str) -> dict[str, Any]:
+    """One toggled kind's own analysis: tap-toggle's is the result's top level, a variant's is
+    under `toggle_variants` (empty where the run has none of it)."""
+    return result if kind == TOGGLE_KIND else (result.get("toggle_variants") or {}).get(kind) or {}
+
+
 def toggle_tables(result: dict[str, Any], kind: str = TOGGLE_KIND) -> list[str]:
     """The tables of one toggled set-up kind's starts (tap-toggle, or a variant of it in
     `toggle_variants`): the tap running over paused within each start, under load and idle."""
-    own = result if kind == TOGGLE_KIND else (result.get("toggle_variants") or {}).get(kind) or {}
+    own = toggled_analysis(result, kind)
     setups = [s for s in result.get("setups", []) if s.get("kind", TOGGLE_KIND) == kind]
     lines: list[str] = []
     toggled = own.get("toggle_overhead_pct") or {}
@@ -3702,8 +3708,8 @@ def chart_bar_label(result: dict[str, Any], kind: str, concurrency: str, tpot_p5
     if kind != "plain" and base is not None:
         lines.append(_pct(overhead_pct(tpot_p50, base)) + (" vs plain" if kind in TOGGLE_KINDS else ""))
     if kind in TOGGLE_KINDS:
-        analysis = result if kind == TOGGLE_KIND else (result.get("toggle_variants") or {}).get(kind, {})
-        within = (analysis.get("toggle_overhead_pct") or {}).get(concurrency, {}).get("tpot_p50")
+        toggled = toggled_analysis(result, kind).get("toggle_overhead_pct") or {}
+        within = toggled.get(concurrency, {}).get("tpot_p50")
         if within is not None:
             lines.append(f"{_pct2(within)} in start")
     return "\n".join(lines)
