@@ -33,7 +33,7 @@ from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
 from engine_worker.tap_config import (ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_spin_s, prompt_scores_beside_output,
-                                      scores_ahead_of_tokens)
+                                      prompt_scores_mid_forward, scores_ahead_of_tokens)
 
 log = logging.getLogger("probex.controller")
 
@@ -107,6 +107,9 @@ class TapController:
         self.scores_ahead_of_tokens = scores_ahead_of_tokens()  # PROBEX_SCORES_AHEAD_OF_TOKENS=0: a diagnostic
         # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1, an experiment: see `prompt_scores_beside`
         self.prompt_scores_beside_output = prompt_scores_beside_output()
+        # PROBEX_PROMPT_SCORES_MID_FORWARD (on unless "0"): see `open_mid_forward_copies`.
+        self.prompt_scores_mid_forward = prompt_scores_mid_forward()
+        self._mid_forward_open = False  # a reserved step's forward is being enqueued
         # PROBEX_STEP_TIMING=1, a diagnostic: the device span of every prompt-sized forward
         # (step_timing.py); the runner adapters time the forwards, `step_timings` reads them.
         device = next(iter(self.taps.values())).scores.device
@@ -197,6 +200,7 @@ class TapController:
             "capture": self.capture_dir is not None,
             "transfer": {**self.transfer.describe(), "scores_ahead_of_tokens": self.scores_ahead_of_tokens,
                          "prompt_scores_beside_output": self.prompt_scores_beside_output,
+                         "prompt_scores_mid_forward": self.prompt_scores_mid_forward,
                          "consume_parts": self.consume_parts.as_dict()},
             "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s, "layout_s": self.layout_s,
                               "token_reads": self.token_reads.as_dict()},
@@ -353,6 +357,36 @@ class TapController:
         for tap in self.taps.values():
             tap.set_capture_rows(index)
 
+    def open_mid_forward_copies(self, rows: int) -> None:
+        """On the engine thread, before the forward of a real step of `rows` rows carrying a
+        prompt chunk (some request has more than one row; the adapter tells) is enqueued:
+        set a staging buffer aside so each tapped layer's rows are copied out as soon as the
+        forward has written them (`layer_scores_final`, which the model's hooks call), not
+        behind the whole forward. The step's consume (layout, gather, publish: 0.2 ms on the
+        GPU hosts) then waits only for the last tapped layer and overlaps the forward's
+        remaining layers instead of sitting between the forward and the step's first token.
+        Decode steps keep the copies behind the forward: their graphs replay whole, with no
+        point mid-forward where the host runs. The adapter calls `close_mid_forward_copies`
+        once the forward is enqueued."""
+        if self.prompt_scores_mid_forward and self.reads_scores:
+            self._mid_forward_open = self.transfer.reserve_step(rows)
+
+    def layer_scores_final(self, layer: int) -> None:
+        """Called from the model's forward, on the engine thread, once `layer`'s tap op is
+        enqueued (where the next decoder layer's attention runs from Python): copy its rows out
+        now if a step is open for it. Cheap when none is: a decode step, a dummy run or a
+        CUDA-graph capture never opens one."""
+        if self._mid_forward_open:
+            self.transfer.copy_layer_now(layer)
+
+    def close_mid_forward_copies(self, launched: bool = True) -> None:
+        """The step's forward is enqueued (`launched`) and its `after_forward` comes next; or
+        it failed (not `launched`), and the buffer set aside goes back."""
+        if self._mid_forward_open:
+            self._mid_forward_open = False
+            if not launched:
+                self.transfer.release_reservation()
+
     def before_forward_launch(self) -> None:
         """Before any forward is enqueued (real or dummy): with side-stream copies, the forward
         must not overwrite the score buffers before the last copy out of them has run."""
@@ -426,6 +460,7 @@ class TapController:
         if (self._steer_warned or self._capture_skipped) and finished:
             self.forget(finished)
         if not self.reads_scores:
+            self.transfer.release_reservation()  # paused since the step was opened: nothing to copy
             if self.paused:
                 self._announce_finished(finished)
             return

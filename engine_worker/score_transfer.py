@@ -25,6 +25,15 @@ around every call and so lets vLLM's own I/O threads in halfway through the hook
 through ctypes' PyDLL they keep the GIL for the microseconds they take. (Made after that
 measurement; not yet measured on the GPU itself.)
 
+A prompt step's copies can leave earlier than that (PROBEX_PROMPT_SCORES_MID_FORWARD, on by
+default): the adapter reserves a staging buffer before such a step's forward (`reserve_step`),
+and the model's hook (engine_worker/vllm_models.py) enqueues each tapped layer's copy as soon
+as the forward has enqueued that layer's tap op (`copy_layer_now`), the ready event after the
+last one; the step's `submit` then enqueues nothing. Its scores land while the rest of the
+forward runs, so their consume (layout, gather, publish) is done before the step's tokens are
+sampled instead of after. Decode steps replay whole CUDA graphs, with no host code mid-forward:
+they keep the copies behind the forward.
+
 Staging buffers come from a fixed pool, so nothing is allocated per step. If every
 buffer is still in use (the background thread fell `depth` steps behind), `submit`
 waits for one: bounded memory and back-pressure rather than silently dropping scores.
@@ -68,7 +77,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -80,6 +89,7 @@ log = logging.getLogger("probex.transfer")
 class _LayerCopy:
     """One tapped layer's rows, device buffer -> a slot's pinned buffer: tensors and raw addresses."""
 
+    layer: int
     source: torch.Tensor
     target: torch.Tensor
     source_ptr: int
@@ -254,6 +264,20 @@ class StagedStep:
         return {layer: array[:rows] for layer, array in self._slot.arrays.items()}
 
 
+@dataclass
+class _Reservation:
+    """A staging buffer set aside for the next step, and the layers already copied into it."""
+
+    slot: "_StagingSlot"
+    rows: int
+    layers: int
+    copied: set[int] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.copied) == self.layers
+
+
 class _StagingSlot:
     def __init__(self, sources: dict[int, torch.Tensor], driver, pin: bool, side_stream: bool = False) -> None:
         # Pinned: the device writes into them by DMA, and an asynchronous copy needs that.
@@ -264,8 +288,9 @@ class _StagingSlot:
         # numpy views of the same memory, made once: slicing a torch tensor and converting it
         # every step cost the consumer ~10 µs a step, a numpy slice well under one.
         self.arrays = {layer: buf.numpy() for layer, buf in self.buffers.items()}
-        self.copies = [_LayerCopy(src, self.buffers[layer], src.data_ptr(), self.buffers[layer].data_ptr(),
+        self.copies = [_LayerCopy(layer, src, self.buffers[layer], src.data_ptr(), self.buffers[layer].data_ptr(),
                                   src.stride(0) * src.element_size()) for layer, src in sources.items()]
+        self.copy_of = {copy.layer: copy for copy in self.copies}
         # One event per slot, re-recorded each use: creating a CUDA event every step costs
         # engine-thread time for nothing.
         self.ready = _DeviceEvent(driver) if driver is not None else None
@@ -313,6 +338,10 @@ class ScoreTransfer:
         self._driver = driver if driver is not None else (_device_calls(device) if self._cuda else None)
         self._side = self._driver.stream() if copy_stream == "side" and self._driver is not None else None
         self._unguarded = None  # the last side-stream copy's event, until a forward's stream waits for it
+        self._early: _Reservation | None = None  # the buffer set aside for the next step (`reserve_step`)
+        self.mid_forward_steps = 0  # steps whose every row was copied during their forward
+        self.mid_forward_layer_copies = 0
+        self.mismatched_reservations = 0  # a submit of other rows than reserved for (an adapter bug)
         self.unguarded_forwards = 0  # submits that found the previous copy not waited for (an adapter bug)
         self._failed: BaseException | None = None  # the transfer thread could not start
         self.depth = depth
@@ -365,31 +394,28 @@ class ScoreTransfer:
         if not 0 <= rows <= self.max_rows:
             raise ValueError(f"a step of {rows} rows does not fit the {self.max_rows}-row score buffers")
         started = self._last_submit = time.perf_counter()
-        if self.consumer == "engine" and self._free.empty():
-            self.waits_for_staging += 1
-            with self._pending_lock:  # every buffer waits to be consumed: consume the oldest now
-                self._consume_pending(wait=True, limit=1)
-        try:
-            slot = self._free.get_nowait()
-        except queue.Empty:
-            self.waits_for_staging += 1
-            if self.waits_for_staging in (1, 10, 100) or self.waits_for_staging % 1000 == 0:
-                log.warning("probex: all %d score staging buffers are in use; the engine waits for the transfer"
-                            " thread (%d times so far)", self.depth, self.waits_for_staging)
-            while True:
-                try:
-                    slot = self._free.get(timeout=1.0)
-                    break
-                except queue.Empty:
-                    self._raise_if_failed()  # then nobody will give a buffer back
+        # A step without rows (requests ending) leaves a reservation to the step it was made for.
+        early = self._early if rows else None
+        if early is not None:
+            self._early = None
+            if early.rows != rows:  # not the step reserved for (an adapter bug): the usual path
+                self.mismatched_reservations += 1
+                self._free.put(early.slot)
+                early = None
+        slot = early.slot if early is not None else self._take_slot()
         staging = time.perf_counter()
         # A step without rows copies nothing, so it has nothing of its own to wait for on the
         # device: an event recorded behind the forward just enqueued would make the engine
         # thread wait for that whole forward (below), losing the overlap of the next step's
         # scheduling with this one's forward at every step that ends a request.
         ready = slot.ready if rows else None
+        copied = early.copied if early is not None else ()
+        if early is not None and early.complete:
+            self.mid_forward_steps += 1
         try:
-            if ready is not None:
+            if early is not None and early.complete:
+                pass  # every layer's rows and the event were enqueued during the forward
+            elif ready is not None:
                 driver = self._driver
                 stream = driver.current_stream()
                 side = self._side is not None
@@ -403,13 +429,15 @@ class ScoreTransfer:
                     driver.wait_event(self._side, slot.launched)
                     stream = self._side
                 for copy in slot.copies:
-                    driver.copy_rows(copy, rows, stream)
+                    if copy.layer not in copied:
+                        driver.copy_rows(copy, rows, stream)
                 driver.record(ready.handle, stream)
                 if side:
                     self._unguarded = ready.handle
             elif rows:
                 for copy in slot.copies:
-                    copy.target[:rows].copy_(copy.source[:rows])
+                    if copy.layer not in copied:
+                        copy.target[:rows].copy_(copy.source[:rows])
         except BaseException:
             self._free.put(slot)  # the step is lost, its buffer is not
             raise
@@ -430,6 +458,74 @@ class ScoreTransfer:
         else:
             self._process(step)
         self.stage_s += staged - staging
+
+    def _take_slot(self) -> _StagingSlot:
+        """A free staging buffer; with every one in use, waits for one (the engine consumer
+        consumes the oldest step now, waiting for its copies)."""
+        if self.consumer == "engine" and self._free.empty():
+            self.waits_for_staging += 1
+            with self._pending_lock:  # every buffer waits to be consumed: consume the oldest now
+                self._consume_pending(wait=True, limit=1)
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            self.waits_for_staging += 1
+            if self.waits_for_staging in (1, 10, 100) or self.waits_for_staging % 1000 == 0:
+                log.warning("probex: all %d score staging buffers are in use; the engine waits for the transfer"
+                            " thread (%d times so far)", self.depth, self.waits_for_staging)
+            while True:
+                try:
+                    return self._free.get(timeout=1.0)
+                except queue.Empty:
+                    self._raise_if_failed()  # then nobody will give a buffer back
+
+    def reserve_step(self, rows: int) -> bool:
+        """On the engine thread, before a forward of `rows` rows is enqueued: set a staging
+        buffer aside for it, so each tapped layer's rows can be copied out as soon as that
+        layer's scores are final (`copy_layer_now`, called mid-forward) instead of behind the
+        whole forward. The next `submit` (that step's, with the same rows) takes the buffer
+        and enqueues only what was not copied yet. False, nothing reserved, where copies are
+        made on the side stream (their ordering is kept by `before_next_forward`, for whole
+        steps) or there is nothing to copy."""
+        if self._side is not None or not 0 < rows <= self.max_rows:
+            return False
+        self._raise_if_failed()
+        if self._early is not None:  # a reservation no step took (the forward failed): reuse its buffer
+            slot = self._early.slot
+        else:
+            slot = self._take_slot()
+        self._early = _Reservation(slot, rows, layers=len(slot.copies))
+        return True
+
+    def copy_layer_now(self, layer: int) -> bool:
+        """On the engine thread, mid-forward, once `layer`'s scores for the reserved step are
+        final (the tap op that writes them is enqueued): enqueue the copy of its rows on the
+        engine's stream, and after the last tapped layer's, the step's ready event. Copies
+        nothing without a reservation or for a layer already copied; True if it copied."""
+        early = self._early
+        if early is None or layer in early.copied:
+            return False
+        copy = early.slot.copy_of.get(layer)
+        if copy is None:
+            return False
+        driver = self._driver
+        if driver is not None:
+            stream = driver.current_stream()
+            driver.copy_rows(copy, early.rows, stream)
+            early.copied.add(layer)
+            if early.complete:
+                driver.record(early.slot.ready.handle, stream)
+        else:  # CPU: the forward runs as it is called, so the rows are there now
+            copy.target[:early.rows].copy_(copy.source[:early.rows])
+            early.copied.add(layer)
+        self.mid_forward_layer_copies += 1
+        return True
+
+    def release_reservation(self) -> None:
+        """The reserved step will not be submitted (its forward failed): its buffer goes back."""
+        early, self._early = self._early, None
+        if early is not None:
+            self._free.put(early.slot)
 
     def before_next_forward(self) -> None:
         """On the engine thread, before a forward is enqueued: with side-stream copies, the
@@ -641,7 +737,9 @@ class ScoreTransfer:
         return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
                 "consumer": self.consumer, "stale_steps": self.stale_steps, "beside_steps": self.beside_steps,
                 "query_errors": self.query_errors,
-                "unguarded_forwards": self.unguarded_forwards, "waits_for_staging": self.waits_for_staging,
+                "unguarded_forwards": self.unguarded_forwards, "mid_forward_steps": self.mid_forward_steps,
+                "mid_forward_layer_copies": self.mid_forward_layer_copies,
+                "mismatched_reservations": self.mismatched_reservations, "waits_for_staging": self.waits_for_staging,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
                 "device_wait_s": self.device_wait_s,
                 **self.stats.as_dict()}

@@ -75,6 +75,15 @@ ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
 ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
 
 
+# On by default; "0" is the older path, for comparison: a prompt-sized step's score rows are
+# copied out *during* its forward, as soon as each tapped layer's scores are final (enqueued
+# where the next decoder layer's attention runs from Python, between two CUDA-graph pieces),
+# instead of behind the whole forward, so their consume overlaps the forward's remaining
+# layers rather than sitting between the forward and the first token (`mid_forward_copies`
+# in engine_worker/vllm_models.py; score_transfer.py's `reserve_step`).
+ENV_PROMPT_SCORES_MID_FORWARD = "PROBEX_PROMPT_SCORES_MID_FORWARD"
+
+
 # Diagnostic: "in-model" allocates the tap's and steering's buffers while the model is built,
 # between the tapped layer's weights and the next layer's (before session 11); by default they
 # are allocated once the weights are loaded, so the weights are allocated as in plain vLLM
@@ -96,6 +105,10 @@ def scores_ahead_of_tokens() -> bool:
 
 def prompt_scores_beside_output() -> bool:
     return _env_switch(ENV_PROMPT_SCORES_BESIDE, default="off")
+
+
+def prompt_scores_mid_forward() -> bool:
+    return _env_switch(ENV_PROMPT_SCORES_MID_FORWARD)
 
 
 def _env_switch(name: str, default: str = "on") -> bool:

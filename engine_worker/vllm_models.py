@@ -25,6 +25,7 @@ import importlib
 import inspect
 import logging
 import weakref
+from typing import Callable
 
 from engine_worker.steer import LayerSteer
 from engine_worker.tap import LayerTap
@@ -131,6 +132,52 @@ def _attach_tap(layer, prefix: str) -> None:
                                         device=device)
         log.info("probex: steering at decoder layer %d, %d vector slots, gates from tapped layers %s", index,
                  tap_config.steer_vectors_per_layer, sorted(t.layer for t in gate_taps))
+
+
+def copy_scores_mid_forward(model, layer_scores_final: Callable[[int], None], tapped_layers) -> list[int]:
+    """Have `layer_scores_final(L)` called, during every forward, right before decoder layer
+    L + 1's attention kernel is enqueued, for each tapped layer L that has a next layer;
+    returns those layers.
+
+    Why there: with vLLM's piecewise CUDA graphs (how prompt chunks run) the graphs break at
+    every attention call, which vLLM runs from Python, so this is the first point after layer
+    L's tap op (the end of layer L) where the host runs during the forward. Decode steps
+    replaying FULL graphs never reach it. The hook wraps the attention implementation's
+    `forward` on that one layer's instance (vLLM 0.25 and 0.32 call `self.impl.forward(layer,
+    ...)` there, eagerly and outside any compiled graph), so nothing else is touched."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    attention_by_layer = {}
+    for name, module in model.named_modules():
+        impl = getattr(module, "impl", None)
+        if impl is None or not hasattr(module, "layer_name") or not callable(getattr(impl, "forward", None)):
+            continue
+        try:
+            index = extract_layer_index(name)
+        except (AssertionError, ValueError):
+            continue
+        attention_by_layer.setdefault(index, impl)
+    hooked = []
+    for layer in sorted(tapped_layers):
+        impl = attention_by_layer.get(layer + 1)
+        if impl is None or getattr(impl, _HOOKED_MARK, None) == layer:
+            continue
+        impl.forward = _call_first(impl.forward, functools.partial(layer_scores_final, layer))
+        setattr(impl, _HOOKED_MARK, layer)
+        hooked.append(layer)
+    return hooked
+
+
+_HOOKED_MARK = "_probex_scores_final_before"
+
+
+def _call_first(forward, first: Callable[[], None]):
+    @functools.wraps(forward)
+    def hooked(*args, **kwargs):
+        first()
+        return forward(*args, **kwargs)
+
+    return hooked
 
 
 # (id(vllm config), layer-name prefix such as "model.layers.") -> {layer index: its tap}; weak,

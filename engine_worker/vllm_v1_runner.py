@@ -122,8 +122,16 @@ def _tapped_forward(model_forward):
         if timer is not None and timer.wants(scheduler_output.total_num_scheduled_tokens):  # PROBEX_STEP_TIMING=1
             timed = timer.begin(scheduler_output.total_num_scheduled_tokens,
                                 self.input_batch.req_ids[:self.input_batch.num_reqs])
+        rows = scheduler_output.total_num_scheduled_tokens
+        if rows > len(scheduler_output.num_scheduled_tokens):  # a prompt chunk in the step
+            controller.open_mid_forward_copies(rows)
         before = time.perf_counter()
-        output = model_forward(self, *args, **kwargs)
+        try:
+            output = model_forward(self, *args, **kwargs)
+        except BaseException:
+            controller.close_mid_forward_copies(launched=False)
+            raise
+        controller.close_mid_forward_copies()
         after = time.perf_counter()
         if timed is not None:
             timer.end(timed, paused=controller.paused)

@@ -107,6 +107,8 @@ def _layout_before_forward(prepare_inputs):
                                       {r: steering[r] for r in layout.req_ids if r in steering})
             self._probex_layout = layout
             controller.engine_thread_s += time.perf_counter() - started
+        if controller is not None and batch.num_tokens > batch.num_reqs:  # a prompt chunk in the step
+            controller.open_mid_forward_copies(batch.num_tokens)  # rows: the scheduled tokens, as after_forward's
         if controller is not None and controller.step_timer is not None:
             _begin_timing(self, controller.step_timer, batch)
         return batch
@@ -122,9 +124,15 @@ def _scores_after_forward(execute_model):
             began = time.perf_counter()
             controller.before_forward_launch()
             controller.engine_thread_s += time.perf_counter() - began
-        output = execute_model(self, scheduler_output, *args, **kwargs)
+        try:
+            output = execute_model(self, scheduler_output, *args, **kwargs)
+        except BaseException:
+            if controller is not None:
+                controller.close_mid_forward_copies(launched=False)
+            raise
         if controller is None:
             return output
+        controller.close_mid_forward_copies()
         if controller.step_timer is not None:
             timed, self._probex_timed_forward = self._probex_timed_forward, None
             if timed is not None:  # the forward is enqueued: the span's end goes behind it

@@ -21,7 +21,8 @@ from engine_worker.controller import ProbeSetRejected, TapController, VectorSetR
 from engine_worker.steer import LayerSteer
 from engine_worker.steering import SteeringError, SteerRequest, steering_from_xargs
 from engine_worker.tap import LayerTap, awaiting_storage, materialize
-from engine_worker.tap_config import ENV_API_SERVER_COUNT, ENV_DELIVERY, TapConfig, scores_delivered
+from engine_worker.tap_config import (ENV_API_SERVER_COUNT, ENV_DELIVERY, ENV_PROMPT_SCORES_MID_FORWARD, TapConfig,
+                                      scores_delivered)
 
 log = logging.getLogger("vllm.probex.worker")  # under "vllm": printed by its log handler
 
@@ -75,6 +76,12 @@ def install_controller(runner, score_consumer: str = "thread") -> TapController 
     except (ProbeSetRejected, VectorSetRejected) as exc:
         raise RuntimeError(f"probex: refusing to start: {exc}") from None
     setattr(runner, CONTROLLER_ATTR, controller)
+    if controller.prompt_scores_mid_forward:
+        from engine_worker.vllm_models import copy_scores_mid_forward
+
+        hooked = copy_scores_mid_forward(runner.model, controller.layer_scores_final, controller.taps)
+        log.info("probex: prompt steps' scores of layers %s are copied out mid-forward (%s=0 turns it off)",
+                 hooked, ENV_PROMPT_SCORES_MID_FORWARD)
     interval = os.environ.get(ENV_SWITCH_INTERVAL)
     if interval:
         sys.setswitchinterval(float(interval))

@@ -189,13 +189,14 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
     forced = None
     url = f"http://127.0.0.1:{port}"
     with logged_worker(cmd, env, log_path, url, label) as ready_s:
-        score_consumer = probex_score_consumer(url)
+        score_consumer = worker_transfer(url).get("consumer")
         responses = asyncio.run(query(url, str(model)))
         if name == "graphs":
             try:
                 forced = asyncio.run(teacher_forced(url, str(model)))
             except Exception as exc:  # keep the mode comparison even if this check breaks
                 forced = {"error": repr(exc)[:500]}
+        transfer = worker_transfer(url)
     text = log_path.read_text(errors="replace")
     graph_lines = [l[-200:] for l in text.splitlines() if any(re.search(p, l) for p in GRAPH_LOG_PATTERNS)]
     runner_lines = [l[-200:] for l in text.splitlines() if "Using V2 Model Runner" in l or "tap attached to vLLM model runner V2" in l]
@@ -205,21 +206,24 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
         (path,) = capture.glob(f"{response['id']}-*.safetensors")
         response["_captured"] = load_file(str(path))
     info = {"ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:8], "runner_log_lines": runner_lines[:4],
-            "score_consumer": score_consumer}
+            "score_consumer": score_consumer,
+            # prompt steps whose scores were copied out during their forward (session 35 on), of all steps
+            "mid_forward_steps": transfer.get("mid_forward_steps"), "steps": transfer.get("steps")}
     if forced is not None:
         info["teacher_forced"] = forced
     return responses, info
 
 
-def probex_score_consumer(url: str) -> str | None:
-    """Which thread consumed the worker's scores ("engine" or "thread", from /probex/probes),
-    so a saved smoke says which path it checked; None if the worker did not say."""
+def worker_transfer(url: str) -> dict:
+    """The `transfer` section of the worker's /probex/probes listing (which thread consumed the
+    scores, how many prompt steps were copied mid-forward), so a saved smoke says which path it
+    checked; empty if the worker did not say."""
     import httpx
 
     try:
-        return (httpx.get(url + "/probex/probes", timeout=30).json().get("transfer") or {}).get("consumer")
+        return httpx.get(url + "/probex/probes", timeout=30).json().get("transfer") or {}
     except (httpx.HTTPError, ValueError):
-        return None
+        return {}
 
 
 def residual_cosines(a: list[dict], b: list[dict]) -> dict:
@@ -354,6 +358,8 @@ def report(result: dict, comparisons: dict) -> None:
         line = f"{label}: ready in {info['ready_s']} s; CUDA-graph capture log lines: {len(captured)}"
         if info.get("score_consumer"):
             line += f"; scores consumed on the {info['score_consumer']} thread"
+        if info.get("mid_forward_steps") is not None:
+            line += f"; {info['mid_forward_steps']} of {info['steps']} steps' scores copied mid-forward"
         if info.get("runner_log_lines"):
             line += "; V2 runner confirmed in log"
         if "error" in info.get("teacher_forced", {}):

@@ -704,6 +704,143 @@ def test_on_a_device_each_step_is_one_driver_copy_per_layer_then_one_event_the_c
         transfer.submit(9, None)  # more rows than the buffers hold: refused, nothing copied past them
 
 
+def test_a_reserved_step_copies_each_layer_mid_forward_and_records_its_event_after_the_last():
+    """A prompt step's rows are copied as each tapped layer finishes (`copy_layer_now`, from
+    the forward), the event right after the last layer's copy; its submit enqueues nothing."""
+    sources = {1: torch.zeros(8, 3), 4: torch.zeros(8, 3)}
+    driver = LandingDriver()
+    seen = []
+    transfer = ScoreTransfer(sources, lambda step: seen.append({l: a.tolist() for l, a in step.scores().items()}),
+                             depth=2, threaded=False, driver=driver, consumer="engine")
+    assert transfer.reserve_step(2)
+    assert not transfer.copy_layer_now(7)  # no tap at that layer: nothing
+    sources[1][:2] = torch.tensor([[1.0, 2, 3], [4, 5, 6]])
+    assert transfer.copy_layer_now(1)
+    assert not transfer.copy_layer_now(1)  # once per layer
+    sources[1][:2] = 0  # the forward goes on; what was copied is what the layer had written
+    sources[4][:2] = torch.tensor([[7.0, 8, 9], [1, 1, 1]])
+    assert transfer.copy_layer_now(4)
+    row_bytes = 3 * 4
+    assert driver.calls == [("copy", sources[1].data_ptr(), 2 * row_bytes, 7),
+                            ("copy", sources[4].data_ptr(), 2 * row_bytes, 7), ("record", "event-1", 7)]
+    driver.calls.clear()
+    transfer.submit(2, "prompt step")
+    assert [c for c in driver.calls if c[0] in ("copy", "record")] == []
+    transfer.consume_through(transfer.submitted_steps)
+    assert seen == [{1: [[1.0, 2, 3], [4, 5, 6]], 4: [[7.0, 8, 9], [1, 1, 1]]}]
+    described = transfer.describe()
+    assert described["mid_forward_steps"] == 1 and described["mid_forward_layer_copies"] == 2
+    assert not transfer.copy_layer_now(1)  # no step reserved any more: the next forward's layers copy nothing
+
+
+def test_a_reserved_step_whose_forward_reached_only_some_layers_copies_the_rest_at_submit():
+    """A tapped last layer (no next layer's attention) or a forward replaying a whole graph
+    never reaches the hook: what is left is copied behind the forward, then the event."""
+    sources = {1: torch.zeros(8, 3), 4: torch.zeros(8, 3)}
+    driver = RecordingDriver()
+    seen = []
+    transfer = ScoreTransfer(sources, lambda step: seen.append({l: a.tolist() for l, a in step.scores().items()}),
+                             depth=2, threaded=False, driver=driver)
+    assert transfer.reserve_step(1)
+    sources[1][:1] = 2.0
+    transfer.copy_layer_now(1)
+    sources[4][:1] = 3.0
+    driver.calls.clear()
+    transfer.submit(1, None)
+    assert driver.calls == [("copy", sources[4].data_ptr(), 12, 7), ("record", "event-1", 7), ("wait", "event-1")]
+    assert seen == [{1: [[2.0, 2, 2]], 4: [[3.0, 3, 3]]}]
+    assert transfer.describe()["mid_forward_steps"] == 0
+
+
+def test_a_reservation_is_kept_past_a_step_without_rows_and_dropped_for_a_step_of_other_rows():
+    sources = {1: torch.zeros(8, 1)}
+    transfer = ScoreTransfer(sources, lambda step: None, depth=2, threaded=False, driver=RecordingDriver())
+    assert not transfer.reserve_step(0) and not transfer.reserve_step(9)  # nothing to copy / past the buffers
+    assert transfer.reserve_step(3)
+    transfer.submit(0, None)  # requests ending: not the step reserved for
+    assert transfer.mismatched_reservations == 0 and transfer._early is not None
+    transfer.submit(2, None)  # other rows: the reservation is dropped, the step copied behind its forward
+    assert transfer.mismatched_reservations == 1 and transfer._early is None
+    transfer.reserve_step(3)
+    transfer.release_reservation()  # the forward failed: the buffer goes back
+    assert transfer._free.qsize() == 2
+    side = ScoreTransfer(sources, lambda step: None, threaded=False, driver=RecordingDriver(), copy_stream="side")
+    assert not side.reserve_step(3)  # side-stream copies keep their own ordering: whole steps only
+
+
+def test_on_the_cpu_a_reserved_layer_is_copied_when_its_forward_says_so():
+    source = torch.zeros(8, 2)
+    seen = []
+    transfer = ScoreTransfer({3: source}, lambda step: seen.append(step.scores()[3].tolist()), threaded=False)
+    assert transfer.reserve_step(2)
+    source[:2] = 5.0
+    transfer.copy_layer_now(3)
+    source[:2] = 0.0  # overwritten later in the forward (or by the next one): the copy was taken
+    transfer.submit(2, None)
+    assert seen == [[[5.0, 5.0], [5.0, 5.0]]] and transfer.mid_forward_steps == 1
+
+
+def test_a_prompt_step_copied_mid_forward_publishes_what_the_step_copied_behind_its_forward_does(setup):
+    taps, probes, _ = setup
+    streams = {l: torch.randn(5, HIDDEN) for l in taps}
+    layout = StepLayout(["a"], np.array([5]), np.array([0]), np.array([5]))
+    messages = {}
+    for mid_forward in (False, True):
+        published = Published()
+        controller = TapController(taps, served(), published.append, threaded=False)
+        controller.load([str(p) for p in probes])
+        if mid_forward:
+            controller.open_mid_forward_copies(5)
+        for layer, tap in taps.items():  # the forward, layer by layer, the hook after each tap
+            tap(streams[layer], torch.zeros_like(streams[layer]))
+            controller.layer_scores_final(layer)
+        controller.close_mid_forward_copies()
+        for tap in taps.values():
+            tap.scores.zero_()  # rows the forward wrote later than the copies are never read from here
+        if not mid_forward:  # the copies behind the forward read the buffers as the forward left them
+            run_step(taps, streams)
+        controller.after_forward(layout)
+        assert controller.transfer.mid_forward_steps == int(mid_forward)
+        messages[mid_forward] = published
+        controller.transfer.close()
+    assert len(messages[True]) == 1 and messages[True] == messages[False]
+
+
+def test_the_controller_copies_mid_forward_only_inside_an_opened_step_of_a_running_tap(setup, monkeypatch):
+    taps, probes, published = setup
+    controller = TapController(taps, served(), published.append, threaded=False)
+    controller.load([str(p) for p in probes])
+    calls = []
+    monkeypatch.setattr(controller.transfer, "copy_layer_now", lambda layer: calls.append(layer))
+    controller.layer_scores_final(1)  # a decode step, a dummy run, a capture: nothing opened
+    assert calls == []
+    controller.open_mid_forward_copies(5)
+    controller.layer_scores_final(1)
+    controller.close_mid_forward_copies()
+    controller.layer_scores_final(1)  # after the forward was enqueued (a draft model's, say)
+    assert calls == [1]
+    controller.set_paused(True)
+    controller.open_mid_forward_copies(5)  # a paused tap copies nothing
+    controller.layer_scores_final(1)
+    assert calls == [1]
+    controller.set_paused(False)
+    monkeypatch.setattr(controller, "prompt_scores_mid_forward", False)  # PROBEX_PROMPT_SCORES_MID_FORWARD=0
+    controller.open_mid_forward_copies(5)
+    controller.layer_scores_final(1)
+    assert calls == [1]
+
+
+def test_a_failed_forward_gives_its_reserved_buffer_back(setup):
+    taps, probes, published = setup
+    controller = TapController(taps, served(), published.append, threaded=False)
+    controller.load([str(p) for p in probes])
+    free = controller.transfer._free.qsize()
+    controller.open_mid_forward_copies(5)
+    assert controller.transfer._free.qsize() == free - 1
+    controller.close_mid_forward_copies(launched=False)
+    assert controller.transfer._free.qsize() == free
+
+
 def test_side_stream_copies_wait_for_the_forward_and_the_next_forward_waits_for_them():
     """PROBEX_COPY_STREAM=side: the copies leave the engine's stream (7) for a side stream
     (9), ordered after the forward by an event, and the next forward's stream waits for the
@@ -843,7 +980,7 @@ def test_the_cuda_driver_calls_match_the_driver_api(monkeypatch):
     event = driver.event()
     assert event.value == 0xE1 and calls[-1][1][1] == 3  # blocking sync, no timing
     source, target = torch.zeros(8, 4), torch.zeros(8, 4)
-    copy = score_transfer._LayerCopy(source, target, 0x1000, 0x2000, 16)
+    copy = score_transfer._LayerCopy(0, source, target, 0x1000, 0x2000, 16)
     driver.copy_rows(copy, 3, driver.current_stream())
     assert calls[-1] == ("cuMemcpyDtoHAsync_v2", (0x2000, 0x1000, 48, 99)) and asked == [0]
     driver.record(event, 99)

@@ -77,6 +77,7 @@ def long_prompt(words: int = 260) -> str:
 def test_tapped_residuals_and_served_scores_match_hf(worker, hf, probes, capture_dir):
     dir18, mean24, max18 = (load_probe(probes[n]) for n in ("dir18", "mean24", "max18"))
     worst_cos = 1.0
+    copied_mid_forward = mid_forward_steps(worker)
     for prompt in PROMPTS:
         body = chat_body(prompt, max_tokens=1, return_token_ids=True,
                          vllm_xargs={"probex_capture": True, "probex_recompute": True})
@@ -100,6 +101,15 @@ def test_tapped_residuals_and_served_scores_match_hf(worker, hf, probes, capture
         expected_max = calibrate(float(max18.raw_score(hidden[19]).max()), max18.slope, max18.intercept)
         assert scores["max18"]["score"] == pytest.approx(expected_max, abs=1e-4)
     print(f"fp32 worst per-token cosine over {len(PROMPTS)} prompts: {worst_cos:.7f}")
+    # Each prompt's rows left the engine during its forward, copied where the next decoder
+    # layer's attention runs (PROBEX_PROMPT_SCORES_MID_FORWARD, on by default): the scores
+    # checked above against HF are those copies.
+    assert mid_forward_steps(worker) - copied_mid_forward >= len(PROMPTS)
+
+
+def mid_forward_steps(worker) -> int:
+    listing = httpx.get(worker.url + "/probex/probes", timeout=30).json()
+    return listing["transfer"]["mid_forward_steps"]
 
 
 def test_generated_token_scores_match_hf_at_the_sampling_position(worker, hf, probes):

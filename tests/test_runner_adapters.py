@@ -70,6 +70,12 @@ class RecordingController:
     def prompt_scores_beside(self, mark):
         return False  # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT unset
 
+    def open_mid_forward_copies(self, rows):
+        self.mid_forward = getattr(self, "mid_forward", []) + [("open", rows)]
+
+    def close_mid_forward_copies(self, launched=True):
+        self.mid_forward = getattr(self, "mid_forward", []) + [("close", launched)]
+
 
 class FakeV2Runner:
     """The V2 call order: execute_model -> add_requests, prepare_inputs (real steps only), forward."""
@@ -95,7 +101,7 @@ class FakeV2Runner:
         computed = np.array([scheduler_output.computed[r] for r in req_ids], dtype=np.int32)
         return SimpleNamespace(req_ids=req_ids, num_reqs=len(req_ids), idx_mapping_np=idx,
                                num_scheduled_tokens=np.array([sched[r] for r in req_ids], dtype=np.int32),
-                               num_computed_tokens_np=computed)
+                               num_tokens=sum(sched.values()), num_computed_tokens_np=computed)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
         if not dummy_run:
@@ -104,6 +110,8 @@ class FakeV2Runner:
                 return None
             self.prepare_inputs(scheduler_output)
         time.sleep(getattr(self, "forward_s", 0.0))
+        if getattr(self, "forward_fails", False):
+            raise RuntimeError("the forward failed")
         self.forwards += 1
         return None
 
@@ -568,3 +576,97 @@ def test_v1_adapter_times_prompt_sized_forwards_around_the_model_forward(monkeyp
     runner.execute_model(sched(scheduled={"a": 1, "b": 1}, computed={"a": 5, "b": 3}))
     timing = [c for c in controller.calls if c[0] in ("timing begins", "timing ends", "forward")]
     assert timing == [("timing begins", 8, ["a", "b"]), ("forward",), ("timing ends", 8, False), ("forward",)]
+
+
+def test_v2_adapter_opens_mid_forward_copies_for_steps_carrying_a_prompt_chunk_and_closes_them(monkeypatch):
+    """A step where some request has more than one row (a prompt chunk) has its score copies
+    opened before the forward, with the rows after_forward will hand over; a decode step and a
+    dummy run open nothing; every step closes after the forward, as not launched if it failed."""
+    monkeypatch.setattr(v2, "install_controller", lambda runner, **kwargs: getattr(runner, CONTROLLER_ATTR))
+    controller = RecordingController()
+    controller.needs_layout_before_forward = False
+    runner = wrapped_runner_class()(controller)
+    runner.load_model()
+    runner.execute_model(sched([new_req("a"), new_req("b")], scheduled={"a": 7, "b": 3}, computed={"a": 0, "b": 0}))
+    assert controller.mid_forward == [("open", 10), ("close", True)]
+    runner.execute_model(sched(scheduled={"a": 1, "b": 1}, computed={"a": 7, "b": 3}))  # decodes only
+    runner.execute_model(sched(), dummy_run=True)
+    assert controller.mid_forward == [("open", 10), ("close", True), ("close", True), ("close", True)]
+    runner.forward_fails = True
+    try:
+        runner.execute_model(sched([new_req("c")], scheduled={"c": 5}, computed={"c": 0}))
+    except RuntimeError:
+        pass
+    assert controller.mid_forward[-2:] == [("open", 5), ("close", False)]
+
+
+def test_v1_adapter_opens_mid_forward_copies_around_the_model_forward_of_a_prompt_step(monkeypatch):
+    from engine_worker import vllm_v1_runner as v1
+
+    class FailingForward(FakeV1Runner):
+        fails = False
+
+        def _model_forward(self):
+            if self.fails:
+                raise RuntimeError("the forward failed")
+            return "hidden states"
+
+    monkeypatch.setattr(v1, "install_controller", lambda runner, **kwargs: getattr(runner, CONTROLLER_ATTR))
+    controller = RecordingController()
+    controller.needs_layout_before_forward = False
+    runner = wrapped_v1_runner_class(FailingForward)(controller)
+    runner.load_model()
+    runner.execute_model(sched(scheduled={"a": 7, "b": 1}, computed={"a": 0, "b": 4}))
+    runner.execute_model(sched(scheduled={"a": 1, "b": 1}, computed={"a": 7, "b": 5}))  # decodes: not opened
+    assert controller.mid_forward == [("open", 8), ("close", True), ("close", True)]
+    runner.fails = True
+    try:
+        runner.execute_model(sched(scheduled={"c": 4}, computed={"c": 0}))
+    except RuntimeError:
+        pass
+    assert controller.mid_forward[-2:] == [("open", 4), ("close", False)]
+
+
+def test_the_model_hook_calls_back_before_the_next_layers_attention_and_only_there():
+    """`copy_scores_mid_forward` wraps, per instance, the attention implementation of the
+    layer after each tapped one: vLLM calls `impl.forward(layer, query, ...)` there from Python
+    on every forward, once layer L's tap op is enqueued. A tapped last layer has no next
+    attention and is left to the copies behind the forward."""
+    import torch
+
+    from engine_worker.vllm_models import copy_scores_mid_forward
+
+    calls = []
+
+    class Impl:
+        def __init__(self, index):
+            self.index = index
+
+        def forward(self, layer, query, kv_cache=None, output=None):
+            calls.append(("attention", self.index, layer.layer_name))
+            return output
+
+    class Attention(torch.nn.Module):
+        def __init__(self, index):
+            super().__init__()
+            self.layer_name = f"model.layers.{index}.self_attn.attn"
+            self.impl = Impl(index)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self, index):
+            super().__init__()
+            self.self_attn = torch.nn.Module()
+            self.self_attn.attn = Attention(index)
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([Decoder(i) for i in range(4)])
+    hooked = copy_scores_mid_forward(model, lambda layer: calls.append(("scores final", layer)), [1, 3])
+    assert hooked == [1]
+    assert copy_scores_mid_forward(model, lambda layer: calls.append(("twice", layer)), [1]) == []  # once per layer
+    for decoder in model.model.layers:  # a forward: each layer's attention, as vLLM calls it
+        attn = decoder.self_attn.attn
+        assert attn.impl.forward(attn, "q", output="out") == "out"
+    assert calls == [("attention", 0, "model.layers.0.self_attn.attn"), ("attention", 1, "model.layers.1.self_attn.attn"),
+                     ("scores final", 1), ("attention", 2, "model.layers.2.self_attn.attn"),
+                     ("attention", 3, "model.layers.3.self_attn.attn")]
