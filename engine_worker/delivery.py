@@ -351,7 +351,9 @@ class ScoreHub:
         # Every stream chunk the middleware decorated (its wait for scores included), by whether
         # it spliced the scores into the chunk's bytes or decoded the chunk: the API server's
         # time per chunk, which at high concurrency decides whether it keeps up with the engine.
-        self.chunks = {"spliced": TimeStats(), "decoded": TimeStats()}
+        # `prompt_ids_cut`: the cutting of a prompt's token ids out of a chunk for a client that
+        # did not ask for them, which vLLM is made to leave out (vllm_openai.py): none expected.
+        self.chunks = {"spliced": TimeStats(), "decoded": TimeStats(), "prompt_ids_cut": TimeStats()}
         # The tap switched off at run time (`set_paused`): no scores come while it is, and a
         # stream that lived through a pause has tokens that never will; `pauses` counts the
         # pauses, so a response can tell whether one happened since it began.

@@ -40,6 +40,7 @@ from engine_worker import responses
 from engine_worker.delivery import RequestScores, ScoreHub, owner_tag
 from engine_worker.steering import STEERING_XARGS, SteeringError, SteerRequest, cache_salt, steering_from_xargs
 from engine_worker.tap_config import ENV_ADMIN_TOKEN, ENV_API_SERVER_COUNT, ENV_TAP_CONFIG, TapConfig, scores_delivered
+from engine_worker.vllm_openai import PROMPT_TOKEN_IDS_UNWANTED, leave_out_unwanted_prompt_token_ids
 
 log = logging.getLogger("probex.middleware")
 
@@ -300,6 +301,8 @@ class ProbexMiddleware:
         self._started = False
         self._app = None  # the server's app, once a request came: its engine client answers RPCs
         self._background: set[asyncio.Task] = set()  # tasks started from the hub's callbacks, kept alive
+        if self.hub is not None:
+            leave_out_unwanted_prompt_token_ids()  # see `_relayed`
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.hub is not None and scope["type"] in ("lifespan", "http"):
@@ -388,9 +391,14 @@ class ProbexMiddleware:
             timed.relay = relay
         else:
             relay = BodyRelay(self.hub, call, send, self.score_wait_s)
+        # A client that did not ask for token ids gets none: vLLM then need not write the
+        # prompt's ids into the first chunk for the relay to cut them out (vllm_openai.py).
+        unwanted = None if call.wants_token_ids else PROMPT_TOKEN_IDS_UNWANTED.set(True)
         try:
             await self.app(inner_scope, _replay(new_body, receive), relay.send)
         finally:
+            if unwanted is not None:
+                PROMPT_TOKEN_IDS_UNWANTED.reset(unwanted)
             for index in range(call.num_prompts):
                 self.hub.release(call.key(index))
 
@@ -824,7 +832,9 @@ class StreamRelay:
         probex.bench_handoff`, first_chunk_ids_us); with them cut out the two paths cost
         about the same (63-72 µs spliced, 55-63 µs decoded: finding the splice points twice
         costs what decoding a chunk without the ids saves)."""
+        cutting = time.perf_counter()
         cut = event[:6] + _without_prompt_token_ids(event[6:])  # only to find the splice points
+        cut_s = time.perf_counter() - cutting if len(cut) != len(event) and not self.call.wants_token_ids else None
         points = _splice_points(cut)
         if points is None or points.index in self._prompt_sent:
             return None
@@ -847,12 +857,19 @@ class StreamRelay:
         base = event if self.call.wants_token_ids else cut[:cut_from] + cut[cut_to:]
         decorated = base[:-1] + b',"probex":{"scores":' + scores + b"}}"
         self.hub.first_chunks.add(time.perf_counter() - started)
+        if cut_s is not None:  # counted once the chunk is this path's (the decoded path counts its own)
+            self.hub.chunks["prompt_ids_cut"].add(cut_s)
         return decorated
 
     async def _decode_and_decorate(self, event: bytes, started: float, wait: bool = True) -> bytes:
         """`wait`: False where this chunk already waited for its scores (`_splice_first`)."""
         include_prompt = False
-        payload = event[6:] if self.call.wants_token_ids else _without_prompt_token_ids(event[6:])
+        payload = event[6:]
+        if not self.call.wants_token_ids:
+            cutting = time.perf_counter()
+            payload = _without_prompt_token_ids(payload)
+            if len(payload) != len(event) - 6:
+                self.hub.chunks["prompt_ids_cut"].add(time.perf_counter() - cutting)
         try:
             chunk = _decode_json(payload)
         except ValueError:

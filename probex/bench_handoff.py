@@ -30,10 +30,13 @@ prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSO
 - `formatter_prefill_step_us`: a score formatter's decoding and formatting of that message
   (`--score-formatter`; in its own process when served), and `formatted_received_us` the API
   server's decoding and filing of what it sends instead;
-- `first_chunk_us`: the middleware's decoration of vLLM's first stream chunk, which carries
-  the prompt's token ids (compact JSON, as vLLM writes it) and gets the prompt's scores;
-  `first_chunk_ids_us` the same for a client that asked for the token ids (`probex bench
-  engine`'s requests), which keep them;
+- `first_chunk_us`: the middleware's decoration of vLLM's first stream chunk (compact JSON,
+  as vLLM writes it), which gets the prompt's scores; `first_chunk_ids_us` the same for a
+  client that asked for the token ids (`probex bench engine`'s requests), whose first chunk
+  carries the prompt's ids and keeps them (for any other client vLLM leaves them out,
+  engine_worker/vllm_openai.py);
+- `vllm_first_chunk_us`, `vllm_first_chunk_ids_us`: vLLM's own building and writing of that
+  first chunk without and with the prompt's ids (where vLLM is installed);
 - `token_chunk_us`: the decoration of a later one-token chunk (its scores spliced into its
   bytes).
 
@@ -162,6 +165,29 @@ def _completion_chunk(request_id: str, prompt_ids: list[int] | None = None) -> d
                          "prompt_token_ids": prompt_ids, "token_ids": [42]}]}
 
 
+def vllm_first_chunk(prompt_tokens: int, repeats: int) -> dict:
+    """vLLM's own writing of a completion stream's first chunk (its response classes, as its
+    server builds and serializes them), with the prompt's ids (`vllm_first_chunk_ids_us`, a
+    client that asked for token ids) and without (`vllm_first_chunk_us`, where the middleware
+    has vLLM leave them out); empty where vLLM is not installed."""
+    try:
+        from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+    except ImportError:
+        return {}
+    prompt_ids = list(range(1000, 1000 + prompt_tokens))
+    times: dict[str, list[float]] = {"vllm_first_chunk": [], "vllm_first_chunk_ids": []}
+    for number in range(2 * repeats):
+        ids = number % 2 == 1
+        started = time.perf_counter()
+        choice = CompletionResponseStreamChoice(index=0, text=" a", logprobs=None, finish_reason=None,
+                                                stop_reason=None, prompt_token_ids=prompt_ids if ids else None,
+                                                token_ids=[42])
+        CompletionStreamResponse(id="cmpl-bench", object="text_completion", created=1, model="/models/llama-3.1-8b",
+                                 choices=[choice]).model_dump_json(exclude_unset=True)
+        times["vllm_first_chunk_ids" if ids else "vllm_first_chunk"].append(time.perf_counter() - started)
+    return {f"{name}_us": _median_us(values) for name, values in times.items()}
+
+
 def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     """Medians, in µs, of the host steps on a first token's way (see the module docstring).
     Each request's chunks are decorated by relays that splice and relays that decode, each
@@ -237,15 +263,18 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
                       ("_decoded", StreamRelay(hub, call, _discard, 1.0, splice=False)),
                       ("_ids", StreamRelay(hub, with_ids, _discard, 1.0)),
                       ("_ids_decoded", StreamRelay(hub, with_ids, _discard, 1.0, splice=False))]
-            for chunk, name in ((_completion_chunk(call.key_prefix, prompt_ids), "first_chunk"),
-                                (_completion_chunk(call.key_prefix), "token_chunk")):
-                event = _sse(chunk)
+            # vLLM writes the prompt's ids into the first chunk only for a client that asked for
+            # token ids (engine_worker/vllm_openai.py); a later chunk has an explicit null
+            later = _sse(_completion_chunk(call.key_prefix))
+            first = {True: _sse(_completion_chunk(call.key_prefix, prompt_ids)), False: later}
+            for name in ("first_chunk", "token_chunk"):
                 # each relay in each place in turn: the first to touch a request's scores after
                 # its step came in runs slower (cold caches), by as much as the paths differ
                 turn = number % len(relays)
                 for suffix, relay in relays[turn:] + relays[:turn]:
                     if name == "token_chunk" and suffix.startswith("_ids"):
                         continue
+                    event = first[relay.call.wants_token_ids] if name == "first_chunk" else later
                     started = time.perf_counter()
                     decorated = await relay._decorate_event(event)
                     chunk_times[name + suffix].append(time.perf_counter() - started)
@@ -263,7 +292,8 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
         raise RuntimeError("a chunk waited for scores that were already in: the measurement is off")
     if hub.chunks["spliced"].count != 3 * repeats:  # the first chunk twice (ids cut, ids kept), the later one
         raise RuntimeError("a chunk was decoded instead of spliced: not the path vLLM's chunks take")
-    return {"prompt_tokens": prompt_tokens, "repeats": repeats, "prefill_step_us": _median_us(prefill),
+    return {"prompt_tokens": prompt_tokens, "repeats": repeats, **vllm_first_chunk(prompt_tokens, repeats),
+            "prefill_step_us": _median_us(prefill),
             "request_us": _median_us(request), "request_decoded_us": _median_us(request_decoded),
             "decode_us": _median_us(decode), "intake_us": _median_us(intake),
             "formatter_prefill_step_us": _median_us(formatter_prefill),
@@ -446,7 +476,9 @@ def main() -> None:
           f"{first['first_chunk_us']} µs and a later one-token chunk {first['token_chunk_us']} µs in the API server "
           f"(decoded and re-encoded instead: {first['first_chunk_decoded_us']} and {first['token_chunk_decoded_us']} µs); "
           f"with the token ids kept, the first chunk {first['first_chunk_ids_us']} µs (decoded and re-encoded: "
-          f"{first['first_chunk_ids_decoded_us']} µs)", flush=True)
+          f"{first['first_chunk_ids_decoded_us']} µs)"
+          + (f"; vLLM writes that first chunk in {first['vllm_first_chunk_us']} µs, with the prompt's ids "
+             f"{first['vllm_first_chunk_ids_us']} µs" if "vllm_first_chunk_us" in first else ""), flush=True)
     process_counts = [1] + ([args.api_server_count] if args.api_server_count > 1 else [])
     api_steps = [api_decode_step(int(x), args.steps, args.prompt_tokens, processes=count, formatted=formatted)
                  for count in process_counts for x in args.requests.split(",") for formatted in (False, True)]

@@ -492,6 +492,9 @@ def test_spliced_chunks_equal_decoded_ones(monkeypatch, cases, client_asked):
     spliced_chunks = sum(1 for c in cases[first:] if c["token_ids"])
     assert loop["chunks_spliced"]["count"] == spliced_chunks == 4
     assert loop["chunks_decoded"]["count"] == len(cases) - spliced_chunks
+    # the stand-in's first chunk holds the prompt's ids whoever asked: cut once for a client that did not
+    assert loop["chunks_prompt_ids_cut"]["count"] == decoded_waits["loop_time"]["chunks_prompt_ids_cut"]["count"] \
+        == int(not client_asked)
 
 
 def test_missing_scores_do_not_hang_the_stream(monkeypatch):
@@ -532,7 +535,11 @@ def test_token_ids_reach_only_clients_that_asked_for_them(separators, client_ask
     """Compact chunks (vLLM's) lose their prompt ids unparsed, spaced ones once decoded; a
     client that asked for token ids gets both lists untouched."""
     request = {"return_token_ids": True} if client_asked else {}
-    out, *_ = run_stream(ROLE_TWO_TEXT_CHUNKS_STOP, step_feed([[0.0, 0.0], [1.0], [2.0]]), separators, **request)
+    out, _, _, waits = run_stream(ROLE_TWO_TEXT_CHUNKS_STOP, step_feed([[0.0, 0.0], [1.0], [2.0]]), separators,
+                                  **request)
+    # this stand-in for vLLM writes the prompt's ids whoever asked: cut unparsed where compact (counted)
+    compact = separators == (",", ":")
+    assert waits["loop_time"]["chunks_prompt_ids_cut"]["count"] == int(compact and not client_asked)
     assert [c["choices"][0]["delta"] for c in out] == [c["delta"] for c in ROLE_TWO_TEXT_CHUNKS_STOP]
     assert out[1]["probex"]["scores"]["p"]["prompt"]["prompt_tokens"] == 2
     if client_asked:
@@ -1284,3 +1291,68 @@ def test_odd_requests_to_the_worker_get_4xx_openai_errors(monkeypatch):
         assert status == 400 and answer["error"]["param"] == "after" and engine.calls == []
 
     asyncio.run(go())
+
+
+class VllmChunksApp:
+    """Streams a completion's chunks built with vLLM's own response classes, as its server
+    builds them, the prompt's ids passed whenever the request asked for token ids."""
+
+    def __init__(self, feed):
+        self.feed = feed
+        self.prompt_ids_built: list = []  # what the first chunk's choice was built holding
+
+    async def __call__(self, scope, receive, send):
+        from vllm.entrypoints.openai.completion.protocol import (CompletionResponseStreamChoice,
+                                                                 CompletionStreamResponse)
+
+        body = json.loads((await receive())["body"])
+        request_id = dict(scope["headers"])[b"x-request-id"].decode()
+        engine_id = f"cmpl-{request_id}-0-deadbeef"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i, token in enumerate((7, 8)):
+            asyncio.get_running_loop().call_later(0.02, self.feed, engine_id, i)
+            choice = CompletionResponseStreamChoice(
+                index=0, text=f"t{i}", logprobs=None, finish_reason=None, stop_reason=None,
+                prompt_token_ids=list(range(100, 130)) if i == 0 and body["return_token_ids"] else None,
+                token_ids=[token])
+            if i == 0:
+                self.prompt_ids_built.append(choice.prompt_token_ids)
+            chunk = CompletionStreamResponse(id="cmpl-x", created=1, model="m", choices=[choice])
+            data = b"data: " + chunk.model_dump_json(exclude_unset=True).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        asyncio.get_running_loop().call_later(0.02, self.feed, engine_id, 2)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+@pytest.mark.parametrize("client_asked", [False, True])
+def test_vllm_leaves_the_prompts_ids_out_unless_the_client_asked_for_token_ids(client_asked):
+    """The middleware asks vLLM for token ids on every request; for a client that did not ask,
+    vLLM's response classes are built without the prompt's ids (vllm_openai.py), which would
+    only be written into the first chunk to be cut out again. The chunks reach the client the
+    same either way; a client that asked gets the prompt's ids."""
+    feed = step_feed([[0.0, 0.0], [1.0]])
+
+    async def go():
+        hub = idle_hub()
+        app = VllmChunksApp(lambda engine_id, i: feed(hub, engine_id, i))
+        middleware = ProbexMiddleware(app, hub=hub, tap_config=TapConfig(layers=(3,)))
+        request = {"model": "m", "prompt": "x", "stream": True, **({"return_token_ids": True} if client_asked else {})}
+        sent = await post_through(middleware, "/v1/completions", json.dumps(request).encode())
+        events = [e[6:] for e in response_body(sent).decode().split("\n\n") if e.startswith("data: ")]
+        return app.prompt_ids_built, [json.loads(e) for e in events if e != "[DONE]"], hub
+
+    built, chunks, hub = asyncio.run(go())
+    assert hub.chunks["prompt_ids_cut"].count == 0  # nothing left to cut out
+    assert built == [list(range(100, 130)) if client_asked else None]
+    assert [c["choices"][0]["text"] for c in chunks] == ["t0", "t1"]
+    assert chunks[0]["probex"]["scores"]["p"]["prompt"]["prompt_tokens"] == 2
+    assert [len(c["probex"]["scores"]["p"]["generated"]["scores"]) for c in chunks] == [1, 1]
+    if client_asked:
+        assert chunks[0]["choices"][0]["prompt_token_ids"] == list(range(100, 130))
+        assert [c["choices"][0]["token_ids"] for c in chunks] == [[7], [8]]
+    else:
+        assert all("prompt_token_ids" not in c["choices"][0] and "token_ids" not in c["choices"][0] for c in chunks)
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice
+
+    outside = CompletionResponseStreamChoice(index=0, text="", prompt_token_ids=[1, 2], token_ids=[3])
+    assert outside.prompt_token_ids == [1, 2]  # outside a monitored request vLLM's classes are as they were

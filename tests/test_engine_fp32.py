@@ -216,7 +216,18 @@ def test_stream_chunks_carry_the_scores_of_their_tokens(worker, path):
         np.testing.assert_allclose(streamed[name], s["generated"]["scores"], atol=1e-5)
 
 
+def whole_prompt_ids(worker, body) -> list[int]:
+    return ok(worker, dict(body, return_token_ids=True), "/v1/completions")["choices"][0]["prompt_token_ids"]
+
+
+def prompt_ids_cut(worker) -> int:
+    """Chunks the middleware had to cut a prompt's token ids out of, for clients that did not ask."""
+    loop = httpx.get(worker.url + "/probex/health", timeout=30).json()["score_loop_time"]
+    return loop["chunks_prompt_ids_cut"]["count"]
+
+
 def test_token_ids_are_not_leaked_unless_asked(worker):
+    cut_before = prompt_ids_cut(worker)
     whole = ok(worker, chat_body(PROMPTS[1], max_tokens=3))
     assert "token_ids" not in whole["choices"][0] and "prompt_token_ids" not in whole
     chunks = stream_chunks(worker, chat_body(PROMPTS[1], max_tokens=3, stream=True))
@@ -230,6 +241,10 @@ def test_token_ids_are_not_leaked_unless_asked(worker):
     assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0]
                for c in chunks[:-1] if c["choices"])
     assert sum(len(c["probex"]["scores"]["dir18"]["generated"]["scores"]) for c in chunks[:-1] if "probex" in c) == 4
+    # vLLM wrote no prompt ids for these clients (engine_worker/vllm_openai.py): none to cut out
+    assert prompt_ids_cut(worker) == cut_before
+    asked = stream_chunks(worker, dict(body, stream=True, return_token_ids=True), "/v1/completions")
+    assert len(asked[0]["choices"][0]["prompt_token_ids"]) == len(whole_prompt_ids(worker, body))
 
 
 def test_a_paused_tap_serves_unmonitored_and_scores_the_same_once_running_again(worker):
