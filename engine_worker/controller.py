@@ -376,8 +376,10 @@ class TapController:
         enqueued (where the next decoder layer's attention runs from Python): copy its rows out
         now if a step is open for it. Cheap when none is: a decode step, a dummy run or a
         CUDA-graph capture never opens one."""
-        if self._mid_forward_open:
+        if self._mid_forward_open:  # inside the forward: the adapters' hook time does not hold it
+            started = time.perf_counter()
             self.transfer.copy_layer_now(layer)
+            self.engine_thread_s += time.perf_counter() - started
 
     def close_mid_forward_copies(self, launched: bool = True) -> None:
         """The step's forward is enqueued (`launched`) and its `after_forward` comes next; or

@@ -270,12 +270,12 @@ class _Reservation:
 
     slot: "_StagingSlot"
     rows: int
-    layers: int
     copied: set[int] = field(default_factory=set)
 
     @property
     def complete(self) -> bool:
-        return len(self.copied) == self.layers
+        """Every tapped layer's rows are copied (and the step's event recorded after them)."""
+        return len(self.copied) == len(self.slot.copies)
 
 
 class _StagingSlot:
@@ -410,11 +410,10 @@ class ScoreTransfer:
         # scheduling with this one's forward at every step that ends a request.
         ready = slot.ready if rows else None
         copied = early.copied if early is not None else ()
-        if early is not None and early.complete:
-            self.mid_forward_steps += 1
+        copied_mid_forward = early is not None and early.complete
         try:
-            if early is not None and early.complete:
-                pass  # every layer's rows and the event were enqueued during the forward
+            if copied_mid_forward:
+                self.mid_forward_steps += 1  # every layer's rows and the event were enqueued during the forward
             elif ready is not None:
                 driver = self._driver
                 stream = driver.current_stream()
@@ -494,7 +493,7 @@ class ScoreTransfer:
             slot = self._early.slot
         else:
             slot = self._take_slot()
-        self._early = _Reservation(slot, rows, layers=len(slot.copies))
+        self._early = _Reservation(slot, rows)
         return True
 
     def copy_layer_now(self, layer: int) -> bool:

@@ -108,7 +108,9 @@ def _layout_before_forward(prepare_inputs):
             self._probex_layout = layout
             controller.engine_thread_s += time.perf_counter() - started
         if controller is not None and batch.num_tokens > batch.num_reqs:  # a prompt chunk in the step
+            started = time.perf_counter()
             controller.open_mid_forward_copies(batch.num_tokens)  # rows: the scheduled tokens, as after_forward's
+            controller.engine_thread_s += time.perf_counter() - started
         if controller is not None and controller.step_timer is not None:
             _begin_timing(self, controller.step_timer, batch)
         return batch
