@@ -337,8 +337,10 @@ class ScoreHub:
         # way on from there (decorated, where the tap runs) until the server took it. What
         # the client's TTFT holds beyond these is HTTP both ways and the event loop's queue
         # ahead of the middleware.
-        self.requests = {"request_way_in": TimeStats(), "vllm_to_first_chunk": TimeStats(),
-                         "first_chunk_out": TimeStats()}
+        # Each is also kept for monitored requests alone (`*_running`, the tap running): where
+        # both states mix, as in the benchmark's idle pairs, the paused ones are the difference.
+        self.requests = {f"{part}{state}": TimeStats() for state in ("", "_running")
+                         for part in ("request_way_in", "vllm_to_first_chunk", "first_chunk_out")}
         # How long after the step that completed a prompt vLLM's first chunk of that request
         # reached the relay: from the step's arrival (`after_prompt_step`) and from the end of
         # its intake (`after_intake`; `soon_after_intake` counts the gaps under

@@ -386,7 +386,7 @@ class ProbexMiddleware:
         request_id = call.key_prefix.split("-", 1)[1]
         inner_scope = dict(scope, headers=_body_headers(scope, new_body, request_id))
         if call.stream:
-            timed = FirstChunkTimer(self.hub, arrived, send)
+            timed = FirstChunkTimer(self.hub, arrived, send, monitored=True)
             relay = StreamRelay(self.hub, call, timed.send, self.score_wait_s)
             timed.relay = relay
         else:
@@ -726,10 +726,13 @@ class FirstChunkTimer:
     vLLM's first data chunk reached it (`relay` set; otherwise its own first look at that
     chunk counts). Once the first chunk is out it only passes messages on."""
 
-    def __init__(self, hub: ScoreHub, arrived: float, send: Send) -> None:
+    def __init__(self, hub: ScoreHub, arrived: float, send: Send, monitored: bool = False) -> None:
+        """`monitored`: the tap runs for this request (its times are also booked as `*_running`)."""
         self.hub, self._send = hub, send
         self.handed = time.perf_counter()
-        hub.requests["request_way_in"].add(self.handed - arrived)
+        self._states = ("", "_running") if monitored else ("",)
+        for state in self._states:
+            hub.requests["request_way_in" + state].add(self.handed - arrived)
         self.relay: "StreamRelay | None" = None
         self._pending = True
 
@@ -742,8 +745,10 @@ class FirstChunkTimer:
         await self._send(message)
         if reached:
             self._pending = False
-            self.hub.requests["vllm_to_first_chunk"].add(reached - self.handed)
-            self.hub.requests["first_chunk_out"].add(time.perf_counter() - reached)
+            out = time.perf_counter() - reached
+            for state in self._states:
+                self.hub.requests["vllm_to_first_chunk" + state].add(reached - self.handed)
+                self.hub.requests["first_chunk_out" + state].add(out)
 
 
 class StreamRelay:

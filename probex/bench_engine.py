@@ -3024,6 +3024,23 @@ PAIRED_METRICS = ("tpot_p50", "ttft_p50")  # the ones held to goals
 _API_PARTS = ("request_way_in", "vllm_to_first_chunk", "first_chunk_out")
 
 
+def idle_api_parts(delivery: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """The API server's parts of a request's TTFT (`_API_PARTS`) at an idle engine, running and
+    paused apart (mean ms each), from an idle-pairs delivery section: its counters pool both
+    states and also keep the running requests alone (`*_running`, since session 35), so the
+    paused ones are the difference. Empty where a run has no such split."""
+    loop = delivery.get("api_loop") or {}
+    parts = {}
+    for part in _API_PARTS:
+        pooled, running = loop.get(part), loop.get(part + "_running")
+        if not pooled or not running or pooled["count"] <= running["count"]:
+            continue
+        paused_count = pooled["count"] - running["count"]
+        paused_ms = (pooled["mean_ms"] * pooled["count"] - running["mean_ms"] * running["count"]) / paused_count
+        parts[part] = (running["mean_ms"], paused_ms)
+    return parts
+
+
 def _api_part(entry: dict[str, Any], part: str) -> float:
     return _metric(entry, ("delivery", "api_loop", part, "mean_ms"))
 
@@ -3489,6 +3506,13 @@ def toggle_tables(result: dict[str, Any], kind: str = TOGGLE_KIND) -> list[str]:
                          f"about {pooled['pairs_for_half_width']} pairs in all, "
                          f"{math.ceil(pooled['pairs_for_half_width'] / starts)} a start over {starts} starts "
                          "(--idle-ttft-pairs).")
+    for s in setups:
+        parts = idle_api_parts((s.get("idle_ttft_toggle") or {}).get("delivery") or {})
+        if parts:
+            lines.append(f"\nThe API server's parts of an idle request's TTFT ({s['label']}; running / paused, ms "
+                         "per request): " + "; ".join(
+                             f"{TTFT_WHERE_WORDS[part]} {running:.3f} / {paused:.3f}"
+                             for part, (running, paused) in parts.items()) + ".")
     splits = [(s["label"], _forward_split_of(s["idle_ttft_toggle"])) for s in setups
               if "span" in (s.get("idle_ttft_toggle") or {}).get("forward_split", {})]
     if splits:

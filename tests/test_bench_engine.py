@@ -1745,3 +1745,22 @@ def test_the_gpu_scripts_cpu_split_gives_the_bench_two_disjoint_lists_of_whole_c
     assert not set(server) & set(client) and sorted(server + client) == allowed
     assert all(core <= set(server) or core <= set(client) for core in cores)
     assert len(client) <= len(server)
+
+
+def test_an_idle_runs_api_server_parts_are_split_into_running_and_paused():
+    """The idle pairs' counters pool both states and keep the running requests apart
+    (`*_running`): the paused requests' mean is what the pooled total leaves."""
+    delivery = {"api_loop": {"first_chunk_out": {"count": 10, "mean_ms": 0.07},
+                             "first_chunk_out_running": {"count": 5, "mean_ms": 0.12},
+                             "request_way_in": {"count": 10, "mean_ms": 0.1},  # a run without the split
+                             "vllm_to_first_chunk": {"count": 4, "mean_ms": 30.0},
+                             "vllm_to_first_chunk_running": {"count": 4, "mean_ms": 30.0}}}  # no paused request
+    parts = be.idle_api_parts(delivery)
+    assert list(parts) == ["first_chunk_out"]
+    assert parts["first_chunk_out"] == (pytest.approx(0.12), pytest.approx(0.02))
+    assert be.idle_api_parts({}) == {}
+    result = {"setups": [{"label": "tap-toggle", "kind": "tap-toggle", "results": {},
+                          "idle_ttft_toggle": {"delivery": delivery}}]}
+    assert any("The API server's parts of an idle request's TTFT (tap-toggle; running / paused, ms per request): "
+               "the first chunk's way out of the middleware 0.120 / 0.020." in line
+               for line in be.toggle_tables(result))

@@ -1220,13 +1220,14 @@ def test_each_probe_set_swapped_in_gets_its_retention_check_once_in_every_proces
 
 def test_a_streamed_requests_way_through_the_process_is_timed_running_and_paused():
     """Into the hub's loop-time stats (so /probex/health and the benchmark's phases have them),
-    for the tap running and paused alike: the way in (the middleware's look at the request),
+    for the tap running and paused alike, and apart for the running one (`*_running`): the way in (the middleware's look at the request),
     vLLM's time to its first chunk (a data event; a chat stream's role chunk here), and that
     chunk's way out (decorated, where the tap runs), once per request."""
     _, last, _, waits = run_stream(ROLE_TWO_TEXT_CHUNKS_STOP, step_feed([[0.0, 0.0], [1.0], [2.0]]))
     loop = waits["loop_time"]
     assert last == "[DONE]"
-    assert all(loop[kind]["count"] == 1 for kind in ("request_way_in", "vllm_to_first_chunk", "first_chunk_out"))
+    parts = ("request_way_in", "vllm_to_first_chunk", "first_chunk_out")
+    assert all(loop[kind]["count"] == loop[kind + "_running"]["count"] == 1 for kind in parts)
     assert loop["request_way_in"]["total_s"] < 0.04 and loop["first_chunk_out"]["total_s"] < 0.04
 
     class SlowStream:
@@ -1250,7 +1251,7 @@ def test_a_streamed_requests_way_through_the_process_is_timed_running_and_paused
         return hub.loop_time_stats()
 
     loop = asyncio.run(paused())
-    assert all(loop[kind]["count"] == 1 for kind in ("request_way_in", "vllm_to_first_chunk", "first_chunk_out"))
+    assert all(loop[kind]["count"] == 1 and loop[kind + "_running"]["count"] == 0 for kind in parts)
     assert 0.025 <= loop["vllm_to_first_chunk"]["total_s"] < 1.0 and loop["first_chunk_out"]["total_s"] < 0.025
 
 
