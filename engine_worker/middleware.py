@@ -831,7 +831,8 @@ class StreamRelay:
         prompt and the tokens, a prompt whose scores never came).
 
         On every request's way to its first token. A completion's first chunk carries the
-        prompt's token ids (1024 for a 1024-token prompt): where the client keeps them,
+        prompt's token ids (1024 for a 1024-token prompt) where the client asked for token ids
+        (for other clients vLLM is made to leave them out, vllm_openai.py): where it keeps them,
         decoding and re-encoding them is most of the decoded path's time, and splicing takes
         about half of it (62-70 µs against 114-124 µs on a slow 2-core machine, `python3 -m
         probex.bench_handoff`, first_chunk_ids_us); with them cut out the two paths cost
@@ -1036,9 +1037,11 @@ def _without_prompt_token_ids(payload: bytes) -> bytes:
     """`payload` with its `"prompt_token_ids":[...]` members cut out of the bytes, unparsed.
 
     The middleware asks vLLM for token ids (to count each chunk's tokens) and strips them
-    again for clients that did not: the prompt's ids arrive with the first chunk, 1024 of
-    them for a 1024-token prompt, on that chunk's way to the client's first token. Cutting
-    them out first saves decoding and re-encoding them. Only vLLM's compact form is cut: a
+    again for clients that did not. vLLM is made to build no prompt ids for those clients
+    (vllm_openai.py); where it still writes them (a vLLM whose response classes that patch
+    does not find), they arrive with the first chunk, 1024 of them for a 1024-token prompt,
+    on that chunk's way to the client's first token, and the hub counts each cut
+    (`chunks["prompt_ids_cut"]`). Cutting them out first saves decoding and re-encoding them. Only vLLM's compact form is cut: a
     member right after `{` or `,`, whose list holds nothing but digits, commas and minus
     signs and is followed by `,` or `}`; the bytes cannot occur inside a JSON string, where
     quotes are escaped. Anything else is returned unchanged, for the decoded path, which

@@ -79,7 +79,7 @@ ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
 # copied out *during* its forward, as soon as each tapped layer's scores are final (enqueued
 # where the next decoder layer's attention runs from Python, between two CUDA-graph pieces),
 # instead of behind the whole forward, so their consume overlaps the forward's remaining
-# layers rather than sitting between the forward and the first token (`mid_forward_copies`
+# layers rather than sitting between the forward and the first token (`copy_scores_mid_forward`
 # in engine_worker/vllm_models.py; score_transfer.py's `reserve_step`).
 ENV_PROMPT_SCORES_MID_FORWARD = "PROBEX_PROMPT_SCORES_MID_FORWARD"
 

@@ -23,6 +23,7 @@ from engine_worker.steering import SteeringError, SteerRequest, steering_from_xa
 from engine_worker.tap import LayerTap, awaiting_storage, materialize
 from engine_worker.tap_config import (ENV_API_SERVER_COUNT, ENV_DELIVERY, ENV_PROMPT_SCORES_MID_FORWARD, TapConfig,
                                       scores_delivered)
+from engine_worker.vllm_models import copy_scores_mid_forward
 
 log = logging.getLogger("vllm.probex.worker")  # under "vllm": printed by its log handler
 
@@ -77,8 +78,6 @@ def install_controller(runner, score_consumer: str = "thread") -> TapController 
         raise RuntimeError(f"probex: refusing to start: {exc}") from None
     setattr(runner, CONTROLLER_ATTR, controller)
     if controller.prompt_scores_mid_forward:
-        from engine_worker.vllm_models import copy_scores_mid_forward
-
         hooked = copy_scores_mid_forward(runner.model, controller.layer_scores_final, controller.taps)
         log.info("probex: prompt steps' scores of layers %s are copied out mid-forward (%s=0 turns it off)",
                  hooked, ENV_PROMPT_SCORES_MID_FORWARD)
