@@ -190,6 +190,9 @@ class RequestScores:
     prompt_fields: dict[str, dict] | None = None  # and each probe's calibrated part (responses.prompt_fields)
     prompt_probes: ProbeColumns | None = None  # the probe set `prompt_fields` were laid out for
     prompt_json_parts: list[bytes | None] | None = None  # and as the first chunk writes them (responses.prompt_json_parts)
+    # (token 0's scores, the prompt_json_parts, the first chunk's scores JSON written from them):
+    # responses.write_first_chunk_ahead, as the prompt's step comes in
+    first_chunk_json: tuple[tuple[float, ...], list, bytes] | None = None
     # A spliced stream's tokens' scores as their one-token chunks carry them, written as each
     # token comes in (responses.token_scores_json) and taken by the chunk: the hub takes in a
     # step's scores well ahead of the step's chunks, which come in a burst, one per stream,
@@ -598,6 +601,8 @@ class ScoreHub:
         return table
 
     def _intake_done(self, started: float, prompted: list[RequestScores]) -> None:
+        for state in prompted:  # the step's tokens are in too: token 0 is among them
+            responses.write_first_chunk_ahead(state)
         done = time.perf_counter()
         elapsed = done - started
         self.intake["steps"].add(elapsed)

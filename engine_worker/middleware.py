@@ -779,12 +779,19 @@ class StreamRelay:
             return await self._send(message)
         if message["type"] != "http.response.body" or not self._is_sse:
             return await self._send(message)
-        if not self.first_content_at and b"data: {" in message.get("body", b""):
+        body = message.get("body", b"")
+        if not self.first_content_at and b"data: {" in body:
             self.first_content_at = time.perf_counter()
-        events = (self._pending + message.get("body", b"")).split(b"\n\n")
+        more = message.get("more_body", False)
+        # One whole event with no line break inside, as vLLM sends them: a one-byte search for
+        # the first break (memchr) says so, where splitting at "\n\n" scans a first chunk's
+        # 5 KB of prompt ids byte by byte (5 µs on the dev machine, on the way to the first token)
+        if not self._pending and body.find(b"\n") == len(body) - 2 and body.endswith(b"\n\n"):
+            decorated = await self._decorate_event(body[:-2])
+            return await self._send({"type": "http.response.body", "body": decorated + b"\n\n", "more_body": more})
+        events = (self._pending + body).split(b"\n\n")
         self._pending = events.pop()  # what follows the last complete event: b"" as vLLM sends them
         out = [await self._decorate_event(event) + b"\n\n" for event in events]
-        more = message.get("more_body", False)
         if not more and self._pending:
             out.append(self._pending)
             self._pending = b""
@@ -794,10 +801,10 @@ class StreamRelay:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
             return event
         started = time.perf_counter()
-        points = _splice_points(event) if self.splice else None
+        points = _splice_points(event, self.call.wants_token_ids) if self.splice else None
         if points is None or points.index not in self._prompt_sent:
             self._first_splice_waited = False
-            first = await self._splice_first(event, started) if self.splice else None
+            first = await self._splice_first(event, points, started) if self.splice else None
             if first is not None:
                 self.hub.chunks["spliced"].add(time.perf_counter() - started)
                 return first
@@ -824,25 +831,33 @@ class StreamRelay:
         self.hub.chunks["spliced"].add(time.perf_counter() - started)
         return decorated
 
-    async def _splice_first(self, event: bytes, started: float) -> bytes | None:
+    async def _splice_first(self, event: bytes, points: SplicePoints | None, started: float) -> bytes | None:
         """A choice's first chunk with tokens, its prompt's scores and its tokens' spliced into
         its bytes, or None for the decoded path: a chunk not in vLLM's compact form with one
         choice and tokens, or whose scores cannot be written directly (a probe swap between the
-        prompt and the tokens, a prompt whose scores never came).
+        prompt and the tokens, a prompt whose scores never came). `points`: the chunk's, read
+        by the caller (None where it could not read them).
 
-        On every request's way to its first token. A completion's first chunk carries the
-        prompt's token ids (1024 for a 1024-token prompt) where the client asked for token ids
-        (for other clients vLLM is made to leave them out, vllm_openai.py): where it keeps them,
-        decoding and re-encoding them is most of the decoded path's time, and splicing takes
-        about half of it (62-70 µs against 114-124 µs on a slow 2-core machine, `python3 -m
-        probex.bench_handoff`, first_chunk_ids_us); with them cut out the two paths cost
-        about the same (63-72 µs spliced, 55-63 µs decoded: finding the splice points twice
-        costs what decoding a chunk without the ids saves)."""
-        cutting = time.perf_counter()
-        cut = event[:6] + _without_prompt_token_ids(event[6:])  # only to find the splice points
-        cut_s = time.perf_counter() - cutting if len(cut) != len(event) and not self.call.wants_token_ids else None
-        points = _splice_points(cut)
-        if points is None or points.index in self._prompt_sent:
+        On every request's way to its first token, so it reads the chunk's bytes once and
+        writes nothing the hub could write ahead (`responses.write_first_chunk_ahead`). A
+        completion's first chunk carries the prompt's token ids (1024 for a 1024-token
+        prompt) only where the client asked for token ids: they stay, and the splice points
+        are read around them; for other clients vLLM is made to leave them out
+        (vllm_openai.py). Where a vLLM still writes them for such a client (one whose classes
+        that patch does not find) they are cut out here first (`chunks["prompt_ids_cut"]`)."""
+        cut_s = None
+        if points is None:
+            if self.call.wants_token_ids:
+                return None
+            cutting = time.perf_counter()
+            cut = event[:6] + _without_prompt_token_ids(event[6:])
+            if len(cut) == len(event):
+                return None  # nothing to cut: not a chunk the splice can read
+            cut_s = time.perf_counter() - cutting
+            points, event = _splice_points(cut), cut
+            if points is None:
+                return None
+        if points.index in self._prompt_sent:
             return None
         index, new_tokens, cut_from, cut_to = points
         key = self.call.key(index)
@@ -859,8 +874,8 @@ class StreamRelay:
         self._prompt_sent.add(index)
         _write_tokens_ahead(state, stop)
         self.hub.first_chunk_came(state, started)
-        # The client's token ids stay as vLLM wrote them, or go, the prompt's with the chunk's
-        base = event if self.call.wants_token_ids else cut[:cut_from] + cut[cut_to:]
+        # The client's token ids stay as vLLM wrote them, or go
+        base = event if self.call.wants_token_ids else event[:cut_from] + event[cut_to:]
         decorated = base[:-1] + b',"probex":{"scores":' + scores + b"}}"
         self.hub.first_chunks.add(time.perf_counter() - started)
         if cut_s is not None:  # counted once the chunk is this path's (the decoded path counts its own)
@@ -982,6 +997,7 @@ def _encode_json(payload: Any) -> bytes:
 
 
 _TOKEN_IDS_MEMBER = b',"token_ids":['
+_IDS_KEY_END, _PROMPT_IDS_KEY_START = b'token_ids"', b'"prompt_'
 _NULL_PROMPT_IDS_MEMBER = b',"prompt_token_ids":null'
 _FIRST_CHOICE_INDEX = b'"choices":[{"index":'
 _DIGITS_AND_COMMAS = b"0123456789,"
@@ -997,11 +1013,13 @@ class SplicePoints(NamedTuple):
     cut_to: int
 
 
-def _splice_points(event: bytes) -> SplicePoints | None:
+def _splice_points(event: bytes, prompt_ids_kept: bool = False) -> SplicePoints | None:
     """What a stream chunk's bytes say of its tokens, read without decoding it, or None unless
     the chunk is in vLLM's compact form with one choice, at least one token and no list of
-    prompt token ids. An unescaped quote cannot occur inside a JSON string, so what is found
-    here by its quotes is structure, not text.
+    prompt token ids (`prompt_ids_kept`: the client asked for token ids, so nothing will be
+    cut and one `prompt_token_ids` member, a list or null, may be anywhere else in it). An
+    unescaped quote cannot occur inside a JSON string, so what is found here by its quotes is
+    structure, not text.
 
     vLLM writes a choice's `token_ids` last. A completion's choice has
     `"prompt_token_ids":null` right before them in every chunk after the first (vLLM sets
@@ -1017,8 +1035,16 @@ def _splice_points(event: bytes) -> SplicePoints | None:
     if not ids or ids.translate(None, _DIGITS_AND_COMMAS) or ids[0] == _COMMA or ids[-1] == _COMMA:
         return None  # no token, or not a plain list of ids
     cut_from = member - len(_NULL_PROMPT_IDS_MEMBER) if event.endswith(_NULL_PROMPT_IDS_MEMBER, 0, member) else member
-    if event.find(b'token_ids"', 0, cut_from) >= 0 or event.find(b'token_ids"', end) >= 0:
-        return None  # another choice's ids, or the prompt's (a first chunk) or a null one elsewhere
+    before, after = event.find(_IDS_KEY_END, 0, cut_from), event.find(_IDS_KEY_END, end)
+    if before >= 0 or after >= 0:  # another choice's ids, or the prompt's (a first chunk), or a null one elsewhere
+        if not prompt_ids_kept or (before >= 0 and after >= 0):
+            return None
+        other = before if before >= 0 else after
+        # The prompt's ids, kept: no other member may follow them before the chunk's ids (or the
+        # chunk's end): no quote at all, found with a one-byte search over their 5 KB.
+        if (not event.endswith(_PROMPT_IDS_KEY_START, 0, other)
+                or event.find(b'"', other + len(_IDS_KEY_END), cut_from if before >= 0 else len(event)) >= 0):
+            return None
     where = event.find(_FIRST_CHOICE_INDEX, 0, member)
     if where < 0:
         return None

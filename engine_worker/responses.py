@@ -144,11 +144,31 @@ def first_chunk_scores_json(state: RequestScores, start: int, stop: int) -> byte
     probes, rows = uniform
     if probes is not state.prompt_probes:
         return None  # a probe swap between the prompt and these tokens
+    written = state.first_chunk_json
+    if (written is not None and start == 0 and stop == 1 and written[0] is rows[0]
+            and written[1] is state.prompt_json_parts):
+        return written[2]  # written as the prompt came in (`write_first_chunk_ahead`), and still its
     parts = state.prompt_json_parts
     if parts is None or len(parts) != 4 * len(fields) + 1:
         return _json_encoder.encode({name: {**part, "generated": {"offset": start, "scores": list(column)}}
                                      for (name, part), column in zip(fields.items(), zip(*rows))})
     return _filled_in(parts, start, rows)
+
+
+def write_first_chunk_ahead(state: RequestScores) -> None:
+    """Write a stream's usual first chunk's scores (the prompt's part and token 0's, offset 0)
+    as the step that completed its prompt comes in: a completion's first chunk carries token
+    0, which that step sampled, and reaches the API server some milliseconds later (with the
+    prompt's score copies made mid-forward, session 35), so `first_chunk_scores_json` finds it
+    written instead of writing it on the way to the client's first token. Kept with the
+    objects it was written from: a token 0 or a prompt part that came again is written anew."""
+    state.first_chunk_json = None
+    first = state.tokens.get(0)
+    parts = state.prompt_json_parts
+    if first is None or parts is None or state.probes_of(0) is not state.prompt_probes:
+        return
+    if len(parts) == 4 * len(state.prompt_fields or ()) + 1:
+        state.first_chunk_json = (first, parts, _filled_in(parts, 0, [first]))
 
 
 def _column_json(rows: list[tuple[float, ...]]) -> list[bytes]:

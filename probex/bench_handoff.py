@@ -30,11 +30,13 @@ prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSO
 - `formatter_prefill_step_us`: a score formatter's decoding and formatting of that message
   (`--score-formatter`; in its own process when served), and `formatted_received_us` the API
   server's decoding and filing of what it sends instead;
-- `first_chunk_us`: the middleware's decoration of vLLM's first stream chunk (compact JSON,
-  as vLLM writes it), which gets the prompt's scores; `first_chunk_ids_us` the same for a
-  client that asked for the token ids (`probex bench engine`'s requests), whose first chunk
-  carries the prompt's ids and keeps them (for any other client vLLM leaves them out,
-  engine_worker/vllm_openai.py);
+- `first_chunk_us`: vLLM's first stream chunk (compact JSON, as vLLM writes it) through the
+  middleware as served, its relay (which splices the prompt's scores in) and the request's
+  timer: the part `probex bench engine` reports as the first chunk's way out of the
+  middleware; `first_chunk_ids_us` the same for a client that asked for the token ids
+  (`probex bench engine`'s requests), whose first chunk carries the prompt's ids and keeps
+  them (for any other client vLLM leaves them out, engine_worker/vllm_openai.py);
+  `first_chunk_paused_us` that chunk with the tap paused, the timer alone passing it on;
 - `vllm_first_chunk_us`, `vllm_first_chunk_ids_us`: vLLM's own building and writing of that
   first chunk without and with the prompt's ids (where vLLM is installed);
 - `token_chunk_us`: the decoration of a later one-token chunk (its scores spliced into its
@@ -147,6 +149,9 @@ def run(requests: int, steps: int, threaded: bool, python_us: float, wait_us: fl
     return {"hook_us": hook_s * 1e6, "consume_us": consumed / steps * 1e6, "step_us": step_s * 1e6}
 
 
+_SSE_START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+
+
 async def _discard(message: dict) -> None:
     """The relays' ASGI send: what reaches the client is not part of what is timed."""
 
@@ -198,7 +203,8 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
 
     from engine_worker.bookkeeping import StepLayout
     from engine_worker.delivery import ScoreHub
-    from engine_worker.middleware import MonitoredCall, StreamRelay, _decode_request, body_as_sent, inspect_request
+    from engine_worker.middleware import (FirstChunkTimer, MonitoredCall, StreamRelay, _decode_request, body_as_sent,
+                                          inspect_request)
     from engine_worker.score_formatter import ScoreFormatter
 
     messages: list[bytes] = []
@@ -207,7 +213,7 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     formatter_prefill, formatted_received = [], []
     chunk_times: dict[str, list[float]] = {name: [] for name in ("first_chunk", "token_chunk", "first_chunk_decoded",
                                                                   "token_chunk_decoded", "first_chunk_ids",
-                                                                  "first_chunk_ids_decoded")}
+                                                                  "first_chunk_ids_decoded", "first_chunk_paused")}
     prompt_ids = list(range(1000, 1000 + prompt_tokens))
     with tempfile.TemporaryDirectory() as tmp:
         controller = _controller(False, Path(tmp))
@@ -259,10 +265,20 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
             # The same request as a client that asked for the token ids sees it (`probex bench
             # engine`'s): they stay in its chunks, the prompt's in the first.
             with_ids = MonitoredCall(key_prefix=call.key_prefix, stream=True, wants_token_ids=True)
-            relays = [("", StreamRelay(hub, call, _discard, 1.0)),
-                      ("_decoded", StreamRelay(hub, call, _discard, 1.0, splice=False)),
-                      ("_ids", StreamRelay(hub, with_ids, _discard, 1.0)),
-                      ("_ids_decoded", StreamRelay(hub, with_ids, _discard, 1.0, splice=False))]
+            # Each relay as served: under the timer of the request's way through the process,
+            # told that it is SSE by vLLM's response start (not timed)
+            out: list[dict] = []
+
+            async def keep(message: dict) -> None:
+                out.append(message)
+
+            relays = []
+            for suffix, monitored, splice in (("", call, True), ("_decoded", call, False), ("_ids", with_ids, True),
+                                              ("_ids_decoded", with_ids, False)):
+                timer = FirstChunkTimer(hub, time.perf_counter(), keep, monitored=True)
+                relay = timer.relay = StreamRelay(hub, monitored, timer.send, 1.0, splice=splice)
+                await relay.send(_SSE_START)
+                relays.append((suffix, relay))
             # vLLM writes the prompt's ids into the first chunk only for a client that asked for
             # token ids (engine_worker/vllm_openai.py); a later chunk has an explicit null
             later = _sse(_completion_chunk(call.key_prefix))
@@ -275,11 +291,21 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
                     if name == "token_chunk" and suffix.startswith("_ids"):
                         continue
                     event = first[relay.call.wants_token_ids] if name == "first_chunk" else later
+                    message = {"type": "http.response.body", "body": event + b"\n\n", "more_body": True}
                     started = time.perf_counter()
-                    decorated = await relay._decorate_event(event)
+                    await relay.send(message)
                     chunk_times[name + suffix].append(time.perf_counter() - started)
+                    decorated = out.pop()["body"]
                     if b'"probex"' not in decorated or (b"token_ids" in decorated) != relay.call.wants_token_ids:
                         raise RuntimeError(f"the chunk was not decorated as served: {decorated[:200]!r}")
+            # The same first chunk with the tap paused: the timer alone passes it on (the client's
+            # ids kept, as `probex bench engine`'s client asks)
+            paused = FirstChunkTimer(hub, time.perf_counter(), keep)
+            message = {"type": "http.response.body", "body": first[True] + b"\n\n", "more_body": True}
+            started = time.perf_counter()
+            await paused.send(message)
+            chunk_times["first_chunk_paused"].append(time.perf_counter() - started)
+            out.clear()
             hub.release(call.key(0))
 
         async def all_requests() -> None:
@@ -476,7 +502,7 @@ def main() -> None:
           f"{first['first_chunk_us']} µs and a later one-token chunk {first['token_chunk_us']} µs in the API server "
           f"(decoded and re-encoded instead: {first['first_chunk_decoded_us']} and {first['token_chunk_decoded_us']} µs); "
           f"with the token ids kept, the first chunk {first['first_chunk_ids_us']} µs (decoded and re-encoded: "
-          f"{first['first_chunk_ids_decoded_us']} µs)"
+          f"{first['first_chunk_ids_decoded_us']} µs; the tap paused: {first['first_chunk_paused_us']} µs)"
           + (f"; vLLM writes that first chunk in {first['vllm_first_chunk_us']} µs, with the prompt's ids "
              f"{first['vllm_first_chunk_ids_us']} µs" if "vllm_first_chunk_us" in first else ""), flush=True)
     process_counts = [1] + ([args.api_server_count] if args.api_server_count > 1 else [])

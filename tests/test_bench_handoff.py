@@ -21,7 +21,7 @@ def test_handoff_benchmark_runs_both_ways_and_writes_json(tmp_path, monkeypatch)
     assert all(first[key] > 0 for key in ("request_us", "request_decoded_us", "prefill_step_us", "decode_us", "intake_us",
                                        "first_chunk_us", "token_chunk_us", "first_chunk_ids_us",
                                        "first_chunk_ids_decoded_us", "formatter_prefill_step_us",
-                                       "formatted_received_us"))
+                                       "formatted_received_us", "first_chunk_paused_us"))
     # the API server's share of a decode step (the benchmark raises if a chunk waited or was not spliced)
     # one process, then one of four (--api-server-count 4, the default): its own stream of the four;
     # each from the worker and from the score formatter

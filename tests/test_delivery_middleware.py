@@ -1357,3 +1357,102 @@ def test_vllm_leaves_the_prompts_ids_out_unless_the_client_asked_for_token_ids(c
 
     outside = CompletionResponseStreamChoice(index=0, text="", prompt_token_ids=[1, 2], token_ids=[3])
     assert outside.prompt_token_ids == [1, 2]  # outside a monitored request vLLM's classes are as they were
+
+
+@pytest.mark.parametrize("payload, expected", [
+    # a completion's first chunk as a client that asked for token ids gets it: the prompt's ids stay
+    (b'{"choices":[{"index":0,"text":"a","prompt_token_ids":[5,6],"token_ids":[1]}]}', (0, 1)),
+    (b'{"choices":[{"index":2,"text":"a","prompt_token_ids":null,"token_ids":[1,2]}]}', (2, 2)),
+    # a chat chunk with the prompt's ids (or null) after its choices
+    (b'{"choices":[{"index":0,"text":"a","token_ids":[1]}],"prompt_token_ids":[5,6]}', (0, 1)),
+    (b'{"choices":[{"index":0,"text":"a","token_ids":[1]}],"prompt_token_ids":null}', (0, 1)),
+    # anything else still goes the decoded way
+    (b'{"choices":[{"index":0,"prompt_token_ids":[5],"x":"y","token_ids":[1]}]}', None),  # a member between
+    (b'{"choices":[{"index":0,"token_ids":[1]}],"prompt_token_ids":[5],"x":1}', None),  # a member after
+    (b'{"prompt_token_ids":[4],"choices":[{"index":0,"token_ids":[1]}],"prompt_token_ids":[5]}', None),  # twice
+    (b'{"choices":[{"index":0,"not_prompt_token_ids":[5],"token_ids":[1]}]}', None),
+    (b'{"choices":[{"index":0,"token_ids":[5]},{"index":1,"token_ids":[1]}]}', None),  # two choices
+])
+def test_a_chunk_keeping_the_prompts_ids_is_read_around_them(payload, expected):
+    from engine_worker.middleware import _splice_points
+
+    found = _splice_points(b"data: " + payload, prompt_ids_kept=True)
+    assert (found[:2] if found else None) == expected
+    if expected is not None and b"[5,6]" in payload:
+        assert _splice_points(b"data: " + payload) is None  # cut for a client that did not ask: not this way
+
+
+def _completion_events(request_id: str, count: int) -> list[bytes]:
+    """A completion stream's events as vLLM writes them for a client that asked for token ids."""
+    events = []
+    for i in range(count):
+        choice = {"index": 0, "text": f"t{i}", "logprobs": None, "finish_reason": None, "stop_reason": None,
+                  "prompt_token_ids": list(range(100, 140)) if i == 0 else None, "token_ids": [7 + i]}
+        events.append(b"data: " + json.dumps({"id": request_id, "object": "text_completion", "choices": [choice]},
+                                             separators=(",", ":")).encode() + b"\n\n")
+    return events + [b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("framing", ["event_per_message", "all_in_one", "split_anywhere"])
+def test_a_stream_is_decorated_alike_however_its_events_are_framed(framing):
+    """vLLM sends one event per body message (the relay's quick path); events several to a
+    message, or cut across messages, must come out the same."""
+    from engine_worker.middleware import MonitoredCall, StreamRelay
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+
+    async def go(framing):
+        hub = idle_hub()
+        call = MonitoredCall(key_prefix="cmpl-probex-frame", stream=True, wants_token_ids=True)
+        engine_id = call.key(0) + "-0123abcd"
+        hub.ingest(step_message(table, StepLayout([engine_id], np.array([2]), np.array([0]), np.array([2])),
+                                np.array([[0.0], [0.5]], np.float32), []))
+        for i in range(1, 4):
+            hub.ingest(step_message(table, StepLayout([engine_id], np.array([1]), np.array([1 + i]), np.array([2])),
+                                    np.array([[float(i)]], np.float32), []))
+        out = []
+
+        async def send(message):
+            out.append(message)
+
+        relay = StreamRelay(hub, call, send, 1.0)
+        await relay.send({"type": "http.response.start", "status": 200,
+                          "headers": [(b"content-type", b"text/event-stream")]})
+        events = _completion_events(call.key_prefix, 4)
+        whole = b"".join(events)
+        bodies = {"event_per_message": events, "all_in_one": [whole],
+                  "split_anywhere": [whole[i:i + 97] for i in range(0, len(whole), 97)]}[framing]
+        for number, body in enumerate(bodies):
+            await relay.send({"type": "http.response.body", "body": body, "more_body": number < len(bodies) - 1})
+        return b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body"), hub
+
+    reference, _ = asyncio.run(go("event_per_message"))
+    got, hub = asyncio.run(go(framing))
+    assert got == reference
+    chunks = [json.loads(e[6:]) for e in got.decode().split("\n\n") if e.startswith("data: {")]
+    assert [c["probex"]["scores"]["p"]["generated"]["offset"] for c in chunks] == [0, 1, 2, 3]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == list(range(100, 140))
+    assert "prompt" in chunks[0]["probex"]["scores"]["p"]
+    assert hub.chunks["spliced"].count == 4
+
+
+def test_the_first_chunk_written_ahead_is_not_served_stale():
+    """The hub writes a stream's first chunk's scores as the prompt's step comes in; a token 0
+    that comes again (scored anew) must be what the first chunk carries."""
+    from engine_worker import responses
+
+    table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
+    hub = idle_hub()
+    engine_id = "cmpl-probex-ahead-0-0123abcd"
+    layout = StepLayout([engine_id], np.array([2]), np.array([0]), np.array([2]))
+    hub.ingest(step_message(table, layout, np.array([[0.0], [0.5]], np.float32), []))
+    state = hub.get("cmpl-probex-ahead-0")
+    written = state.first_chunk_json
+    assert written is not None
+    assert responses.first_chunk_scores_json(state, 0, 1) is written[2]
+    state.first_chunk_json = None
+    assert responses.first_chunk_scores_json(state, 0, 1) == written[2]  # the same bytes, written on the spot
+    state.first_chunk_json = written
+    state.add_token(0, (0.99,), state.token_probes)  # token 0 scored anew (a recomputed request)
+    again = json.loads(responses.first_chunk_scores_json(state, 0, 1))
+    assert again["p"]["generated"]["scores"] == [0.99]
