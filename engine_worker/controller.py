@@ -33,7 +33,7 @@ from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
 from engine_worker.tap_config import (ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_spin_s, prompt_scores_beside_output,
-                                      prompt_scores_mid_forward, scores_ahead_of_tokens)
+                                      prompt_scores_early, prompt_scores_mid_forward, scores_ahead_of_tokens)
 
 log = logging.getLogger("probex.controller")
 
@@ -117,7 +117,9 @@ class TapController:
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
                                       self._consume_step, threaded=threaded,
                                       copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
-                                      consumer=os.environ.get(ENV_SCORE_CONSUMER, "").strip().lower() or consumer)
+                                      consumer=os.environ.get(ENV_SCORE_CONSUMER, "").strip().lower() or consumer,
+                                      # PROBEX_PROMPT_SCORES_EARLY=1, an experiment: see `_consume_early`
+                                      early_consume=prompt_scores_early() and self.prompt_scores_mid_forward)
 
     # -- probe sets ------------------------------------------------------------------------
 

@@ -316,12 +316,16 @@ class ScoreTransfer:
         copy_stream: str = "same",
         consumer: str = "thread",
         stale_after_s: float = 0.05,
+        early_consume: bool = False,
     ) -> None:
         """`driver`: the device calls (tests pass a recording stand-in); made from libcuda
         when the sources are on a CUDA device. `copy_stream`: "same" (the engine's stream)
         or "side" (see the module docstring; a device only). `consumer`: "thread" (the
         transfer thread consumes every step) or "engine" (the engine thread consumes landed
-        steps, a watchdog those left longer than `stale_after_s`; see the module docstring)."""
+        steps, a watchdog those left longer than `stale_after_s`; see the module docstring).
+        `early_consume` (consumer="engine", an experiment: PROBEX_PROMPT_SCORES_EARLY): the
+        watchdog consumes a step copied mid-forward as soon as its copies land
+        (`_consume_early`)."""
         if depth < 1:
             raise ValueError("ScoreTransfer needs at least one staging buffer")
         if copy_stream not in ("same", "side"):
@@ -380,6 +384,11 @@ class ScoreTransfer:
         self._beside_through = 0
         self._wake = threading.Event()
         self.beside_steps = 0  # steps the watchdog consumed when asked (`consume_beside`)
+        # early_consume: the steps up to this number are the watchdog's to consume once landed
+        self.early_consume = early_consume
+        self._early_through = 0
+        self.early_steps = 0  # steps the watchdog consumed early (`_consume_early`)
+        self.early_wait_s = 0.0  # its waits for their copies to land (GIL released, no lock held)
         self.query_errors = 0
         self._last_submit = time.perf_counter()  # consumer="engine": when the engine last came by
         if threaded:
@@ -449,6 +458,9 @@ class ScoreTransfer:
                 # A step without rows ends requests, and the engine may go idle after it: wait
                 # for what is left, or the last tokens' scores would wait for the watchdog.
                 self._consume_pending(wait=rows == 0)
+            if copied_mid_forward and self.early_consume and self._thread is not None:
+                self._early_through = self._submitted
+                self._wake.set()
             self.handoff_s += (staging - started) + (time.perf_counter() - staged)
         elif self._threaded:
             self._submitted += 1
@@ -675,10 +687,40 @@ class ScoreTransfer:
                 if asked:
                     self._wake.clear()
                     self._consume_beside()
+                    self._consume_early()
                 else:
                     self._consume_if_engine_away()
             except Exception:
                 log.exception("probex: the score watchdog failed a round; it goes on")
+
+    def _consume_early(self) -> None:
+        """The watchdog, woken by the submit of a step copied mid-forward (early_consume):
+        consume the pending steps up to it, in order, each as soon as its copies land. It waits
+        for them with no lock held, so the engine thread never waits for that (its next
+        submit, or its own consume where vLLM reads the step's tokens, which takes whatever
+        is still pending, waiting as usual). While it consumes, the engine thread waits for
+        the lock only if it comes by then."""
+        while self._processed < self._early_through and not self._closing.is_set():
+            try:
+                head = self._pending[0]  # unlocked peek: the engine thread may consume it meanwhile
+            except IndexError:
+                return
+            if head._ready is not None and not self._landed(head._ready):
+                waiting = time.perf_counter()
+                try:
+                    # (should the engine consume the step and reuse its buffer meanwhile, this
+                    # waits for that buffer's next copy instead: harmless, the engine has it)
+                    head._ready.synchronize()
+                except Exception:
+                    return  # the engine thread's own wait meets the failure and counts it
+                finally:
+                    self.early_wait_s += time.perf_counter() - waiting
+            with self._pending_lock:
+                before = self._processed
+                self._consume_pending(wait=False, limit=self._early_through - self._processed)
+                self.early_steps += self._processed - before
+                if self._processed == before:
+                    return  # nothing had landed: the engine thread takes it where it reads the tokens
 
     def _consume_if_engine_away(self) -> None:
         if time.perf_counter() - self._last_submit <= self.stale_after_s:
@@ -735,6 +777,8 @@ class ScoreTransfer:
     def describe(self) -> dict[str, Any]:
         return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
                 "consumer": self.consumer, "stale_steps": self.stale_steps, "beside_steps": self.beside_steps,
+                "early_consume": self.early_consume, "early_steps": self.early_steps,
+                "early_wait_s": self.early_wait_s,
                 "query_errors": self.query_errors,
                 "unguarded_forwards": self.unguarded_forwards, "mid_forward_steps": self.mid_forward_steps,
                 "mid_forward_layer_copies": self.mid_forward_layer_copies,

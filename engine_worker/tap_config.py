@@ -75,6 +75,15 @@ ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
 ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
 
 
+# Experiment, off by default: "1" has the watchdog thread consume a step whose score rows were
+# copied mid-forward (below) as soon as those copies land (after the last tapped layer), while
+# the forward's remaining layers run, instead of the engine thread consuming it where vLLM
+# reads the step's tokens: there the engine thread comes late in about half the prompts
+# (session 35), and its consume then sits between the tokens and their output. A run records
+# it in its transfer settings; `probex bench engine`'s set-up "tap-toggle-early-consume".
+ENV_PROMPT_SCORES_EARLY = "PROBEX_PROMPT_SCORES_EARLY"
+
+
 # On by default; "0" is the older path, for comparison: a prompt-sized step's score rows are
 # copied out *during* its forward, as soon as each tapped layer's scores are final (enqueued
 # where the next decoder layer's attention runs from Python, between two CUDA-graph pieces),
@@ -105,6 +114,10 @@ def scores_ahead_of_tokens() -> bool:
 
 def prompt_scores_beside_output() -> bool:
     return _env_switch(ENV_PROMPT_SCORES_BESIDE, default="off")
+
+
+def prompt_scores_early() -> bool:
+    return _env_switch(ENV_PROMPT_SCORES_EARLY, default="off")
 
 
 def prompt_scores_mid_forward() -> bool:
