@@ -686,7 +686,8 @@ class ScoreTransfer:
             try:
                 if asked:
                     self._wake.clear()
-                    self._consume_beside()
+                    if self._beside_through > self._processed:  # (not for an early wake: no lock needed)
+                        self._consume_beside()
                     self._consume_early()
                 else:
                     self._consume_if_engine_away()
