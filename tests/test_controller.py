@@ -1244,10 +1244,20 @@ def test_a_step_copied_behind_its_forward_is_never_consumed_early():
     transfer.close()
 
 
-def test_the_early_consume_is_an_experiment_off_unless_asked(monkeypatch):
-    from engine_worker.tap_config import ENV_PROMPT_SCORES_EARLY, prompt_scores_early
+def test_the_early_consume_is_an_experiment_off_unless_asked_and_needs_the_mid_forward_copies(setup, monkeypatch):
+    """The worker's listing says whether it runs (the benchmark checks a set-up ran what it
+    asked for); with the copies behind the forward there is nothing to consume early."""
+    from engine_worker.tap_config import ENV_PROMPT_SCORES_EARLY, ENV_PROMPT_SCORES_MID_FORWARD
 
-    monkeypatch.delenv(ENV_PROMPT_SCORES_EARLY, raising=False)
-    assert not prompt_scores_early()
-    monkeypatch.setenv(ENV_PROMPT_SCORES_EARLY, "1")
-    assert prompt_scores_early()
+    taps, probes, published = setup
+    monkeypatch.delenv(ENV_PROMPT_SCORES_MID_FORWARD, raising=False)
+    for value, mid_forward, expected in ((None, None, False), ("1", None, True), ("1", "0", False), ("0", None, False)):
+        if value is None:
+            monkeypatch.delenv(ENV_PROMPT_SCORES_EARLY, raising=False)
+        else:
+            monkeypatch.setenv(ENV_PROMPT_SCORES_EARLY, value)
+        if mid_forward is not None:
+            monkeypatch.setenv(ENV_PROMPT_SCORES_MID_FORWARD, mid_forward)
+        controller = TapController(taps, served(), published.append, threaded=False, consumer="engine")
+        assert controller.listing()["transfer"]["early_consume"] is expected, (value, mid_forward)
+        controller.transfer.close()
