@@ -838,8 +838,9 @@ class StreamRelay:
         prompt and the tokens, a prompt whose scores never came). `points`: the chunk's, read
         by the caller (None where it could not read them).
 
-        On every request's way to its first token, so it reads the chunk's bytes once and
-        writes nothing the hub could write ahead (`responses.write_first_chunk_ahead`). A
+        On every request's way to its first token, so it does not read the chunk's bytes
+        again (but where it must cut ids, below) and writes nothing the hub could write ahead
+        (`responses.write_first_chunk_ahead`). A
         completion's first chunk carries the prompt's token ids (1024 for a 1024-token
         prompt) only where the client asked for token ids: they stay, and the splice points
         are read around them; for other clients vLLM is made to leave them out
@@ -1017,7 +1018,9 @@ def _splice_points(event: bytes, prompt_ids_kept: bool = False) -> SplicePoints 
     """What a stream chunk's bytes say of its tokens, read without decoding it, or None unless
     the chunk is in vLLM's compact form with one choice, at least one token and no list of
     prompt token ids (`prompt_ids_kept`: the client asked for token ids, so nothing will be
-    cut and one `prompt_token_ids` member, a list or null, may be anywhere else in it). An
+    cut, and one `prompt_token_ids` member, a list or null, may stand right before the
+    choice's `token_ids`, as in a completion's first chunk, or be the chunk's last member, as
+    in a chat's). An
     unescaped quote cannot occur inside a JSON string, so what is found here by its quotes is
     structure, not text.
 

@@ -161,7 +161,10 @@ def write_first_chunk_ahead(state: RequestScores) -> None:
     0, which that step sampled, and reaches the API server some milliseconds later (with the
     prompt's score copies made mid-forward, session 35), so `first_chunk_scores_json` finds it
     written instead of writing it on the way to the client's first token. Kept with the
-    objects it was written from: a token 0 or a prompt part that came again is written anew."""
+    objects it was written from: a token 0 or a prompt part that came again is written anew.
+    Written for every prompt (a few µs at intake): the hub does not know which requests are
+    completion streams, whose first chunk carries token 0 with the prompt's scores (a chat
+    stream's prompt scores ride on its role chunk, which carries no token)."""
     state.first_chunk_json = None
     first = state.tokens.get(0)
     parts = state.prompt_json_parts

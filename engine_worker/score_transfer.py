@@ -384,8 +384,10 @@ class ScoreTransfer:
         self._beside_through = 0
         self._wake = threading.Event()
         self.beside_steps = 0  # steps the watchdog consumed when asked (`consume_beside`)
-        # early_consume: the steps up to this number are the watchdog's to consume once landed
-        self.early_consume = early_consume
+        # early_consume: the steps up to this number are the watchdog's to consume once landed.
+        # Only where it can happen: an engine consumer with its watchdog, copies on the engine's
+        # stream (a side stream reserves nothing, so no step is copied mid-forward)
+        self.early_consume = early_consume and consumer == "engine" and threaded and self._side is None
         self._early_through = 0
         self.early_steps = 0  # steps the watchdog consumed early (`_consume_early`)
         self.early_wait_s = 0.0  # its waits for their copies to land (GIL released, no lock held)
@@ -670,7 +672,8 @@ class ScoreTransfer:
             return False
 
     def _watch(self) -> None:
-        """consumer="engine": the safety net for steps nobody else consumes in time."""
+        """consumer="engine": the safety net for steps nobody else consumes in time, and the
+        consumer of the steps handed to it (`consume_beside`, `_consume_early`)."""
         if self._driver is not None:
             try:
                 self._driver.bind_thread()
@@ -697,10 +700,12 @@ class ScoreTransfer:
     def _consume_early(self) -> None:
         """The watchdog, woken by the submit of a step copied mid-forward (early_consume):
         consume the pending steps up to it, in order, each as soon as its copies land. It waits
-        for them with no lock held, so the engine thread never waits for that (its next
-        submit, or its own consume where vLLM reads the step's tokens, which takes whatever
-        is still pending, waiting as usual). While it consumes, the engine thread waits for
-        the lock only if it comes by then."""
+        for each with no lock held, so the engine thread never waits for that: its next
+        submit goes through, and its own consume where vLLM reads a step's tokens takes
+        whatever is still pending, waiting as usual (with async scheduling it reads the step
+        ahead's tokens while the watchdog waits for them too, and consumes that step itself;
+        the watchdog then goes on to the next). While the watchdog consumes, the engine thread
+        waits for the lock only if it comes by then."""
         while self._processed < self._early_through and not self._closing.is_set():
             try:
                 head = self._pending[0]  # unlocked peek: the engine thread may consume it meanwhile
@@ -710,7 +715,7 @@ class ScoreTransfer:
                 waiting = time.perf_counter()
                 try:
                     # (should the engine consume the step and reuse its buffer meanwhile, this
-                    # waits for that buffer's next copy instead: harmless, the engine has it)
+                    # waits for that buffer's next copy instead; the step is no longer the head)
                     head._ready.synchronize()
                 except Exception:
                     return  # the engine thread's own wait meets the failure and counts it
@@ -720,8 +725,8 @@ class ScoreTransfer:
                 before = self._processed
                 self._consume_pending(wait=False, limit=self._early_through - self._processed)
                 self.early_steps += self._processed - before
-                if self._processed == before:
-                    return  # nothing had landed: the engine thread takes it where it reads the tokens
+                if self._processed == before and self._pending and self._pending[0] is head:
+                    return  # the step waited for still shows not landed: left to the engine thread
 
     def _consume_if_engine_away(self) -> None:
         if time.perf_counter() - self._last_submit <= self.stale_after_s:

@@ -1228,6 +1228,62 @@ def test_a_step_copied_mid_forward_is_consumed_by_the_watchdog_as_soon_as_it_lan
     assert transfer.describe()["early_consume"] is early and transfer.stale_steps == 0
 
 
+class PerEventGates(LandingDriver):
+    """A landing driver whose every recorded event lands when the test opens its own gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: dict = {}
+
+    def record(self, event, stream) -> None:
+        super().record(event, stream)
+        self.gates[event] = threading.Event()
+
+    def query(self, event) -> bool:
+        self.calls.append(("query", event))
+        return event not in self.gates or self.gates[event].is_set()
+
+    def synchronize(self, event) -> None:
+        self.calls.append(("wait", event))
+        if event in self.gates:
+            self.gates[event].wait(5)
+
+
+def test_the_early_consume_goes_on_to_its_step_when_the_engine_takes_the_one_ahead():
+    """Async scheduling's order: the prompt step N is submitted while step N-1 is still on the
+    device, the watchdog waits for N-1's copies, and the engine thread, reading N-1's tokens,
+    waits for them too and consumes N-1 itself. The watchdog must then go on to N, not give up."""
+    driver = PerEventGates()
+    seen = []
+    transfer = ScoreTransfer({1: torch.zeros(8, 1), 4: torch.zeros(8, 1)},
+                             lambda step: seen.append((step.context, threading.current_thread().name)),
+                             depth=4, driver=driver, consumer="engine", stale_after_s=60.0, early_consume=True)
+    transfer.submit(1, "decode")
+    decode_event = [c[1] for c in driver.calls if c[0] == "record"][-1]
+    assert transfer.reserve_step(6)
+    transfer.copy_layer_now(1)
+    transfer.copy_layer_now(4)
+    transfer.submit(6, "prompt")
+    prompt_event = [c[1] for c in driver.calls if c[0] == "record"][-1]
+    deadline = time.monotonic() + 5
+    while ("wait", decode_event) not in driver.calls and time.monotonic() < deadline:
+        time.sleep(0.005)  # the watchdog is waiting for the decode step's copies
+    engine = threading.Thread(target=transfer.consume_through, args=(1,), name="engine")
+    engine.start()
+    time.sleep(0.05)
+    driver.gates[decode_event].set()
+    engine.join(5)
+    settle = time.monotonic() + 0.5  # the watchdog's round after the engine took the decode step
+    while ("wait", prompt_event) not in driver.calls and time.monotonic() < settle:
+        time.sleep(0.005)
+    driver.gates[prompt_event].set()  # the prompt's mid-forward copies land, the forward goes on
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert seen == [("decode", "engine"), ("prompt", "probex-score-watchdog")]
+    assert transfer.early_steps == 1
+    transfer.close()
+
+
 def test_a_step_copied_behind_its_forward_is_never_consumed_early():
     """Only a step copied mid-forward is handed to the watchdog early: a decode step (a whole
     graph, copied behind it) stays the engine thread's even with the experiment on."""
@@ -1251,13 +1307,19 @@ def test_the_early_consume_is_an_experiment_off_unless_asked_and_needs_the_mid_f
 
     taps, probes, published = setup
     monkeypatch.delenv(ENV_PROMPT_SCORES_MID_FORWARD, raising=False)
-    for value, mid_forward, expected in ((None, None, False), ("1", None, True), ("1", "0", False), ("0", None, False)):
+    for value, mid_forward, consumer, expected in (
+            (None, None, "engine", False), ("1", None, "engine", True), ("1", "0", "engine", False),
+            ("0", None, "engine", False), ("1", None, "thread", False)):  # the transfer thread consumes in order anyway
         if value is None:
             monkeypatch.delenv(ENV_PROMPT_SCORES_EARLY, raising=False)
         else:
             monkeypatch.setenv(ENV_PROMPT_SCORES_EARLY, value)
         if mid_forward is not None:
             monkeypatch.setenv(ENV_PROMPT_SCORES_MID_FORWARD, mid_forward)
-        controller = TapController(taps, served(), published.append, threaded=False, consumer="engine")
-        assert controller.listing()["transfer"]["early_consume"] is expected, (value, mid_forward)
+        controller = TapController(taps, served(), published.append, threaded=True, consumer=consumer)
+        assert controller.listing()["transfer"]["early_consume"] is expected, (value, mid_forward, consumer)
         controller.transfer.close()
+    # and not without a watchdog to do it
+    transfer = ScoreTransfer({1: torch.zeros(8, 1)}, lambda step: None, threaded=False, driver=LandingDriver(),
+                             consumer="engine", early_consume=True)
+    assert transfer.describe()["early_consume"] is False
