@@ -840,12 +840,12 @@ class StreamRelay:
 
         On every request's way to its first token, so it does not read the chunk's bytes
         again (but where it must cut ids, below) and writes nothing the hub could write ahead
-        (`responses.write_first_chunk_ahead`). A
-        completion's first chunk carries the prompt's token ids (1024 for a 1024-token
-        prompt) only where the client asked for token ids: they stay, and the splice points
-        are read around them; for other clients vLLM is made to leave them out
-        (vllm_openai.py). Where a vLLM still writes them for such a client (one whose classes
-        that patch does not find) they are cut out here first (`chunks["prompt_ids_cut"]`)."""
+        (`responses.write_first_chunk_ahead`). A completion's first chunk carries the prompt's
+        token ids (1024 for a 1024-token prompt) only where the client asked for token ids:
+        they stay, and the splice points are read around them; for other clients vLLM is made
+        to leave them out (vllm_openai.py). Where a vLLM still writes them for such a client
+        (one whose classes that patch does not find) they are cut out here first
+        (`chunks["prompt_ids_cut"]`)."""
         cut_s = None
         if points is None:
             if self.call.wants_token_ids:
@@ -1020,9 +1020,8 @@ def _splice_points(event: bytes, prompt_ids_kept: bool = False) -> SplicePoints 
     prompt token ids (`prompt_ids_kept`: the client asked for token ids, so nothing will be
     cut, and one `prompt_token_ids` member, a list or null, may stand right before the
     choice's `token_ids`, as in a completion's first chunk, or be the chunk's last member, as
-    in a chat's). An
-    unescaped quote cannot occur inside a JSON string, so what is found here by its quotes is
-    structure, not text.
+    in a chat's). An unescaped quote cannot occur inside a JSON string, so what is found here
+    by its quotes is structure, not text.
 
     vLLM writes a choice's `token_ids` last. A completion's choice has
     `"prompt_token_ids":null` right before them in every chunk after the first (vLLM sets
@@ -1070,10 +1069,10 @@ def _without_prompt_token_ids(payload: bytes) -> bytes:
     (vllm_openai.py); where it still writes them (a vLLM whose response classes that patch
     does not find), they arrive with the first chunk, 1024 of them for a 1024-token prompt,
     on that chunk's way to the client's first token, and the hub counts each cut
-    (`chunks["prompt_ids_cut"]`). Cutting them out first saves decoding and re-encoding them. Only vLLM's compact form is cut: a
-    member right after `{` or `,`, whose list holds nothing but digits, commas and minus
-    signs and is followed by `,` or `}`; the bytes cannot occur inside a JSON string, where
-    quotes are escaped. Anything else is returned unchanged, for the decoded path, which
+    (`chunks["prompt_ids_cut"]`). Cutting them out first saves decoding and re-encoding them.
+    Only vLLM's compact form is cut: a member right after `{` or `,`, whose list holds nothing
+    but digits, commas and minus signs and is followed by `,` or `}`; the bytes cannot occur
+    inside a JSON string, where quotes are escaped. Anything else is returned unchanged, for the decoded path, which
     drops the key as well."""
     start = payload.find(_PROMPT_IDS_MEMBER)
     while start > 0:

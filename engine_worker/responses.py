@@ -162,16 +162,14 @@ def write_first_chunk_ahead(state: RequestScores) -> None:
     prompt's score copies made mid-forward, session 35), so `first_chunk_scores_json` finds it
     written instead of writing it on the way to the client's first token. Kept with the
     objects it was written from: a token 0 or a prompt part that came again is written anew.
-    Written for every prompt (a few µs at intake): the hub does not know which requests are
-    completion streams, whose first chunk carries token 0 with the prompt's scores (a chat
-    stream's prompt scores ride on its role chunk, which carries no token)."""
-    state.first_chunk_json = None
-    first = state.tokens.get(0)
+    Written for every prompt laid out (a few µs at intake): the hub does not know which
+    requests are completion streams, whose first chunk carries token 0 with the prompt's
+    scores (a chat stream's prompt scores ride on its role chunk, which carries no token)."""
+    state.first_chunk_json = None  # (what was written before is not what to write from)
     parts = state.prompt_json_parts
-    if first is None or parts is None or state.probes_of(0) is not state.prompt_probes:
-        return
-    if len(parts) == 4 * len(state.prompt_fields or ()) + 1:
-        state.first_chunk_json = (first, parts, _filled_in(parts, 0, [first]))
+    written = first_chunk_scores_json(state, 0, 1) if parts is not None else None
+    if written is not None:
+        state.first_chunk_json = (state.tokens[0], parts, written)
 
 
 def _column_json(rows: list[tuple[float, ...]]) -> list[bytes]:

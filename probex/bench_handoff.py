@@ -39,7 +39,7 @@ prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSO
   `first_chunk_paused_us` that chunk with the tap paused, the timer alone passing it on;
 - `vllm_first_chunk_us`, `vllm_first_chunk_ids_us`: vLLM's own building and writing of that
   first chunk without and with the prompt's ids (where vLLM is installed);
-- `token_chunk_us`: the decoration of a later one-token chunk (its scores spliced into its
+- `token_chunk_us`: a later one-token chunk the same way (its scores spliced into its
   bytes).
 
 The chunks are `/v1/completions` ones, what `probex bench engine` streams, in vLLM 0.25's form.
@@ -273,10 +273,10 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
                 out.append(message)
 
             relays = []
-            for suffix, monitored, splice in (("", call, True), ("_decoded", call, False), ("_ids", with_ids, True),
-                                              ("_ids_decoded", with_ids, False)):
+            for suffix, client_call, splice in (("", call, True), ("_decoded", call, False),
+                                                ("_ids", with_ids, True), ("_ids_decoded", with_ids, False)):
                 timer = FirstChunkTimer(hub, time.perf_counter(), keep, monitored=True)
-                relay = timer.relay = StreamRelay(hub, monitored, timer.send, 1.0, splice=splice)
+                relay = timer.relay = StreamRelay(hub, client_call, timer.send, 1.0, splice=splice)
                 await relay.send(_SSE_START)
                 relays.append((suffix, relay))
             # vLLM writes the prompt's ids into the first chunk only for a client that asked for

@@ -1453,8 +1453,10 @@ def test_the_first_chunk_written_ahead_is_not_served_stale():
     state.first_chunk_json = None
     assert responses.first_chunk_scores_json(state, 0, 1) == written[2]  # the same bytes, written on the spot
     state.first_chunk_json = written
-    state.prompt_json_parts = list(state.prompt_json_parts)  # the prompt's part laid out again
+    parts = state.prompt_json_parts
+    state.prompt_json_parts = list(parts)  # the prompt's part laid out again
     assert responses.first_chunk_scores_json(state, 0, 1) is not written[2]
+    state.prompt_json_parts = parts  # (each case on its own: the part as written from again)
     state.add_token(0, (0.99,), state.token_probes)  # token 0 scored anew (a recomputed request)
     again = json.loads(responses.first_chunk_scores_json(state, 0, 1))
     assert again["p"]["generated"]["scores"] == [0.99]
