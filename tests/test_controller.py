@@ -1172,62 +1172,6 @@ def test_prompt_scores_beside_the_output_is_an_experiment_off_unless_asked(monke
     assert scores_ahead_of_tokens() is True
 
 
-class GatedLandingDriver(LandingDriver):
-    """A landing driver whose waits block until the test opens the gate: a copy still in flight
-    behind the forward's later layers, landing when the test says so."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-
-    def synchronize(self, event) -> None:
-        self.gate.wait(5)
-        super().synchronize(event)
-
-
-@pytest.mark.parametrize("early", [True, False])
-def test_a_step_copied_mid_forward_is_consumed_by_the_watchdog_as_soon_as_it_lands(early):
-    """PROBEX_PROMPT_SCORES_EARLY: once a step whose rows were copied mid-forward is submitted,
-    the watchdog waits for its copies (no lock held: the engine thread submits meanwhile) and
-    consumes it, and any step still pending ahead of it, in order, before the engine thread
-    comes to read the step's tokens. Off (the default), the engine thread consumes it there."""
-    driver = GatedLandingDriver()
-    seen, prompt_done = [], threading.Event()
-
-    def consume(step):
-        seen.append((step.context, threading.current_thread().name))
-        if step.context == "prompt":
-            prompt_done.set()
-
-    sources = {1: torch.zeros(8, 1), 4: torch.zeros(8, 1)}
-    transfer = ScoreTransfer(sources, consume, depth=4, driver=driver, consumer="engine", stale_after_s=60.0,
-                             early_consume=early)
-    transfer.submit(1, "decode")  # a decode step still in flight ahead of the prompt's
-    assert transfer.reserve_step(6)
-    transfer.copy_layer_now(1)
-    transfer.copy_layer_now(4)
-    transfer.submit(6, "prompt")
-    submitter = threading.Thread(target=transfer.submit, args=(1, "next decode"), daemon=True)
-    submitter.start()  # the engine thread goes on while the watchdog waits for the copies
-    submitter.join(5)
-    assert not submitter.is_alive() and seen == []
-    driver.gate.set()  # the copies land
-    watchdog = "probex-score-watchdog"
-    if early:
-        assert prompt_done.wait(5)
-        assert seen == [("decode", watchdog), ("prompt", watchdog)]
-        assert transfer.describe()["early_steps"] == 2 and transfer.early_wait_s > 0
-    else:
-        time.sleep(0.1)
-        assert seen == []  # left to the engine thread
-    transfer.consume_through(transfer.submitted_steps)  # vLLM reads the tokens: the engine takes the rest
-    here = threading.current_thread().name
-    assert seen == ([("decode", watchdog), ("prompt", watchdog), ("next decode", here)] if early else
-                    [("decode", here), ("prompt", here), ("next decode", here)])
-    transfer.close()
-    assert transfer.describe()["early_consume"] is early and transfer.stale_steps == 0
-
-
 class PerEventGates(LandingDriver):
     """A landing driver whose every recorded event lands when the test opens its own gate."""
 
@@ -1247,6 +1191,50 @@ class PerEventGates(LandingDriver):
         self.calls.append(("wait", event))
         if event in self.gates:
             self.gates[event].wait(5)
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_step_copied_mid_forward_is_consumed_by_the_watchdog_as_soon_as_it_lands(early):
+    """PROBEX_PROMPT_SCORES_EARLY: once a step whose rows were copied mid-forward is submitted,
+    the watchdog waits for its copies (no lock held: the engine thread submits meanwhile) and
+    consumes it, and any step still pending ahead of it, in order, before the engine thread
+    comes to read the step's tokens. Off (the default), the engine thread consumes it there."""
+    driver = PerEventGates()
+    seen, prompt_done = [], threading.Event()
+
+    def consume(step):
+        seen.append((step.context, threading.current_thread().name))
+        if step.context == "prompt":
+            prompt_done.set()
+
+    sources = {1: torch.zeros(8, 1), 4: torch.zeros(8, 1)}
+    transfer = ScoreTransfer(sources, consume, depth=4, driver=driver, consumer="engine", stale_after_s=60.0,
+                             early_consume=early)
+    transfer.submit(1, "decode")  # a decode step still in flight ahead of the prompt's
+    assert transfer.reserve_step(6)
+    transfer.copy_layer_now(1)
+    transfer.copy_layer_now(4)
+    transfer.submit(6, "prompt")
+    submitter = threading.Thread(target=transfer.submit, args=(1, "next decode"), daemon=True)
+    submitter.start()  # the engine thread goes on while the watchdog waits for the copies
+    submitter.join(5)
+    assert not submitter.is_alive() and seen == []
+    for gate in driver.gates.values():
+        gate.set()  # the copies land
+    watchdog = "probex-score-watchdog"
+    if early:
+        assert prompt_done.wait(5)
+        assert seen == [("decode", watchdog), ("prompt", watchdog)]
+        assert transfer.describe()["early_steps"] == 2 and transfer.early_wait_s > 0
+    else:
+        time.sleep(0.1)
+        assert seen == []  # left to the engine thread
+    transfer.consume_through(transfer.submitted_steps)  # vLLM reads the tokens: the engine takes the rest
+    here = threading.current_thread().name
+    assert seen == ([("decode", watchdog), ("prompt", watchdog), ("next decode", here)] if early else
+                    [("decode", here), ("prompt", here), ("next decode", here)])
+    transfer.close()
+    assert transfer.describe()["early_consume"] is early and transfer.stale_steps == 0
 
 
 def test_the_early_consume_goes_on_to_its_step_when_the_engine_takes_the_one_ahead():
