@@ -1001,6 +1001,7 @@ _TOKEN_IDS_MEMBER = b',"token_ids":['
 _IDS_KEY_END, _PROMPT_IDS_KEY_START = b'token_ids"', b'"prompt_'
 _NULL_PROMPT_IDS_MEMBER = b',"prompt_token_ids":null'
 _FIRST_CHOICE_INDEX = b'"choices":[{"index":'
+_NEXT_CHOICE = b'},{"index":'
 _DIGITS_AND_COMMAS = b"0123456789,"
 _COMMA, _CLOSING_BRACE = ord(","), ord("}")
 
@@ -1053,6 +1054,11 @@ def _splice_points(event: bytes, prompt_ids_kept: bool = False) -> SplicePoints 
     where += len(_FIRST_CHOICE_INDEX)
     digits = event[where : event.find(b",", where, member + 1)]  # the index's comma may be the member's
     if not digits.isdigit():
+        return None
+    # The ids found last must be the first choice's: a second choice opening before them means
+    # they are a later choice's (the first has none), whose scores would go to the wrong choice.
+    # (A chat delta's list of tool calls looks the same and goes the decoded way too.)
+    if event.find(_NEXT_CHOICE, where, member) >= 0:
         return None
     return SplicePoints(int(digits), ids.count(b",") + 1, cut_from, end + 1)
 

@@ -406,6 +406,7 @@ def test_a_token_scored_again_by_the_first_probe_set_is_read_with_it():
     (b'{"choices":[{"index":0,"text":"a","prompt_token_ids":[5,6],"token_ids":[1]}]}', None),  # a completion's
     (b'{"choices":[{"index":0,"text":"a","token_ids":[1]}],"prompt_token_ids":null}', None),
     (b'{"choices":[{"index":0,"text":"a","token_ids":[1]},{"index":1,"text":"b","token_ids":[2]}]}', None),
+    (b'{"choices":[{"index":0,"text":"a"},{"index":1,"text":"b","token_ids":[2]}]}', None),  # a later choice's
     (b'{"choices":[{"index":0,"delta":{"content":"\\",\\"token_ids\\":[9]"}}]}', None),  # only text
     (b'{"choices": [{"index": 0, "text": "a", "token_ids": [1]}]}', None),  # spaced
     (b'{"choices":[{"index":0,"text":"a","token_ids":[1,]}]}', None),
@@ -1372,6 +1373,7 @@ def test_vllm_leaves_the_prompts_ids_out_unless_the_client_asked_for_token_ids(c
     (b'{"prompt_token_ids":[4],"choices":[{"index":0,"token_ids":[1]}],"prompt_token_ids":[5]}', None),  # twice
     (b'{"choices":[{"index":0,"not_prompt_token_ids":[5],"token_ids":[1]}]}', None),
     (b'{"choices":[{"index":0,"token_ids":[5]},{"index":1,"token_ids":[1]}]}', None),  # two choices
+    (b'{"choices":[{"index":0,"text":"a"},{"index":1,"token_ids":[1]}],"prompt_token_ids":[5]}', None),
 ])
 def test_a_chunk_keeping_the_prompts_ids_is_read_around_them(payload, expected):
     from engine_worker.middleware import _splice_points
