@@ -1057,8 +1057,10 @@ def _splice_points(event: bytes, prompt_ids_kept: bool = False) -> SplicePoints 
         return None
     # The ids found last must be the first choice's: a second choice opening before them means
     # they are a later choice's (the first has none), whose scores would go to the wrong choice.
-    # (A chat delta's list of tool calls looks the same and goes the decoded way too.)
-    if event.find(_NEXT_CHOICE, where, member) >= 0:
+    # (A chat delta's list of tool calls looks the same and goes the decoded way too.) Kept
+    # prompt ids right before them hold no quote (checked above): the search stops at them
+    # rather than scanning a first chunk's 5 KB of ids again.
+    if event.find(_NEXT_CHOICE, where, before if before >= 0 else member) >= 0:
         return None
     return SplicePoints(int(digits), ids.count(b",") + 1, cut_from, end + 1)
 
@@ -1078,8 +1080,8 @@ def _without_prompt_token_ids(payload: bytes) -> bytes:
     (`chunks["prompt_ids_cut"]`). Cutting them out first saves decoding and re-encoding them.
     Only vLLM's compact form is cut: a member right after `{` or `,`, whose list holds nothing
     but digits, commas and minus signs and is followed by `,` or `}`; the bytes cannot occur
-    inside a JSON string, where quotes are escaped. Anything else is returned unchanged, for the decoded path, which
-    drops the key as well."""
+    inside a JSON string, where quotes are escaped. Anything else is returned unchanged, for the
+    decoded path, which drops the key as well."""
     start = payload.find(_PROMPT_IDS_MEMBER)
     while start > 0:
         first = start + len(_PROMPT_IDS_MEMBER)

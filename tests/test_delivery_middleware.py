@@ -1374,6 +1374,7 @@ def test_vllm_leaves_the_prompts_ids_out_unless_the_client_asked_for_token_ids(c
     (b'{"choices":[{"index":0,"not_prompt_token_ids":[5],"token_ids":[1]}]}', None),
     (b'{"choices":[{"index":0,"token_ids":[5]},{"index":1,"token_ids":[1]}]}', None),  # two choices
     (b'{"choices":[{"index":0,"text":"a"},{"index":1,"token_ids":[1]}],"prompt_token_ids":[5]}', None),
+    (b'{"choices":[{"index":0,"text":"a"},{"index":1,"prompt_token_ids":[5],"token_ids":[1]}]}', None),
 ])
 def test_a_chunk_keeping_the_prompts_ids_is_read_around_them(payload, expected):
     from engine_worker.middleware import _splice_points
