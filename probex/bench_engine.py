@@ -1985,12 +1985,13 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   save_itl: bool, probe_layers: dict[str, int] | None = None,
                   steer: SteerBench | None = None, arrivals: str = "staggered", length_spread: float = 0.0,
                   cancelled: Callable[[], bool] = lambda: False, idle_ttft_requests: int = 0,
-                  idle_ttft_pause_s: float = 0.1, profile_requests: int = 0, toggle_pairs: int = 2,
-                  idle_ttft_pairs: int | None = None, interleave_one_stream: bool = False) -> None:
+                  idle_ttft_pause_s: float = 0.1, profile_requests: int = 0,
+                  toggle_pairs: int | dict[int | None, int] = 2, idle_ttft_pairs: int | None = None, interleave_one_stream: bool = False) -> None:
     """`arrivals`: how a phase's requests arrive at concurrencies above 1 (`run_phase`:
     staggered clients, clients together, or paced). `cancelled`: polled around every phase; once true, the phase in progress is dropped
     (its server was stopped under it) and SetupCancelled is raised. `toggle_pairs` (tap-toggle
-    only): at each concurrency, phases with the tap running and paused (`toggle_order`,
+    only): at each concurrency, phases with the tap running and paused (`toggle_order`; a
+    mapping from `parse_toggle_pairs` gives each concurrency its own number),
     beginning paused where `plan.toggle_first_paused`), that many of each in all
     (`record["toggle"]`; the first running one is also the set-up's `results` phase; fresh
     prompts per phase, so the prefix cache serves none). `idle_ttft_requests`:
@@ -2023,8 +2024,10 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     if xargs:
         record["request_xargs"] = xargs
     expect = probe_names if worker and plan.kind not in UNDELIVERED_KINDS else None
-    order = toggle_order(toggle_pairs, plan.toggle_first_paused) if plan.kind in TOGGLE_KINDS else []
+    pairs_at = toggle_pairs if isinstance(toggle_pairs, dict) else {None: toggle_pairs}
     for c in concurrencies:
+        order = (toggle_order(pairs_at.get(c, pairs_at[None]), plan.toggle_first_paused)
+                 if plan.kind in TOGGLE_KINDS else [])
         if cancelled():
             raise SetupCancelled(f"before concurrency {c}")
         # Same prompts for every set-up; warm-up prompts differ from measured ones so the
@@ -2297,6 +2300,35 @@ def toggle_order(pairs: int, first_paused: bool = False) -> list[bool]:
     return [paused != first_paused for paused in ([False, True, True, False] * pairs)[: 2 * pairs]]
 
 
+def parse_toggle_pairs(text: str) -> dict[int | None, int]:
+    """`--toggle-pairs`: one number for every concurrency ("3"), or that number followed by
+    some concurrencies' own ("3,8:8,64:8": three pairs at each concurrency, eight at 8 and 64
+    streams), as {concurrency or None (the rest): pairs}. The phases at high concurrency are
+    short (16 s at 64 streams on an H200 against 24 s at one stream) and their TTFT scatters
+    most between phases, so more of their pairs buy the most interval for the device time."""
+    pairs: dict[int | None, int] = {}
+    for part in (piece.strip() for piece in text.split(",")):
+        concurrency, _, number = part.rpartition(":")
+        try:
+            key, count = (int(concurrency) if concurrency else None), int(number)
+        except ValueError:
+            raise ValueError(f"--toggle-pairs: {part!r} is neither N nor CONCURRENCY:N") from None
+        if key in pairs:
+            raise ValueError(f"--toggle-pairs names {'the default' if key is None else key} twice")
+        toggle_order(count)  # at least one pair
+        pairs[key] = count
+    if None not in pairs:
+        raise ValueError("--toggle-pairs needs a number for the concurrencies it does not name, first: 3,64:8")
+    return pairs
+
+
+def toggle_pairs_record(pairs: dict[int | None, int]) -> int | dict[str, int]:
+    """`--toggle-pairs` as the run's JSON keeps it: the number, or {"default": N, "64": N, ...}."""
+    if len(pairs) == 1:
+        return pairs[None]
+    return {("default" if key is None else str(key)): count for key, count in pairs.items()}
+
+
 def toggle_phase_plan(order: Sequence[bool], own_seed: int, seed: int, concurrency: int) -> list[tuple[bool, int, bool]]:
     """tap-toggle's phases at one concurrency: (paused, prompt seed, whether it is the set-up's
     own phase) for each state of `order`. The first phase with the tap running is the set-up's
@@ -2489,7 +2521,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          "arrivals": args.arrivals, "output_len_spread": args.output_len_spread,
                          "idle_ttft_requests": args.idle_ttft_requests, "idle_ttft_pause_s": args.idle_ttft_pause_s,
                          "idle_ttft_pairs": args.idle_ttft_requests if args.idle_ttft_pairs is None else args.idle_ttft_pairs,
-                         "profile_requests": args.profile_requests, "toggle_pairs": args.toggle_pairs,
+                         "profile_requests": args.profile_requests, "toggle_pairs": toggle_pairs_record(args.toggle_pairs),
                          "toggle_first": args.toggle_first, "interleave_one_stream": args.interleave_one_stream,
                          "temperature": 0.0, "ignore_eos": True, "seed": args.seed},
             "engine_args": engine_args,
@@ -3937,8 +3969,9 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-requests", type=int, default=0, metavar="N",
                         help="after each set-up's measured phases, N requests one at a time under vLLM's torch profiler; the "
                              "device's busy and idle time per step from its trace (OUT/profile/<set-up>)")
-    parser.add_argument("--toggle-pairs", type=int, default=2, metavar="N",
-                        help="tap-toggle: phases with the tap running and paused per concurrency, N of each")
+    parser.add_argument("--toggle-pairs", default="2", metavar="N[,C:N...]",
+                        help="tap-toggle: phases with the tap running and paused per concurrency, N of each; "
+                             "C:N gives concurrency C its own N (3,64:8)")
     parser.add_argument("--toggle-first", choices=TOGGLE_FIRST, default="alternate",
                         help="tap-toggle: the state each concurrency's phases begin with; alternate (default): the "
                              "run's first tap-toggle start running, its second paused, and so on (the runs of "
@@ -4016,7 +4049,10 @@ def run_bench_engine(args: argparse.Namespace) -> int:
                   "or matplotlib is not installed)")
         return 1 if result["problems"] else 0
     args = resolve_defaults(args)
-    toggle_order(args.toggle_pairs)  # refused before any server starts, not after the first set-up
+    try:  # refused before any server starts, not after the first set-up
+        args.toggle_pairs = parse_toggle_pairs(args.toggle_pairs)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if args.idle_ttft_pairs is not None and args.idle_ttft_pairs < 0:
         raise SystemExit(f"--idle-ttft-pairs must be 0 or more, got {args.idle_ttft_pairs}")
     # A time limit's SIGTERM becomes an exception, so the `finally` blocks stop the running server

@@ -764,7 +764,8 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--setups",
                            "plain,tap-toggle,eager", "--profile-requests", "1", "--idle-ttft-pairs", "3",
-                           "--toggle-first", "paused", "--arrivals", "paced", "--interleave-one-stream",
+                           "--toggle-first", "paused", "--toggle-pairs", "1,2:2",
+                           "--arrivals", "paced", "--interleave-one-stream",
                            "--worker-env", "PROBEX_STEP_TIMING=1",
                            "--worker-env", "PROBEX_STEP_TIMING_MIN_ROWS=32",
                            "--out", str(out)],
@@ -846,13 +847,15 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     assert "enforce_eager=True" in (out / "eager.log").read_text()
     for kind in ("tap-toggle_vs_plain", "eager_vs_plain"):
         assert set(result["overhead_pct"][kind]) == {"1", "2"}
-    # tap-toggle: at each concurrency the tap was paused, ran, ran and was paused again on one
-    # server (--toggle-first paused); paused, its responses were stock vLLM's; running again,
-    # every token was scored again; its first running phase is the set-up's own (results)
-    assert result["workload"]["toggle_first"] == "paused" and result["workload"]["toggle_pairs"] == 2
+    # tap-toggle: at two streams the tap was paused, ran, ran and was paused again on one
+    # server (--toggle-first paused, two pairs there), at one stream paused and running once
+    # (the default pairs); paused, its responses were stock vLLM's; running again, every token
+    # was scored again; its first running phase is the set-up's own (results)
+    assert result["workload"]["toggle_first"] == "paused"
+    assert result["workload"]["toggle_pairs"] == {"default": 1, "2": 2}
     assert tap["toggle_first_paused"] is True and "tap-toggle (began paused)" in proc.stdout
     for c, phases in tap["toggle"].items():
-        assert [p["paused"] for p in phases] == [True, False, False, True], c
+        assert [p["paused"] for p in phases] == {"1": [True, False], "2": [True, False, False, True]}[c], c
         assert phases[1] == {"paused": False, **tap["results"][c]}, c
         for phase in phases:
             assert phase["failed"] == 0 and phase["output_tokens"] == phase["expected_output_tokens"], (c, phase)
@@ -1135,10 +1138,21 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert len(other) == 4 * 5 and not other & {be.IDLE_TTFT_SEED, be.PROFILE_SEED, be.TOGGLE_IDLE_SEED}
     with pytest.raises(ValueError, match="at least 1"):
         be.toggle_order(0)
+    # --toggle-pairs: one number for every concurrency, or that number and some concurrencies' own
+    assert be.parse_toggle_pairs("3") == {None: 3} and be.toggle_pairs_record({None: 3}) == 3
+    assert be.parse_toggle_pairs("3, 8:6,64:8") == {None: 3, 8: 6, 64: 8}
+    assert be.toggle_pairs_record({None: 3, 64: 8}) == {"default": 3, "64": 8}
+    for bad, message in (("64:8", "needs a number for the concurrencies it does not name"),
+                         ("3,64:0", "at least 1"), ("3,64:8,64:4", "names 64 twice"), ("3,4", "names the default twice"),
+                         ("3,x:2", "neither N nor CONCURRENCY:N"), ("", "neither N nor CONCURRENCY:N")):
+        with pytest.raises(ValueError, match=message):
+            be.parse_toggle_pairs(bad)
     from probex.cli import main
 
     with pytest.raises(SystemExit, match="--idle-ttft-pairs must be 0 or more"):  # before any server starts
         main(["bench", "engine", "--idle-ttft-pairs", "-1", "--tokenizer-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="names 8 twice"):
+        main(["bench", "engine", "--toggle-pairs", "2,8:3,8:4", "--tokenizer-dir", str(tmp_path)])
     result = be.toggle_overhead(starts)["1"]
     first = (5.055 / 5.005 - 1) * 100
     assert result["starts"] == 2 and result["tpot_p50_per_start"] == pytest.approx([first, 0.5])
