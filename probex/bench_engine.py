@@ -1986,15 +1986,16 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   steer: SteerBench | None = None, arrivals: str = "staggered", length_spread: float = 0.0,
                   cancelled: Callable[[], bool] = lambda: False, idle_ttft_requests: int = 0,
                   idle_ttft_pause_s: float = 0.1, profile_requests: int = 0,
-                  toggle_pairs: int | dict[int | None, int] = 2, idle_ttft_pairs: int | None = None, interleave_one_stream: bool = False) -> None:
+                  toggle_pairs: int | dict[int | None, int] = 2, idle_ttft_pairs: int | None = None,
+                  interleave_one_stream: bool = False) -> None:
     """`arrivals`: how a phase's requests arrive at concurrencies above 1 (`run_phase`:
     staggered clients, clients together, or paced). `cancelled`: polled around every phase; once true, the phase in progress is dropped
     (its server was stopped under it) and SetupCancelled is raised. `toggle_pairs` (tap-toggle
-    only): at each concurrency, phases with the tap running and paused (`toggle_order`; a
-    mapping from `parse_toggle_pairs` gives each concurrency its own number),
-    beginning paused where `plan.toggle_first_paused`), that many of each in all
-    (`record["toggle"]`; the first running one is also the set-up's `results` phase; fresh
-    prompts per phase, so the prefix cache serves none). `idle_ttft_requests`:
+    only): at each concurrency, phases with the tap running and paused (`toggle_order`,
+    beginning paused where `plan.toggle_first_paused`), that many of each in all, or as many
+    as a mapping from `parse_toggle_pairs` gives the concurrency (`record["toggle"]`; the
+    first running one is also the set-up's `results` phase; fresh prompts per phase, so the
+    prefix cache serves none). `idle_ttft_requests`:
     after the concurrency phases, that many requests one at a time (`run_idle_ttft`);
     `idle_ttft_pairs` (tap-toggle; default as many): then that many pairs of requests, the tap
     running for one of each pair and paused for the other (`record["idle_ttft_toggle"]`).
@@ -2300,12 +2301,14 @@ def toggle_order(pairs: int, first_paused: bool = False) -> list[bool]:
     return [paused != first_paused for paused in ([False, True, True, False] * pairs)[: 2 * pairs]]
 
 
-def parse_toggle_pairs(text: str) -> dict[int | None, int]:
+def parse_toggle_pairs(text: str, concurrencies: Sequence[int] | None = None) -> dict[int | None, int]:
     """`--toggle-pairs`: one number for every concurrency ("3"), or that number followed by
     some concurrencies' own ("3,8:8,64:8": three pairs at each concurrency, eight at 8 and 64
-    streams), as {concurrency or None (the rest): pairs}. The phases at high concurrency are
-    short (16 s at 64 streams on an H200 against 24 s at one stream) and their TTFT scatters
-    most between phases, so more of their pairs buy the most interval for the device time."""
+    streams), as {concurrency or None (the rest): pairs}; a concurrency named must be one of
+    `concurrencies` where given, so a typo does not quietly leave the run its default. The
+    phases at high concurrency are short (16 s at 64 streams on an H200 against 24 s at one
+    stream) and their TTFT scatters most between phases, so more of their pairs buy the most
+    interval for the device time."""
     pairs: dict[int | None, int] = {}
     for part in (piece.strip() for piece in text.split(",")):
         concurrency, _, number = part.rpartition(":")
@@ -2315,6 +2318,9 @@ def parse_toggle_pairs(text: str) -> dict[int | None, int]:
             raise ValueError(f"--toggle-pairs: {part!r} is neither N nor CONCURRENCY:N") from None
         if key in pairs:
             raise ValueError(f"--toggle-pairs names {'the default' if key is None else key} twice")
+        if key is not None and concurrencies is not None and key not in concurrencies:
+            raise ValueError(f"--toggle-pairs names concurrency {key}, which the run does not have "
+                             f"(--concurrency {','.join(map(str, concurrencies))})")
         toggle_order(count)  # at least one pair
         pairs[key] = count
     if None not in pairs:
@@ -2461,11 +2467,16 @@ def run_side_by_side(plans: Sequence[SetupPlan], run_one: Callable[[SetupPlan], 
         raise errors[0]
 
 
+def concurrency_list(text: str | int) -> list[int]:
+    """`--concurrency` ("1,8,64"; "" for none) as numbers."""
+    return [int(c) for c in str(text).split(",") if c.strip()]
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     kinds = parse_setups(args.setups)
-    concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    concurrencies = concurrency_list(args.concurrency)
     num_prompts = {c: args.num_prompts or max(16, 4 * c) for c in concurrencies}
     worker_env = parse_worker_env(args.worker_env)
     gpus = parse_gpus(args.gpus)
@@ -4050,7 +4061,7 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         return 1 if result["problems"] else 0
     args = resolve_defaults(args)
     try:  # refused before any server starts, not after the first set-up
-        args.toggle_pairs = parse_toggle_pairs(args.toggle_pairs)
+        args.toggle_pairs = parse_toggle_pairs(args.toggle_pairs, concurrency_list(args.concurrency))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if args.idle_ttft_pairs is not None and args.idle_ttft_pairs < 0:

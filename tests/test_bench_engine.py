@@ -1142,6 +1142,9 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
     assert be.parse_toggle_pairs("3") == {None: 3} and be.toggle_pairs_record({None: 3}) == 3
     assert be.parse_toggle_pairs("3, 8:6,64:8") == {None: 3, 8: 6, 64: 8}
     assert be.toggle_pairs_record({None: 3, 64: 8}) == {"default": 3, "64": 8}
+    assert be.parse_toggle_pairs("3,64:8", concurrencies=[1, 8, 64]) == {None: 3, 64: 8}
+    with pytest.raises(ValueError, match=r"names concurrency 46, which the run does not have \(--concurrency 1,8,64\)"):
+        be.parse_toggle_pairs("3,46:8", concurrencies=[1, 8, 64])
     for bad, message in (("64:8", "needs a number for the concurrencies it does not name"),
                          ("3,64:0", "at least 1"), ("3,64:8,64:4", "names 64 twice"), ("3,4", "names the default twice"),
                          ("3,x:2", "neither N nor CONCURRENCY:N"), ("", "neither N nor CONCURRENCY:N")):
@@ -1153,6 +1156,8 @@ def test_the_tap_toggled_within_one_start_is_compared_phase_against_phase(tmp_pa
         main(["bench", "engine", "--idle-ttft-pairs", "-1", "--tokenizer-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="names 8 twice"):
         main(["bench", "engine", "--toggle-pairs", "2,8:3,8:4", "--tokenizer-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="names concurrency 16, which the run does not have"):
+        main(["bench", "engine", "--toggle-pairs", "2,16:3", "--tokenizer-dir", str(tmp_path)])
     result = be.toggle_overhead(starts)["1"]
     first = (5.055 / 5.005 - 1) * 100
     assert result["starts"] == 2 and result["tpot_p50_per_start"] == pytest.approx([first, 0.5])
