@@ -67,12 +67,21 @@ engine has not come by for that long (an engine that stopped calling the hook); 
 for the device outside the lock, so an engine that comes back never waits for it. On the H200 the two consumers measured
 the same speed (docs/benchmark-sessions.md, session 8); the engine consumer wakes no second
 thread per step.
+
+Where the host runs behind the device, the engine thread reaches a prompt step's tokens
+after they are ready, and consuming the scores ahead of them would hold the first token up
+(PROBEX_PROMPT_SCORES_AFTER_OUTPUT, on by default): such a step is then left to the engine
+core's output thread, which consumes it once it has taken the outputs vLLM puts next
+(`consume_after_output`, after_output.py); until then the engine thread's own consumes leave
+that step and those after it alone. A landed prompt-sized step is likewise not consumed in
+passing at a later step's hook: its own token read decides.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import logging
 import queue
 import threading
@@ -82,6 +91,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from engine_worker import after_output
 
 log = logging.getLogger("probex.transfer")
 
@@ -317,6 +328,7 @@ class ScoreTransfer:
         consumer: str = "thread",
         stale_after_s: float = 0.05,
         early_consume: bool = False,
+        prompt_scores_after_output: bool = False,
     ) -> None:
         """`driver`: the device calls (tests pass a recording stand-in); made from libcuda
         when the sources are on a CUDA device. `copy_stream`: "same" (the engine's stream)
@@ -325,7 +337,9 @@ class ScoreTransfer:
         steps, a watchdog those left longer than `stale_after_s`; see the module docstring).
         `early_consume` (consumer="engine", an experiment: PROBEX_PROMPT_SCORES_EARLY): the
         watchdog consumes a step copied mid-forward as soon as its copies land
-        (`_consume_early`)."""
+        (`_consume_early`). `prompt_scores_after_output` (consumer="engine", copies on the
+        engine's stream): a prompt-sized step whose tokens are ready when the engine reads
+        them is consumed once its outputs are sent (`consume_after_output`)."""
         if depth < 1:
             raise ValueError("ScoreTransfer needs at least one staging buffer")
         if copy_stream not in ("same", "side"):
@@ -389,7 +403,14 @@ class ScoreTransfer:
         # stream (a side stream reserves nothing, so no step is copied mid-forward)
         self.early_consume = early_consume and consumer == "engine" and threaded and self._side is None
         self._early_through = 0
-        self.early_steps = 0  # steps the watchdog consumed early (`_consume_early`)
+        self.early_steps = 0
+        # consume_after_output: the steps up to this number are the engine output thread's,
+        # to consume once the outputs put after them are taken (after_output.py).
+        self.prompt_scores_after_output = prompt_scores_after_output and consumer == "engine" and self._side is None
+        self._after_output_through = 0
+        self.after_output_steps = 0  # steps the output thread consumed
+        self.after_output_failures = 0
+        self._device_threads: set[int] = set()  # threads other than ours bound to the device's context  # steps the watchdog consumed early (`_consume_early`)
         self.early_wait_s = 0.0  # its waits for their copies to land (GIL released, no lock held)
         self.query_errors = 0
         self._last_submit = time.perf_counter()  # consumer="engine": when the engine last came by
@@ -459,7 +480,10 @@ class ScoreTransfer:
                 self._pending.append(step)
                 # A step without rows ends requests, and the engine may go idle after it: wait
                 # for what is left, or the last tokens' scores would wait for the watchdog.
-                self._consume_pending(wait=rows == 0)
+                if rows == 0:
+                    self._consume_pending(wait=True)
+                elif not self._left_to_output_thread():
+                    self._consume_pending(wait=False, keep_prompt_steps=self.defers_prompt_scores)
             if copied_mid_forward and self.early_consume and self._thread is not None:
                 self._early_through = self._submitted
                 self._wake.set()
@@ -585,10 +609,10 @@ class ScoreTransfer:
         tokens, whose copy was ordered after that step's same-stream score copies). Never
         waits for the device; it may wait for the lock while another thread consumes.
         Steps handed to the watchdog (`consume_beside`) are left to it."""
-        if self.consumer != "engine" or self._beside_through > self._processed:
+        if self.consumer != "engine" or self._beside_through > self._processed or self._left_to_output_thread():
             return
         with self._pending_lock:
-            self._consume_pending(wait=False)
+            self._consume_pending(wait=False, keep_prompt_steps=self.defers_prompt_scores)
 
     @property
     def submitted_steps(self) -> int:
@@ -641,12 +665,70 @@ class ScoreTransfer:
             self._consume_pending(wait=True, limit=self._beside_through - self._processed)
             self.beside_steps += self._processed - before
 
-    def _consume_pending(self, wait: bool, limit: int | None = None) -> None:
+    @property
+    def defers_prompt_scores(self) -> bool:
+        """A prompt-sized step whose tokens are ready when the engine reads them is left to the
+        engine's output thread (`consume_after_output`): switched on, and the engine core's
+        output queue can run work (it can once the engine core has started its output thread)."""
+        return self.prompt_scores_after_output and after_output.available()
+
+    def _left_to_output_thread(self) -> bool:
+        return self._after_output_through > self._processed
+
+    def leaves_steps_to_output_thread(self) -> bool:
+        """Steps handed to the output thread are still pending: the steps after them follow
+        them there (their order is kept)."""
+        return self._left_to_output_thread()
+
+    def consume_after_output(self, step_number: int) -> None:
+        """consumer="engine", on the engine thread, once vLLM has read the `step_number`-th
+        step's tokens (ready when it came for them): the pending steps up to it are consumed on
+        the engine's output thread once the outputs vLLM puts next are taken, so a prompt's
+        first token goes out ahead of its scores' consume rather than behind it. The engine
+        thread's own consumes leave them (and the steps after them) alone until then. Where
+        the output thread cannot take them, they are consumed here and now."""
+        if self.consumer != "engine":
+            return
+        self._after_output_through = max(self._after_output_through, step_number)
+        if not after_output.run_after_next_output(functools.partial(self._consume_after_output, step_number)):
+            self._after_output_through = 0
+            self.consume_through(step_number)
+
+    def _consume_after_output(self, step_number: int) -> None:
+        """On the engine's output thread: the handed steps, in order (their copies landed before
+        their tokens were ready; a wait, were there one, releases the GIL)."""
+        try:
+            self._bind_this_thread()
+            with self._pending_lock:
+                before = self._processed
+                self._consume_pending(wait=True, limit=step_number - self._processed)
+                self.after_output_steps += self._processed - before
+        except Exception:
+            # The engine thread takes every step again, as it did before this was switched on.
+            self.after_output_failures += 1
+            self.prompt_scores_after_output = False
+            self._after_output_through = 0
+            log.exception("probex: consuming scores on the engine's output thread failed; the engine thread "
+                          "consumes them from now on")
+
+    def _bind_this_thread(self) -> None:
+        """Make the device's context current on a thread that is not the engine's (a CUDA
+        driver context is per thread), once."""
+        ident = threading.get_ident()
+        if self._driver is not None and ident not in self._device_threads:
+            self._driver.bind_thread()
+            self._device_threads.add(ident)
+
+    def _consume_pending(self, wait: bool, limit: int | None = None, keep_prompt_steps: bool = False) -> None:
         """consumer="engine", with the lock held: consume pending steps in order while their
-        copies have landed (with `wait`, waiting for them), at most `limit`."""
+        copies have landed (with `wait`, waiting for them), at most `limit`. With
+        `keep_prompt_steps`, stop at a prompt-sized step: its own token read decides when it
+        is consumed (`consume_after_output`)."""
         consumed = 0
         while self._pending and (limit is None or consumed < limit):
             step = self._pending[0]
+            if keep_prompt_steps and step.rows > LARGE_STEP_ROWS:
+                return
             landed = step._ready is None or self._landed(step._ready)
             if not landed and not wait:
                 return
@@ -789,6 +871,9 @@ class ScoreTransfer:
                 "unguarded_forwards": self.unguarded_forwards, "mid_forward_steps": self.mid_forward_steps,
                 "mid_forward_layer_copies": self.mid_forward_layer_copies,
                 "mismatched_reservations": self.mismatched_reservations, "waits_for_staging": self.waits_for_staging,
+                "prompt_scores_after_output": self.prompt_scores_after_output,
+                "output_thread_can_consume": after_output.available(),  # the engine core's queue took the afterwork
+                "after_output_steps": self.after_output_steps, "after_output_failures": self.after_output_failures,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
                 "device_wait_s": self.device_wait_s,
                 **self.stats.as_dict()}

@@ -75,6 +75,15 @@ ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
 ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
 
 
+# On by default; "0" goes back to consuming a prompt-sized step's scores ahead of its tokens
+# in every case. On, where vLLM reads such a step's tokens after they are ready (a host whose
+# CPU runs behind its GPU), the step's scores are consumed on the engine core's output thread
+# once the step's outputs are taken, not between the tokens and their output
+# (engine_worker/after_output.py; score_transfer.py's `consume_after_output`). A run records it
+# in its transfer settings, and the steps so consumed as `after_output_steps`.
+ENV_PROMPT_SCORES_AFTER_OUTPUT = "PROBEX_PROMPT_SCORES_AFTER_OUTPUT"
+
+
 # Experiment, off by default: "1" has the watchdog thread consume a step whose score rows were
 # copied mid-forward (below) as soon as those copies land (after the last tapped layer), while
 # the forward's remaining layers run, instead of the engine thread consuming it where vLLM
@@ -114,6 +123,10 @@ def scores_ahead_of_tokens() -> bool:
 
 def prompt_scores_beside_output() -> bool:
     return _env_switch(ENV_PROMPT_SCORES_BESIDE, default="off")
+
+
+def prompt_scores_after_output() -> bool:
+    return _env_switch(ENV_PROMPT_SCORES_AFTER_OUTPUT)
 
 
 def prompt_scores_early() -> bool:

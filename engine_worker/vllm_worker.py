@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any, Callable
 
 from probes.artifact import ServedModel
 from engine_worker.controller import ProbeSetRejected, TapController, VectorSetRejected
@@ -105,11 +106,14 @@ def default_score_consumer(runner, reads_tokens_async: bool) -> str:
     return "engine" if reads_tokens_async and world_size == 1 and in_process else "thread"
 
 
-def scores_with_sampled_tokens(sample_tokens):
+def scores_with_sampled_tokens(sample_tokens, tokens_ready: Callable[[Any], bool] | None = None):
     """Wraps a runner's `sample_tokens` (V1 and V2 alike): with the engine consumer, the
     step's scores are consumed where the engine core reads the step's sampled tokens, in the
     `get_output` of the async output `sample_tokens` returns (vLLM's interface between either
-    runner and the engine core). At TP=1 vLLM calls it on the engine-core thread."""
+    runner and the engine core). At TP=1 vLLM calls it on the engine-core thread.
+    `tokens_ready(output)`: the runner adapter's non-blocking check that the output's tokens
+    are on the host already; a prompt step's scores then follow its tokens out
+    (`Controller.scores_after_output`). Without it they never do."""
 
     @functools.wraps(sample_tokens)
     def wrapper(self, *args, **kwargs):
@@ -128,11 +132,13 @@ def scores_with_sampled_tokens(sample_tokens):
             output.__dict__.pop("get_output", None)
             try:
                 beside = controller.prompt_scores_beside(this_step)  # an experiment, off by default
+                after = (not beside and tokens_ready is not None
+                         and controller.scores_after_output(this_step, lambda: tokens_ready(output)))
             except Exception:
                 log.exception("probex: checking the step's size failed")
-                beside = False
+                beside = after = False
             # PROBEX_SCORES_AHEAD_OF_TOKENS=0 (a diagnostic) skips this too
-            if controller.scores_ahead_of_tokens and not beside:
+            if controller.scores_ahead_of_tokens and not beside and not after:
                 try:
                     # The step's score copies were queued behind its forward, ahead of its
                     # logits and sampling: waiting for them (GIL released, as vLLM's own wait
@@ -150,6 +156,8 @@ def scores_with_sampled_tokens(sample_tokens):
             try:
                 if beside:  # the watchdog books and sends them while vLLM outputs the tokens
                     controller.consume_scores_beside(this_step)
+                elif after:  # the engine's output thread, once it has taken these tokens' outputs
+                    controller.consume_scores_after_output(this_step)
                 else:
                     controller.tokens_read(time.perf_counter() - reading)
                     controller.consume_landed_scores()

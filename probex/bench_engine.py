@@ -73,7 +73,10 @@ process read every step itself); ``tap-toggle-direct`` is ``tap-toggle`` on that
 ``tap-toggle`` with a prompt step's score rows copied behind its whole forward
 (``PROBEX_PROMPT_SCORES_MID_FORWARD=0``, the path before session 35) instead of during it;
 ``tap-toggle-early-consume`` is ``tap-toggle`` with the experiment that has the watchdog thread
-consume those mid-forward copies as soon as they land (``PROBEX_PROMPT_SCORES_EARLY=1``).
+consume those mid-forward copies as soon as they land (``PROBEX_PROMPT_SCORES_EARLY=1``);
+``tap-toggle-scores-before-output`` is ``tap-toggle`` with a prompt step's scores consumed
+ahead of its tokens even where they were ready (``PROBEX_PROMPT_SCORES_AFTER_OUTPUT=0``, the
+path before session 39).
 ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
 where its kind has run least (so repeats meet every GPU), and adds each set-up's TPOT over
 plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
@@ -142,8 +145,8 @@ import numpy as np
 
 from engine_worker.launch import api_server_count, vllm_server_entry  # torch-free, as is tap_config
 from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY, ENV_HOOK_SPIN_US,
-                                      ENV_PROMPT_SCORES_EARLY, ENV_PROMPT_SCORES_MID_FORWARD, ENV_SCORE_CONSUMER,
-                                      ENV_SCORE_FORMATTER,
+                                      ENV_PROMPT_SCORES_AFTER_OUTPUT, ENV_PROMPT_SCORES_EARLY,
+                                      ENV_PROMPT_SCORES_MID_FORWARD, ENV_SCORE_CONSUMER, ENV_SCORE_FORMATTER,
                                       ENV_SCORES_AHEAD, ENV_TAP_BUFFERS, switch_is_on)
 
 from probex.processes import free_port
@@ -157,11 +160,12 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
          "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "tap-toggle-direct",
-         "tap-toggle-copies-after", "tap-toggle-early-consume", "eager", "steer-idle", "steer-active", "steer-gated")
+         "tap-toggle-copies-after", "tap-toggle-early-consume", "tap-toggle-scores-before-output", "eager", "steer-idle",
+         "steer-active", "steer-gated")
 WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
                 "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle",
-                "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume", "steer-idle",
-                "steer-active", "steer-gated")  # `probex worker`, the 8 probes
+                "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume",
+                "tap-toggle-scores-before-output", "steer-idle", "steer-active", "steer-gated")  # `probex worker`, the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
 UNDELIVERED_KINDS = ("tap-op-only",)
@@ -178,7 +182,10 @@ TOGGLE_KIND = "tap-toggle"
 # rows copied behind its whole forward (PROBEX_PROMPT_SCORES_MID_FORWARD=0), as before session
 # 35, rather than during it. tap-toggle-early-consume: the experiment that has the watchdog
 # thread consume those mid-forward copies as soon as they land (PROBEX_PROMPT_SCORES_EARLY=1).
-TOGGLE_KINDS = (TOGGLE_KIND, "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume")
+# tap-toggle-scores-before-output: a prompt step's scores consumed ahead of its tokens even
+# where they were ready (PROBEX_PROMPT_SCORES_AFTER_OUTPUT=0), as before session 39.
+TOGGLE_KINDS = (TOGGLE_KIND, "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume",
+                "tap-toggle-scores-before-output")
 # Which state those phases begin with (--toggle-first). A start's first phase at a
 # concurrency follows its warm-up; alternating the state it is in between the starts of a
 # run keeps whatever that position adds off one state's account.
@@ -202,16 +209,21 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    "tap-toggle": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN},
                    "tap-toggle-direct": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_SCORE_FORMATTER: "0"},
                    "tap-toggle-copies-after": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_PROMPT_SCORES_MID_FORWARD: "0"},
-                   "tap-toggle-early-consume": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_PROMPT_SCORES_EARLY: "1"}}
+                   "tap-toggle-early-consume": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_PROMPT_SCORES_EARLY: "1"},
+                   "tap-toggle-scores-before-output": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN,
+                                                       ENV_PROMPT_SCORES_AFTER_OUTPUT: "0"}}
 # What the worker's /probex/probes listing must then say (its `transfer` section), so a set-up
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
                           "tap-side-copies": ("copy_stream", "side"),
                           "tap-toggle-copies-after": ("prompt_scores_mid_forward", False),
-                          "tap-toggle-early-consume": ("early_consume", True)}
+                          "tap-toggle-early-consume": ("early_consume", True),
+                          "tap-toggle-scores-before-output": ("prompt_scores_after_output", False)}
 # Recorded for every worker set-up: the set-up kinds' settings and an experiment set with
 # --worker-env (PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1; engine_worker/tap_config.py).
-RECORDED_TRANSFER_SETTINGS = (*(key for key, _ in KIND_TRANSFER_SETTINGS.values()), "prompt_scores_beside_output")
+# Also whether the engine core's output thread could take a prompt step's scores (session 39 on).
+RECORDED_TRANSFER_SETTINGS = (*(key for key, _ in KIND_TRANSFER_SETTINGS.values()), "prompt_scores_beside_output",
+                              "output_thread_can_consume")
 # The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
 # the runner is vLLM's choice, so the bench cannot tell which adapter runs): the engine thread
 # (engine_worker.vllm_worker.default_score_consumer). With tensor parallelism, and on runner V1
@@ -1776,6 +1788,9 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "mid_forward_steps": t1.get("mid_forward_steps", 0) - t0.get("mid_forward_steps", 0),
             # PROBEX_PROMPT_SCORES_EARLY=1: steps the watchdog consumed as soon as they landed
             "early_steps": t1.get("early_steps", 0) - t0.get("early_steps", 0),
+            # PROBEX_PROMPT_SCORES_AFTER_OUTPUT (session 39 on): steps the engine's output thread
+            # consumed once their tokens' outputs were taken (their tokens were ready when read)
+            "after_output_steps": t1.get("after_output_steps", 0) - t0.get("after_output_steps", 0),
         }
         if "device_wait_s" in t1 and "device_wait_s" in t0:
             # the consumers' waits for copies to land (GIL released), per step: for the V2 engine
@@ -1957,7 +1972,9 @@ def delivery_line(delivery: dict[str, Any]) -> str:
                         if t.get("large_steps") else "")
                      + (f", {t['mid_forward_steps']} prompt steps copied mid-forward" if "mid_forward_steps" in t
                         else "")
-                     + (f", {t['early_steps']} consumed early by the watchdog" if t.get("early_steps") else ""))
+                     + (f", {t['early_steps']} consumed early by the watchdog" if t.get("early_steps") else "")
+                     + (f", {t['after_output_steps']} consumed after their tokens' output" if t.get("after_output_steps")
+                        else ""))
         for label, what in (("all", "published step"), ("large", "prefill-sized step")):
             split = (t.get("consume_parts") or {}).get(label)
             if split:
@@ -3824,7 +3841,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
               "tap-thread-consumer": "#8c8c8c", "tap-slow-hook": "#e5ae38", "tap-scores-after-tokens": "#4f9da6",
               "tap-side-copies": "#b07aa1", "tap-buffers-in-model": "#ff9da6", "tap-toggle": "#2ca02c",
               "tap-toggle-direct": "#98df8a", "tap-toggle-copies-after": "#17becf",
-              "tap-toggle-early-consume": "#bcbd22", "eager": "#c44e52", "steer-idle": "#8172b2",
+              "tap-toggle-early-consume": "#bcbd22", "tap-toggle-scores-before-output": "#7f7f7f", "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
     names = {"plain": f"plain vLLM ({graphs})", "tap": f"ProbeX tap, {probes} probes ({graphs})",
@@ -3841,6 +3858,8 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
                                         " (first running phase)",
              "tap-toggle-early-consume": f"ProbeX tap, {probes} probes, prompt scores consumed as they land"
                                          " (first running phase)",
+             "tap-toggle-scores-before-output": f"ProbeX tap, {probes} probes, prompt scores always ahead of their"
+                                                " tokens (first running phase)",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}

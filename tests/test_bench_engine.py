@@ -633,6 +633,7 @@ def test_delivery_delta_reads_the_worker_and_hub_counters_per_phase():
     assert delta["transfer"].pop("beside_steps") == 0  # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT unset
     assert delta["transfer"].pop("mid_forward_steps") == 0  # a worker from before session 35 says nothing of them
     assert delta["transfer"].pop("early_steps") == 0  # PROBEX_PROMPT_SCORES_EARLY unset
+    assert delta["transfer"].pop("after_output_steps") == 0  # a worker from before session 39 says nothing of them
     assert delta["engine_thread"] == pytest.approx({"steps": 20, "hook_mean_ms": 0.1, "layout_mean_ms": 0.02,
                                                     "stage_mean_ms": 0.04, "handoff_mean_ms": 0.01,
                                                     "other_mean_ms": 0.03})
