@@ -48,6 +48,7 @@ def _with_afterwork(process_output_sockets):
         if isinstance(output_queue, queue.Queue):
             try:
                 after_output.install(output_queue)
+                log.info("probex: the engine core's output thread can run work after each step's outputs")
             except Exception:  # vLLM's outputs go out as before; ProbeX consumes as before
                 log.exception("probex: the engine's output queue cannot run work after outputs")
         try:
