@@ -10,8 +10,13 @@ the prompt's scores still arrive before the chunk that needs them.
 
 Engine-agnostic: the runner's engine-core adapter (vllm_engine_core.py) hands over the
 queue its output thread reads (`install`); the score transfer asks `run_after_next_output`.
-The queue keeps its items and its order; only the reader, after taking the outputs put since
-the work was registered, runs the work before it takes anything later (or waits for more).
+The queue keeps its items and its order; the reader runs the work once the first item put
+after the work was registered has been taken and the queue has run dry. A step's outputs
+(one item per API server process) are put in one loop on the engine thread, which holds the
+GIL through it, so the reader takes them all before the queue runs dry; an item put by
+another thread between the registration and the step's outputs (vLLM's input thread puts
+the odd error reply) would have the work run ahead of them, costing the first token what it
+cost before this path existed.
 """
 
 from __future__ import annotations
@@ -40,17 +45,15 @@ class OutputQueueWithAfterwork(queue.Queue):
     Work registered while nothing more is ever put stays registered: its owner must not
     depend on it alone (the score transfer's watchdog consumes steps nobody came for)."""
 
-    # Attributes are set by `_start_afterwork`, which `install` calls on an existing queue
-    # (the engine's, created before any plugin could choose its class).
+    # Set by `_start_afterwork`, which `install` calls on an existing queue (the engine's,
+    # created before any plugin could choose its class) before giving it this class.
     _registered: list
     _armed: list
     _items_ahead: int
 
-    def _start_afterwork(self) -> None:
-        with self.mutex:
-            self._registered = []
-            self._armed = []
-            self._items_ahead = 0
+    def __init__(self, maxsize: int = 0) -> None:
+        super().__init__(maxsize)
+        _start_afterwork(self)
 
     def after_next_put(self, work: Callable[[], None]) -> None:
         with self.mutex:
@@ -82,6 +85,13 @@ class OutputQueueWithAfterwork(queue.Queue):
         return item
 
 
+def _start_afterwork(target: queue.Queue) -> None:
+    with target.mutex:
+        target._registered = []
+        target._armed = []
+        target._items_ahead = 0
+
+
 def install(output_queue: queue.Queue) -> OutputQueueWithAfterwork:
     """Give the engine's output queue (read by one thread) the afterwork behaviour, in place:
     its items, its waiters and every reference to it stay as they are."""
@@ -90,8 +100,8 @@ def install(output_queue: queue.Queue) -> OutputQueueWithAfterwork:
         if not isinstance(output_queue, OutputQueueWithAfterwork):
             if type(output_queue) is not queue.Queue:
                 raise TypeError(f"expected a queue.Queue, not {type(output_queue).__name__}")
+            _start_afterwork(output_queue)  # before the class: a put meanwhile finds its lists
             output_queue.__class__ = OutputQueueWithAfterwork
-            output_queue._start_afterwork()
         _installed = output_queue
         return output_queue
 

@@ -440,6 +440,7 @@ class TapController:
         runner adapter's non-blocking check): consuming first would then hold the first token
         up, where otherwise it overlaps the device's sampling."""
         transfer = self.transfer
+        transfer.token_reads_checked = True
         if not transfer.defers_prompt_scores:
             return False
         if transfer.leaves_steps_to_output_thread():

@@ -74,7 +74,9 @@ after they are ready, and consuming the scores ahead of them would hold the firs
 core's output thread, which consumes it once it has taken the outputs vLLM puts next
 (`consume_after_output`, after_output.py); until then the engine thread's own consumes leave
 that step and those after it alone. A landed prompt-sized step is likewise not consumed in
-passing at a later step's hook: its own token read decides.
+passing at a later step's hook: its own token read decides (where the runner adapter checks
+it). The output thread never waits for the transfer's lock: where another thread holds it,
+the watchdog takes the steps.
 """
 
 from __future__ import annotations
@@ -408,6 +410,10 @@ class ScoreTransfer:
         # to consume once the outputs put after them are taken (after_output.py).
         self.prompt_scores_after_output = prompt_scores_after_output and consumer == "engine" and self._side is None
         self._after_output_through = 0
+        # Set once the runner adapter checks a step's tokens where vLLM reads them (a model
+        # whose steps never come there, a pooling model's, keeps its prompt steps consumed in
+        # passing).
+        self.token_reads_checked = False
         self.after_output_steps = 0  # steps the output thread consumed
         self.after_output_failures = 0
         self._device_threads: set[int] = set()  # threads other than ours bound to the device's context  # steps the watchdog consumed early (`_consume_early`)
@@ -483,7 +489,7 @@ class ScoreTransfer:
                 if rows == 0:
                     self._consume_pending(wait=True)
                 elif not self._left_to_output_thread():
-                    self._consume_pending(wait=False, keep_prompt_steps=self.defers_prompt_scores)
+                    self._consume_pending(wait=False, keep_prompt_steps=self._keeps_prompt_steps())
             if copied_mid_forward and self.early_consume and self._thread is not None:
                 self._early_through = self._submitted
                 self._wake.set()
@@ -612,7 +618,7 @@ class ScoreTransfer:
         if self.consumer != "engine" or self._beside_through > self._processed or self._left_to_output_thread():
             return
         with self._pending_lock:
-            self._consume_pending(wait=False, keep_prompt_steps=self.defers_prompt_scores)
+            self._consume_pending(wait=False, keep_prompt_steps=self._keeps_prompt_steps())
 
     @property
     def submitted_steps(self) -> int:
@@ -672,6 +678,11 @@ class ScoreTransfer:
         output queue can run work (it can once the engine core has started its output thread)."""
         return self.prompt_scores_after_output and after_output.available()
 
+    def _keeps_prompt_steps(self) -> bool:
+        """A landed prompt-sized step is left for its own token read to decide, not consumed in
+        passing: where that read is checked (`token_reads_checked`) and may hand it on."""
+        return self.token_reads_checked and self.defers_prompt_scores
+
     def _left_to_output_thread(self) -> bool:
         return self._after_output_through > self._processed
 
@@ -689,6 +700,7 @@ class ScoreTransfer:
         the output thread cannot take them, they are consumed here and now."""
         if self.consumer != "engine":
             return
+        self._last_submit = time.perf_counter()  # the engine came by: the watchdog stands down
         self._after_output_through = max(self._after_output_through, step_number)
         if not after_output.run_after_next_output(functools.partial(self._consume_after_output, step_number)):
             self._after_output_through = 0
@@ -696,13 +708,24 @@ class ScoreTransfer:
 
     def _consume_after_output(self, step_number: int) -> None:
         """On the engine's output thread: the handed steps, in order (their copies landed before
-        their tokens were ready; a wait, were there one, releases the GIL)."""
+        their tokens were ready). vLLM's outputs must never wait for ProbeX's books: where
+        another thread holds them (the engine thread may hold them through a device wait, at
+        a step without rows or with every staging buffer pending), or a copy has not landed,
+        the watchdog takes the steps instead (`consume_beside`)."""
         try:
             self._bind_this_thread()
-            with self._pending_lock:
+            if not self._pending_lock.acquire(blocking=False):
+                self.consume_beside(step_number)
+                return
+            try:
                 before = self._processed
-                self._consume_pending(wait=True, limit=step_number - self._processed)
+                self._consume_pending(wait=False, limit=step_number - self._processed)
                 self.after_output_steps += self._processed - before
+                left = self._processed < step_number
+            finally:
+                self._pending_lock.release()
+            if left:
+                self.consume_beside(step_number)
         except Exception:
             # The engine thread takes every step again, as it did before this was switched on.
             self.after_output_failures += 1

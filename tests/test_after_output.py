@@ -35,7 +35,9 @@ def test_work_runs_once_the_outputs_put_after_it_are_taken_and_not_before(output
     output_queue.put_nowait("earlier step")
     assert after_output.run_after_next_output(lambda: ran.append("scores"))
     assert output_queue.get() == "earlier step"  # put before the work: it is not what the work waits for
-    assert output_queue.get_nowait is not None and ran == []
+    with pytest.raises(queue.Empty):
+        output_queue.get(timeout=0.01)  # the queue ran dry, but nothing was put since: the work waits
+    assert ran == []
     output_queue.put_nowait("this step, API server 0")
     output_queue.put_nowait("this step, API server 1")
     assert output_queue.get() == "this step, API server 0"
@@ -93,6 +95,17 @@ def test_an_output_thread_waiting_for_outputs_runs_the_work_right_after_taking_t
     assert ran == [("sent before the work", ["first token"]), "scores"] and reader.name != threading.current_thread().name
 
 
+def test_a_queue_made_with_the_afterwork_has_it_from_the_start():
+    made = OutputQueueWithAfterwork()
+    ran = []
+    made.after_next_put(lambda: ran.append("work"))
+    made.put_nowait("outputs")
+    assert made.get() == "outputs"
+    with pytest.raises(queue.Empty):
+        made.get(timeout=0.01)
+    assert ran == ["work"]
+
+
 def test_installing_keeps_the_queues_items_and_refuses_other_kinds():
     engine_queue = queue.Queue()
     engine_queue.put_nowait("already there")
@@ -122,6 +135,7 @@ def prompt_transfer(driver=None, **kwargs):
 def test_a_prompt_step_whose_tokens_were_ready_is_consumed_after_their_output_and_the_engine_leaves_it(output_queue):
     transfer, driver, seen = prompt_transfer()
     assert transfer.defers_prompt_scores
+    transfer.token_reads_checked = True  # the runner adapter checks each step's tokens where vLLM reads them
     transfer.submit(1, "decode")
     transfer.submit(PROMPT_ROWS, "prompt")
     driver.land(*driver.recorded)  # the prompt's forward is done: its copies and its tokens are in
@@ -214,3 +228,76 @@ def test_the_controller_defers_a_prompt_steps_scores_only_when_its_tokens_are_re
     assert after(3, lambda: False) is True  # steps ahead wait for the output thread: this one follows them
     after_output.uninstall()
     assert after(3, lambda: True) is False
+
+
+def test_prompt_steps_whose_tokens_are_never_checked_are_consumed_in_passing_as_before(output_queue):
+    """A model whose steps never come to the checked token read (a pooling model's: vLLM never
+    samples) keeps its landed prompt steps consumed at later hooks, queue or not."""
+    transfer, driver, seen = prompt_transfer()
+    transfer.submit(PROMPT_ROWS, "prompt")
+    driver.land(*driver.recorded)
+    transfer.submit(PROMPT_ROWS, "next prompt")
+    assert [context for context, _ in seen] == ["prompt"]
+
+
+def test_the_output_thread_never_waits_for_the_books_another_thread_holds(output_queue):
+    """Where the engine thread holds the transfer's lock (through a device wait, say) when the
+    output thread comes to the handed steps, the output thread hands them to the watchdog and
+    goes back to sending outputs; the watchdog consumes them once the lock is free, in order."""
+    driver = LandingDriver()
+    seen = []
+    transfer = ScoreTransfer({0: torch.zeros(PROMPT_ROWS, 1)},
+                             lambda step: seen.append((step.context, threading.current_thread().name)),
+                             depth=4, driver=driver, consumer="engine", stale_after_s=60.0,
+                             prompt_scores_after_output=True)
+    transfer.token_reads_checked = True
+    transfer.submit(PROMPT_ROWS, "prompt")
+    transfer.submit(1, "decode")
+    driver.land(*driver.recorded)
+    transfer.consume_after_output(1)
+    transfer.consume_after_output(2)  # the step behind it follows it there
+    output_queue.put_nowait("first token")
+    taken = []
+    with transfer._pending_lock:  # the engine thread's, for as long as this block lasts
+        reader = threading.Thread(target=lambda: taken.extend([output_queue.get(), _drained(output_queue)]),
+                                  name="output-thread")
+        reader.start()
+        reader.join(5)
+        assert taken == ["first token", True] and seen == []  # it went on without the books
+    for _ in range(500):
+        if len(seen) == 2:
+            break
+        threading.Event().wait(0.01)
+    assert seen == [("prompt", "probex-score-watchdog"), ("decode", "probex-score-watchdog")]
+    assert transfer.beside_steps == 2 and transfer.after_output_steps == 0
+    transfer.close()
+
+
+def test_steps_handed_on_one_after_another_are_consumed_in_order_with_the_watchdog_running(output_queue):
+    driver = LandingDriver()
+    seen = []
+    transfer = ScoreTransfer({0: torch.zeros(PROMPT_ROWS, 1)},
+                             lambda step: seen.append((step.context, threading.current_thread().name)),
+                             depth=8, driver=driver, consumer="engine", stale_after_s=60.0,
+                             prompt_scores_after_output=True)
+    transfer.token_reads_checked = True
+    sent = []
+    reader = threading.Thread(target=lambda: [sent.append(item) for item in iter(output_queue.get, None)],
+                              name="output-thread")
+    reader.start()
+    for number, (rows, context) in enumerate([(PROMPT_ROWS, "prompt a"), (1, "decode"), (PROMPT_ROWS, "prompt b"),
+                                              (3, "decodes")], 1):
+        transfer.submit(rows, context)
+        driver.land(*driver.recorded)
+        transfer.consume_after_output(number)
+        output_queue.put_nowait(f"outputs of step {number}")
+    for _ in range(500):  # the reader, once it has taken the outputs, comes back and runs the work
+        if len(seen) == 4:
+            break
+        threading.Event().wait(0.01)
+    output_queue.put_nowait(None)
+    reader.join(5)
+    assert [context for context, _ in seen] == ["prompt a", "decode", "prompt b", "decodes"]
+    assert {name for _, name in seen} <= {"output-thread", "probex-score-watchdog"}
+    assert sent == [f"outputs of step {n}" for n in range(1, 5)]
+    transfer.close()

@@ -363,9 +363,10 @@ def test_each_runner_adapter_reads_its_async_outputs_copy_event_without_waiting(
     assert v2._sampled_tokens_ready(SimpleNamespace(copy_event=Event(True))) is True
     assert v2._sampled_tokens_ready(SimpleNamespace(copy_event=Event(False))) is False
     assert v1._sampled_tokens_ready(SimpleNamespace(async_copy_ready_event=Event(True))) is True
+    assert v1._sampled_tokens_ready(SimpleNamespace(async_copy_ready_event=Event(False))) is False
 
 
-def test_the_engine_core_adapter_gives_the_output_thread_its_afterwork_for_its_lifetime():
+def test_the_engine_core_adapter_gives_the_output_thread_its_afterwork_for_its_lifetime(monkeypatch):
     """vLLM's EngineCoreProc starts its output thread on `process_output_sockets`: wrapped,
     the engine's own queue gains the afterwork in place while the thread runs."""
     import queue
@@ -385,6 +386,8 @@ def test_the_engine_core_adapter_gives_the_output_thread_its_afterwork_for_its_l
     assert not after_output.available()  # the thread ended: nothing is handed to it any more
     from vllm.v1.engine.core import EngineCoreProc
 
+    # vLLM's own class, patched as the plugin does (restored after the test)
+    monkeypatch.setattr(EngineCoreProc, "process_output_sockets", EngineCoreProc.process_output_sockets)
     assert patch_engine_core_output() is True and patch_engine_core_output() is True
     assert getattr(EngineCoreProc.process_output_sockets, "_probex_output_afterwork") is True
     assert EngineCoreProc.process_output_sockets.__wrapped__.__name__ == "process_output_sockets"
