@@ -127,9 +127,25 @@ def prompt_transfer(driver=None, **kwargs):
     def consume(step):
         seen.append((step.context, threading.current_thread().name))
 
-    transfer = ScoreTransfer({0: torch.zeros(PROMPT_ROWS, 1)}, consume, depth=4, threaded=False, driver=driver,
-                             consumer="engine", prompt_scores_after_output=kwargs.pop("after_output", True), **kwargs)
+    kwargs.setdefault("depth", 4)
+    kwargs.setdefault("threaded", False)
+    transfer = ScoreTransfer({0: torch.zeros(PROMPT_ROWS, 1)}, consume, driver=driver, consumer="engine",
+                             prompt_scores_after_output=kwargs.pop("after_output", True), **kwargs)
     return transfer, driver, seen
+
+
+def watched_transfer(depth: int):
+    """With the watchdog running (which never takes a step as stale here), as the engine runs it."""
+    transfer, driver, seen = prompt_transfer(depth=depth, threaded=True, stale_after_s=60.0)
+    transfer.token_reads_checked = True
+    return transfer, driver, seen
+
+
+def wait_until(condition) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        threading.Event().wait(0.01)
 
 
 def test_a_prompt_step_whose_tokens_were_ready_is_consumed_after_their_output_and_the_engine_leaves_it(output_queue):
@@ -244,13 +260,7 @@ def test_the_output_thread_never_waits_for_the_books_another_thread_holds(output
     """Where the engine thread holds the transfer's lock (through a device wait, say) when the
     output thread comes to the handed steps, the output thread hands them to the watchdog and
     goes back to sending outputs; the watchdog consumes them once the lock is free, in order."""
-    driver = LandingDriver()
-    seen = []
-    transfer = ScoreTransfer({0: torch.zeros(PROMPT_ROWS, 1)},
-                             lambda step: seen.append((step.context, threading.current_thread().name)),
-                             depth=4, driver=driver, consumer="engine", stale_after_s=60.0,
-                             prompt_scores_after_output=True)
-    transfer.token_reads_checked = True
+    transfer, driver, seen = watched_transfer(depth=4)
     transfer.submit(PROMPT_ROWS, "prompt")
     transfer.submit(1, "decode")
     driver.land(*driver.recorded)
@@ -264,23 +274,14 @@ def test_the_output_thread_never_waits_for_the_books_another_thread_holds(output
         reader.start()
         reader.join(5)
         assert taken == ["first token", True] and seen == []  # it went on without the books
-    for _ in range(500):
-        if len(seen) == 2:
-            break
-        threading.Event().wait(0.01)
+    wait_until(lambda: len(seen) == 2)
     assert seen == [("prompt", "probex-score-watchdog"), ("decode", "probex-score-watchdog")]
     assert transfer.beside_steps == 2 and transfer.after_output_steps == 0
     transfer.close()
 
 
 def test_steps_handed_on_one_after_another_are_consumed_in_order_with_the_watchdog_running(output_queue):
-    driver = LandingDriver()
-    seen = []
-    transfer = ScoreTransfer({0: torch.zeros(PROMPT_ROWS, 1)},
-                             lambda step: seen.append((step.context, threading.current_thread().name)),
-                             depth=8, driver=driver, consumer="engine", stale_after_s=60.0,
-                             prompt_scores_after_output=True)
-    transfer.token_reads_checked = True
+    transfer, driver, seen = watched_transfer(depth=8)
     sent = []
     reader = threading.Thread(target=lambda: [sent.append(item) for item in iter(output_queue.get, None)],
                               name="output-thread")
@@ -291,10 +292,7 @@ def test_steps_handed_on_one_after_another_are_consumed_in_order_with_the_watchd
         driver.land(*driver.recorded)
         transfer.consume_after_output(number)
         output_queue.put_nowait(f"outputs of step {number}")
-    for _ in range(500):  # the reader, once it has taken the outputs, comes back and runs the work
-        if len(seen) == 4:
-            break
-        threading.Event().wait(0.01)
+    wait_until(lambda: len(seen) == 4)  # the reader, once it has taken the outputs, comes back and runs the work
     output_queue.put_nowait(None)
     reader.join(5)
     assert [context for context, _ in seen] == ["prompt a", "decode", "prompt b", "decodes"]
