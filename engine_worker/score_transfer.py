@@ -405,7 +405,7 @@ class ScoreTransfer:
         # stream (a side stream reserves nothing, so no step is copied mid-forward)
         self.early_consume = early_consume and consumer == "engine" and threaded and self._side is None
         self._early_through = 0
-        self.early_steps = 0
+        self.early_steps = 0  # steps the watchdog consumed early (`_consume_early`)
         # consume_after_output: the steps up to this number are the engine output thread's,
         # to consume once the outputs put after them are taken (after_output.py).
         self.prompt_scores_after_output = prompt_scores_after_output and consumer == "engine" and self._side is None
@@ -416,7 +416,7 @@ class ScoreTransfer:
         self.token_reads_checked = False
         self.after_output_steps = 0  # steps the output thread consumed
         self.after_output_failures = 0
-        self._device_threads: set[int] = set()  # threads other than ours bound to the device's context  # steps the watchdog consumed early (`_consume_early`)
+        self._device_threads: set[int] = set()  # threads other than ours bound to the device's context
         self.early_wait_s = 0.0  # its waits for their copies to land (GIL released, no lock held)
         self.query_errors = 0
         self._last_submit = time.perf_counter()  # consumer="engine": when the engine last came by
