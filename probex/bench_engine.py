@@ -3433,6 +3433,14 @@ def find_warnings(setups: Sequence[dict[str, Any]]) -> list[str]:
                             + "): their pooled readings mix the two (the score formatter became the worker's "
                             "default in session 29)")
     for s in setups:
+        settings = s.get("checks", {}).get("probex_transfer_settings") or {}
+        engine_consumed = any(((e.get("delivery") or {}).get("transfer") or {}).get("consumer") == "engine"
+                              for e in s.get("results", {}).values())
+        if settings.get("prompt_scores_after_output") and settings.get("output_thread_can_consume") is False \
+                and engine_consumed:
+            warnings.append(f"{s['label']}: the engine core's output queue did not take ProbeX's work, so prompt "
+                            "scores went ahead of their tokens wherever those were ready "
+                            "(PROBEX_PROMPT_SCORES_AFTER_OUTPUT had nothing to hand them to)")
         effect = s.get("checks", {}).get("steering_effect")
         if effect is not None and not effect.get("probes_after_write"):
             warnings.append(f"{s['label']}: no probe reads a layer after the steering layer {effect.get('layer')}: "

@@ -484,6 +484,22 @@ def test_a_phase_whose_clients_could_not_be_spread_is_warned_about():
     assert len(warnings) == 1 and warnings[0].startswith("tap c=8: no warm-up request succeeded")
 
 
+def test_an_engine_consumer_whose_output_queue_took_no_work_is_warned_about():
+    """PROBEX_PROMPT_SCORES_AFTER_OUTPUT on, the engine thread consuming, and the engine core's
+    queue not set up (a vLLM whose engine core changed): the run says its prompt scores went
+    ahead of their tokens; with the queue set up, or the transfer thread consuming, it does not."""
+    def setup(can_consume, consumer):
+        return {"label": "tap-toggle", "kind": "tap-toggle",
+                "checks": {"probex_transfer_settings": {"prompt_scores_after_output": True,
+                                                        "output_thread_can_consume": can_consume}},
+                "results": {"1": {"delivery": {"transfer": {"consumer": consumer}}}}}
+
+    warnings = be.find_warnings([setup(False, "engine")])
+    assert len(warnings) == 1 and "output queue did not take ProbeX's work" in warnings[0]
+    assert be.find_warnings([setup(True, "engine")]) == []
+    assert be.find_warnings([setup(False, "thread")]) == []  # the CPU backend: nothing to hand on there
+
+
 def test_process_cpu_without_a_baseline_is_left_out_and_ended_threads_still_count():
     tick = os.sysconf("SC_CLK_TCK")
     before = {10: {"name": "api", "total": 0, "threads": {10: 0, 11: 0}}}
