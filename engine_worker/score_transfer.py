@@ -488,7 +488,7 @@ class ScoreTransfer:
                 # for what is left, or the last tokens' scores would wait for the watchdog.
                 if rows == 0:
                     self._consume_pending(wait=True)
-                elif not self._left_to_output_thread():
+                elif not self.leaves_steps_to_output_thread():
                     self._consume_pending(wait=False, keep_prompt_steps=self._keeps_prompt_steps())
             if copied_mid_forward and self.early_consume and self._thread is not None:
                 self._early_through = self._submitted
@@ -615,7 +615,7 @@ class ScoreTransfer:
         tokens, whose copy was ordered after that step's same-stream score copies). Never
         waits for the device; it may wait for the lock while another thread consumes.
         Steps handed to the watchdog (`consume_beside`) are left to it."""
-        if self.consumer != "engine" or self._beside_through > self._processed or self._left_to_output_thread():
+        if self.consumer != "engine" or self._beside_through > self._processed or self.leaves_steps_to_output_thread():
             return
         with self._pending_lock:
             self._consume_pending(wait=False, keep_prompt_steps=self._keeps_prompt_steps())
@@ -683,13 +683,10 @@ class ScoreTransfer:
         passing: where that read is checked (`token_reads_checked`) and may hand it on."""
         return self.token_reads_checked and self.defers_prompt_scores
 
-    def _left_to_output_thread(self) -> bool:
-        return self._after_output_through > self._processed
-
     def leaves_steps_to_output_thread(self) -> bool:
-        """Steps handed to the output thread are still pending: the steps after them follow
-        them there (their order is kept)."""
-        return self._left_to_output_thread()
+        """Steps handed to the output thread are still pending: the engine thread's own
+        consumes leave them, and the steps after them follow them there (their order is kept)."""
+        return self._after_output_through > self._processed
 
     def consume_after_output(self, step_number: int) -> None:
         """consumer="engine", on the engine thread, once vLLM has read the `step_number`-th

@@ -165,7 +165,8 @@ KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consu
 WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
                 "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle",
                 "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume",
-                "tap-toggle-scores-before-output", "steer-idle", "steer-active", "steer-gated")  # `probex worker`, the 8 probes
+                "tap-toggle-scores-before-output", "steer-idle", "steer-active",
+                "steer-gated")  # `probex worker`, the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
 UNDELIVERED_KINDS = ("tap-op-only",)
@@ -2003,14 +2004,14 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                   steer: SteerBench | None = None, arrivals: str = "staggered", length_spread: float = 0.0,
                   cancelled: Callable[[], bool] = lambda: False, idle_ttft_requests: int = 0,
                   idle_ttft_pause_s: float = 0.1, profile_requests: int = 0,
-                  toggle_pairs: int | dict[int | None, int] = 2, idle_ttft_pairs: int | None = None,
+                  toggle_pairs: dict[int | None, int] | None = None, idle_ttft_pairs: int | None = None,
                   interleave_one_stream: bool = False) -> None:
     """`arrivals`: how a phase's requests arrive at concurrencies above 1 (`run_phase`:
     staggered clients, clients together, or paced). `cancelled`: polled around every phase; once true, the phase in progress is dropped
     (its server was stopped under it) and SetupCancelled is raised. `toggle_pairs` (tap-toggle
     only): at each concurrency, phases with the tap running and paused (`toggle_order`,
-    beginning paused where `plan.toggle_first_paused`), that many of each in all, or as many
-    as a mapping from `parse_toggle_pairs` gives the concurrency (`record["toggle"]`; the
+    beginning paused where `plan.toggle_first_paused`), as many of each in all as the mapping
+    from `parse_toggle_pairs` gives the concurrency (default two; `record["toggle"]`; the
     first running one is also the set-up's `results` phase; fresh prompts per phase, so the
     prefix cache serves none). `idle_ttft_requests`:
     after the concurrency phases, that many requests one at a time (`run_idle_ttft`);
@@ -2042,7 +2043,7 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
     if xargs:
         record["request_xargs"] = xargs
     expect = probe_names if worker and plan.kind not in UNDELIVERED_KINDS else None
-    pairs_at = toggle_pairs if isinstance(toggle_pairs, dict) else {None: toggle_pairs}
+    pairs_at = toggle_pairs or {None: 2}
     for c in concurrencies:
         order = (toggle_order(pairs_at.get(c, pairs_at[None]), plan.toggle_first_paused)
                  if plan.kind in TOGGLE_KINDS else [])
@@ -3849,7 +3850,8 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
               "tap-thread-consumer": "#8c8c8c", "tap-slow-hook": "#e5ae38", "tap-scores-after-tokens": "#4f9da6",
               "tap-side-copies": "#b07aa1", "tap-buffers-in-model": "#ff9da6", "tap-toggle": "#2ca02c",
               "tap-toggle-direct": "#98df8a", "tap-toggle-copies-after": "#17becf",
-              "tap-toggle-early-consume": "#bcbd22", "tap-toggle-scores-before-output": "#7f7f7f", "eager": "#c44e52", "steer-idle": "#8172b2",
+              "tap-toggle-early-consume": "#bcbd22", "tap-toggle-scores-before-output": "#7f7f7f",
+              "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
     names = {"plain": f"plain vLLM ({graphs})", "tap": f"ProbeX tap, {probes} probes ({graphs})",
