@@ -3,10 +3,13 @@ queue, read by its output thread, runs it once it has taken those outputs.
 
 Why: on a host whose CPU runs behind its GPU (the engine thread reaches a prompt step's
 sampled tokens after they are ready), whatever the engine thread does before it hands those
-tokens on sits between the prefill and the first token. A prompt-sized step's scores are
-then better consumed once its outputs are on their way to the API server: the API server's
-path from there to the first chunk is milliseconds long, the consume a fraction of one, so
-the prompt's scores still arrive before the chunk that needs them.
+tokens on sits between the prefill and the first token. The idea was to consume a
+prompt-sized step's scores once its outputs are on their way to the API server, hoping they
+would still arrive before the chunk that needs them. Measured on such an H100 (session 40,
+docs/benchmarks.md) they mostly did not: the API server held the first chunk for them about
+as long as the engine had saved, and under load the output thread's consumes took GIL time
+from the engine thread. So this is an experiment, off unless PROBEX_PROMPT_SCORES_AFTER_OUTPUT=1
+(the engine core's queue is then set up; otherwise vLLM's stays as it is).
 
 Engine-agnostic: the runner's engine-core adapter (vllm_engine_core.py) hands over the
 queue its output thread reads (`install`); the score transfer asks `run_after_next_output`.

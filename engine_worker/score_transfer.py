@@ -69,13 +69,14 @@ the same speed (docs/benchmark-sessions.md, session 8); the engine consumer wake
 thread per step.
 
 Where the host runs behind the device, the engine thread reaches a prompt step's tokens
-after they are ready, and consuming the scores ahead of them would hold the first token up
-(PROBEX_PROMPT_SCORES_AFTER_OUTPUT, on by default): such a step is then left to the engine
-core's output thread, which consumes it once it has taken the outputs vLLM puts next
-(`consume_after_output`, after_output.py); until then the engine thread's own consumes leave
-that step and those after it alone. A landed prompt-sized step is likewise not consumed in
-passing at a later step's hook: its own token read decides (where the runner adapter checks
-it). The output thread never waits for the transfer's lock: where another thread holds it,
+after they are ready, and consuming the scores ahead of them holds the first token up. With
+PROBEX_PROMPT_SCORES_AFTER_OUTPUT=1 (an experiment, off by default: on the GPU it moved the
+wait to the API server, whose first chunk waits for the prompt's scores, and under load cost
+the engine thread GIL time) such a step is left to the engine core's output thread, which
+consumes it once it has taken the outputs vLLM puts next (`consume_after_output`,
+after_output.py); until then the engine thread's own consumes leave that step and those
+after it alone, and a landed prompt-sized step is not consumed in passing at a later step's
+hook: its own token read decides (where the runner adapter checks it). The output thread never waits for the transfer's lock: where another thread holds it,
 the watchdog takes the steps.
 """
 

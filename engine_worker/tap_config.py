@@ -75,12 +75,15 @@ ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
 ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
 
 
-# On by default; "0" goes back to consuming a prompt-sized step's scores ahead of its tokens
-# in every case. On, where vLLM reads such a step's tokens after they are ready (a host whose
-# CPU runs behind its GPU), the step's scores are consumed on the engine core's output thread
-# once the step's outputs are taken, not between the tokens and their output
-# (engine_worker/after_output.py; score_transfer.py's `consume_after_output`). A run records it
-# in its transfer settings, and the steps so consumed as `after_output_steps`.
+# Experiment, off by default since session 40: "1" has a prompt-sized step's scores consumed on
+# the engine core's output thread once the step's outputs are taken, where vLLM reads the step's
+# tokens after they are ready (a host whose CPU runs behind its GPU), instead of ahead of those
+# tokens (engine_worker/after_output.py; score_transfer.py's `consume_after_output`). Measured
+# on an H100 of that kind (docs/benchmarks.md, session 40) it did not pay: at an idle engine the
+# API server then held the first chunk for the prompt's scores about as long as the engine had
+# saved, and under load the output thread's consumes contended with the engine thread for the
+# GIL (a prompt step's consume 0.14 -> 0.44 ms of wall time, TPOT at 64 streams +0.7% -> +2.9%). A run
+# records it in its transfer settings, and the steps so consumed as `after_output_steps`.
 ENV_PROMPT_SCORES_AFTER_OUTPUT = "PROBEX_PROMPT_SCORES_AFTER_OUTPUT"
 
 
@@ -126,7 +129,7 @@ def prompt_scores_beside_output() -> bool:
 
 
 def prompt_scores_after_output() -> bool:
-    return _env_switch(ENV_PROMPT_SCORES_AFTER_OUTPUT)
+    return _env_switch(ENV_PROMPT_SCORES_AFTER_OUTPUT, default="off")
 
 
 def prompt_scores_early() -> bool:

@@ -6,7 +6,8 @@ end of its `__init__`, after vLLM has loaded the plugins in that process) takes 
 encodes them and sends them to the API server processes. Wrapping that thread's function
 lets the queue run ProbeX's work once a step's outputs are taken (after_output.py): a
 prompt-sized step's score consume then follows its first token out instead of holding it,
-where the engine thread reaches the tokens after they are ready.
+where the engine thread reaches the tokens after they are ready. Patched only with that
+experiment switched on (PROBEX_PROMPT_SCORES_AFTER_OUTPUT=1; engine_worker/plugin.py).
 
 An engine core without that queue or thread (the in-process `EngineCore` of offline `LLM`
 use, a vLLM that renamed them) is left as it is: `after_output.available()` stays false and

@@ -74,9 +74,10 @@ process read every step itself); ``tap-toggle-direct`` is ``tap-toggle`` on that
 (``PROBEX_PROMPT_SCORES_MID_FORWARD=0``, the path before session 35) instead of during it;
 ``tap-toggle-early-consume`` is ``tap-toggle`` with the experiment that has the watchdog thread
 consume those mid-forward copies as soon as they land (``PROBEX_PROMPT_SCORES_EARLY=1``);
-``tap-toggle-scores-before-output`` is ``tap-toggle`` with a prompt step's scores consumed
-ahead of its tokens even where they were ready (``PROBEX_PROMPT_SCORES_AFTER_OUTPUT=0``, the
-path before session 39).
+``tap-toggle-scores-after-output`` is ``tap-toggle`` with the experiment that has a prompt
+step's scores consumed on the engine core's output thread after its tokens' outputs, where
+those tokens were ready when read (``PROBEX_PROMPT_SCORES_AFTER_OUTPUT=1``; the default in
+session 39's code, off again since session 40).
 ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
 where its kind has run least (so repeats meet every GPU), and adds each set-up's TPOT over
 plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
@@ -160,12 +161,12 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
          "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "tap-toggle-direct",
-         "tap-toggle-copies-after", "tap-toggle-early-consume", "tap-toggle-scores-before-output", "eager", "steer-idle",
+         "tap-toggle-copies-after", "tap-toggle-early-consume", "tap-toggle-scores-after-output", "eager", "steer-idle",
          "steer-active", "steer-gated")
 WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
                 "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle",
                 "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume",
-                "tap-toggle-scores-before-output", "steer-idle", "steer-active",
+                "tap-toggle-scores-after-output", "steer-idle", "steer-active",
                 "steer-gated")  # `probex worker`, the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
 # (PROBEX_DELIVERY=off): over plain, the op's own cost; under tap, the host path's.
@@ -183,10 +184,10 @@ TOGGLE_KIND = "tap-toggle"
 # rows copied behind its whole forward (PROBEX_PROMPT_SCORES_MID_FORWARD=0), as before session
 # 35, rather than during it. tap-toggle-early-consume: the experiment that has the watchdog
 # thread consume those mid-forward copies as soon as they land (PROBEX_PROMPT_SCORES_EARLY=1).
-# tap-toggle-scores-before-output: a prompt step's scores consumed ahead of its tokens even
-# where they were ready (PROBEX_PROMPT_SCORES_AFTER_OUTPUT=0), as before session 39.
+# tap-toggle-scores-after-output: the experiment that has a prompt step's scores consumed on the
+# engine core's output thread after its tokens' outputs (PROBEX_PROMPT_SCORES_AFTER_OUTPUT=1).
 TOGGLE_KINDS = (TOGGLE_KIND, "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume",
-                "tap-toggle-scores-before-output")
+                "tap-toggle-scores-after-output")
 # Which state those phases begin with (--toggle-first). A start's first phase at a
 # concurrency follows its warm-up; alternating the state it is in between the starts of a
 # run keeps whatever that position adds off one state's account.
@@ -211,15 +212,15 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    "tap-toggle-direct": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_SCORE_FORMATTER: "0"},
                    "tap-toggle-copies-after": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_PROMPT_SCORES_MID_FORWARD: "0"},
                    "tap-toggle-early-consume": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_PROMPT_SCORES_EARLY: "1"},
-                   "tap-toggle-scores-before-output": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN,
-                                                       ENV_PROMPT_SCORES_AFTER_OUTPUT: "0"}}
+                   "tap-toggle-scores-after-output": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN,
+                                                      ENV_PROMPT_SCORES_AFTER_OUTPUT: "1"}}
 # What the worker's /probex/probes listing must then say (its `transfer` section), so a set-up
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
                           "tap-side-copies": ("copy_stream", "side"),
                           "tap-toggle-copies-after": ("prompt_scores_mid_forward", False),
                           "tap-toggle-early-consume": ("early_consume", True),
-                          "tap-toggle-scores-before-output": ("prompt_scores_after_output", False)}
+                          "tap-toggle-scores-after-output": ("prompt_scores_after_output", True)}
 # Recorded for every worker set-up: the set-up kinds' settings and an experiment set with
 # --worker-env (PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1; engine_worker/tap_config.py).
 # Also whether the engine core's output thread could take a prompt step's scores (session 39 on).
@@ -3850,7 +3851,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
               "tap-thread-consumer": "#8c8c8c", "tap-slow-hook": "#e5ae38", "tap-scores-after-tokens": "#4f9da6",
               "tap-side-copies": "#b07aa1", "tap-buffers-in-model": "#ff9da6", "tap-toggle": "#2ca02c",
               "tap-toggle-direct": "#98df8a", "tap-toggle-copies-after": "#17becf",
-              "tap-toggle-early-consume": "#bcbd22", "tap-toggle-scores-before-output": "#7f7f7f",
+              "tap-toggle-early-consume": "#bcbd22", "tap-toggle-scores-after-output": "#7f7f7f",
               "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
     steering = result.get("steering") or {}
@@ -3868,8 +3869,8 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
                                         " (first running phase)",
              "tap-toggle-early-consume": f"ProbeX tap, {probes} probes, prompt scores consumed as they land"
                                          " (first running phase)",
-             "tap-toggle-scores-before-output": f"ProbeX tap, {probes} probes, prompt scores always ahead of their"
-                                                " tokens (first running phase)",
+             "tap-toggle-scores-after-output": f"ProbeX tap, {probes} probes, prompt scores after their tokens'"
+                                               " output (first running phase)",
              "eager": "enforce_eager", "steer-idle": f"tap + steering op, idle (α = 0, layer {steering.get('layer')})",
              "steer-active": f"tap + steering, every row (α = {steering.get('alpha')})",
              "steer-gated": "tap + steering, gated by a probe"}

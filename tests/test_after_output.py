@@ -1,4 +1,5 @@
-"""A prompt step's scores consumed after its first token's output (PROBEX_PROMPT_SCORES_AFTER_OUTPUT).
+"""A prompt step's scores consumed after its first token's output (PROBEX_PROMPT_SCORES_AFTER_OUTPUT,
+an experiment: off unless set to 1).
 
 The engine core's output queue runs registered work once the outputs put after it are taken
 (engine_worker/after_output.py); the score transfer hands such a step to it when vLLM reads
@@ -21,6 +22,17 @@ from engine_worker.score_transfer import LARGE_STEP_ROWS, ScoreTransfer
 from tests.test_controller import LandingDriver
 
 PROMPT_ROWS = LARGE_STEP_ROWS + 44
+
+
+def test_the_experiment_is_off_unless_switched_on(monkeypatch):
+    from engine_worker.tap_config import ENV_PROMPT_SCORES_AFTER_OUTPUT, prompt_scores_after_output
+
+    monkeypatch.delenv(ENV_PROMPT_SCORES_AFTER_OUTPUT, raising=False)
+    assert prompt_scores_after_output() is False
+    monkeypatch.setenv(ENV_PROMPT_SCORES_AFTER_OUTPUT, "1")
+    assert prompt_scores_after_output() is True
+    monkeypatch.setenv(ENV_PROMPT_SCORES_AFTER_OUTPUT, "off")
+    assert prompt_scores_after_output() is False
 
 
 @pytest.fixture
