@@ -76,8 +76,9 @@ the engine thread GIL time) such a step is left to the engine core's output thre
 consumes it once it has taken the outputs vLLM puts next (`consume_after_output`,
 after_output.py); until then the engine thread's own consumes leave that step and those
 after it alone, and a landed prompt-sized step is not consumed in passing at a later step's
-hook: its own token read decides (where the runner adapter checks it). The output thread never waits for the transfer's lock: where another thread holds it,
-the watchdog takes the steps.
+hook: its own token read decides (where the runner adapter checks it). The output thread
+never waits for the transfer's lock: where another thread holds it, the watchdog takes the
+steps.
 """
 
 from __future__ import annotations

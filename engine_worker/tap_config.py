@@ -82,8 +82,8 @@ ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
 # on an H100 of that kind (docs/benchmarks.md, session 40) it did not pay: at an idle engine the
 # API server then held the first chunk for the prompt's scores about as long as the engine had
 # saved, and under load the output thread's consumes contended with the engine thread for the
-# GIL (a prompt step's consume 0.14 -> 0.44 ms of wall time, TPOT at 64 streams +0.7% -> +2.9%). A run
-# records it in its transfer settings, and the steps so consumed as `after_output_steps`.
+# GIL (a prompt step's consume 0.14 -> 0.44 ms of wall time, TPOT at 64 streams +0.7% -> +2.9%).
+# A run records it in its transfer settings, and the steps so consumed as `after_output_steps`.
 ENV_PROMPT_SCORES_AFTER_OUTPUT = "PROBEX_PROMPT_SCORES_AFTER_OUTPUT"
 
 
