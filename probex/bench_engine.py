@@ -1055,11 +1055,13 @@ def idle_forward_records(records: Sequence[dict[str, Any]], paused: Sequence[boo
 
 
 FORWARD_SPLIT_PARTS = {"span": "the prefill forward's device span", "rest": "the rest of TTFT",
-                       "way_in": "send to the forward's launch", "way_out": "the forward's end to the first chunk"}
+                       "way_in": "send to the forward's launch", "way_out": "the forward's end to the first chunk",
+                       "launch": "the forward's launch on the host (within the span)"}
 
 
 def forward_span_split(ttft_ms: Sequence[float], span_ms: Sequence[float], paused: Sequence[bool],
-                       way_in_ms: Sequence[float] | None = None) -> dict[str, Any]:
+                       way_in_ms: Sequence[float] | None = None,
+                       launch_ms: Sequence[float] | None = None) -> dict[str, Any]:
     """Idle TTFT with the tap running over paused, split into the prefill forward's device
     span and the rest (TTFT − span: the host's path in and out, the first token's sampling),
     pair by pair (`toggled_pairs`): for each part the mean difference in ms and in percent of
@@ -1067,12 +1069,20 @@ def forward_span_split(ttft_ms: Sequence[float], span_ms: Sequence[float], pause
     request-to-request scatter (SD, ms), which says where TTFT's noise lives. With `way_in_ms`
     (the client's send to the forward's launch, on the clock client and engine share), the
     rest is split again into that way in and the way out (the forward's end to the client's
-    first chunk: sampling, the token's read and output, the API server, HTTP)."""
+    first chunk: sampling, the token's read and output, the API server, HTTP).
+
+    With `launch_ms` (how long the engine thread took to enqueue the forward, host clock), a
+    part of its own, inside the span rather than beside it, and `launch_over_span`, the two
+    means' ratio: near 1 the device waited for the host's launches (a host whose CPU runs
+    behind its GPU), so every microsecond the tap adds to the launch is one the prefill lasts
+    longer; well under 1 the device was the slower and the launch overlapped it."""
     ttft, span = np.asarray(ttft_ms, dtype=float), np.asarray(span_ms, dtype=float)
     parts = {"ttft": ttft, "span": span, "rest": ttft - span}
     if way_in_ms is not None:
         parts["way_in"] = np.asarray(way_in_ms, dtype=float)
         parts["way_out"] = parts["rest"] - parts["way_in"]
+    if launch_ms is not None:
+        parts["launch"] = np.asarray(launch_ms, dtype=float)
     paired = {name: toggled_pairs(list(values), list(paused)) for name, values in parts.items()}
     keep = [i for i, (r, q) in enumerate(paired["ttft"]) if math.isfinite(r) and math.isfinite(q)]
     out: dict[str, Any] = {"pairs": len(keep)}
@@ -1083,6 +1093,8 @@ def forward_span_split(ttft_ms: Sequence[float], span_ms: Sequence[float], pause
     out["correlation_ttft_span"] = float(np.corrcoef(ttft[ok], span[ok])[0, 1])
     if way_in_ms is not None:
         out["way_out_in_order"] = way_out_in_order(parts["way_out"][ok], span[ok])
+    if launch_ms is not None:
+        out["launch_over_span"] = float(np.mean(parts["launch"][ok]) / np.mean(span[ok]))
     base = float(np.mean([paired["ttft"][i][1] for i in keep]))
     out["paused_ttft_mean_ms"] = base
     for name in parts:
@@ -1119,7 +1131,7 @@ def _forward_split_of(entry: dict[str, Any]) -> dict[str, Any]:
     if not all(key in entry for key in ("per_request_ttft_ms", "per_request_span_ms", "paused")):
         return entry["forward_split"]
     return forward_span_split(entry["per_request_ttft_ms"], entry["per_request_span_ms"], entry["paused"],
-                              entry.get("per_request_way_in_ms"))
+                              entry.get("per_request_way_in_ms"), entry.get("per_request_launch_ms"))
 
 
 def forward_span_line(split: dict[str, Any]) -> str:
@@ -1131,7 +1143,9 @@ def forward_span_line(split: dict[str, Any]) -> str:
         parts.append(f"{words} {part['difference_mean_ms']:+.3f} ms (95% {part['ci95_ms'][0]:+.3f} … "
                      f"{part['ci95_ms'][1]:+.3f}; {part['pct_of_ttft']:+.2f}% of TTFT)")
     scatter = ", ".join(f"{'TTFT' if name == 'ttft' else name} {sd:.2f} ms" for name, sd in split["sd_ms"].items())
-    return f"running over paused: {'; '.join(parts)}; request-to-request SD: {scatter}"
+    launch = (f"; launch over span {split['launch_over_span']:.2f} (near 1: the device waited for the host)"
+              if "launch_over_span" in split else "")
+    return f"running over paused: {'; '.join(parts)}; request-to-request SD: {scatter}{launch}"
 
 
 def arrival_spread_s(warm_results: Sequence[RequestResult]) -> float:
@@ -2190,7 +2204,11 @@ def measure_setup(server: Server, plan: SetupPlan, concurrencies: Sequence[int],
                 spans = entry["per_request_span_ms"] = [f["span_ms"] for f in forwards]
                 way_in = entry["per_request_way_in_ms"] = [(f["began_at"] - r.sent_at) * 1e3
                                                            for f, (_, r) in zip(forwards, toggled)]
-                entry["forward_split"] = forward_span_split(ttft_ms, spans, paused_flags, way_in)
+                launch = None
+                if all(f.get("launched_at") for f in forwards):  # the engine thread's enqueueing of it
+                    launch = entry["per_request_launch_ms"] = [(f["launched_at"] - f["began_at"]) * 1e3
+                                                               for f in forwards]
+                entry["forward_split"] = forward_span_split(ttft_ms, spans, paused_flags, way_in, launch)
                 if "span" in entry["forward_split"]:
                     say(f"  {plan.label:9} idle TTFT split, " + forward_span_line(entry["forward_split"]))
         record["idle_ttft_toggle"] = entry
@@ -3609,6 +3627,11 @@ def toggle_tables(result: dict[str, Any], kind: str = TOGGLE_KIND) -> list[str]:
                     lines.append(f"| | | {words} | {part['paused_mean_ms']:.2f} | {part['difference_mean_ms']:+.3f} "
                                  f"({part['ci95_ms'][0]:+.3f} … {part['ci95_ms'][1]:+.3f}) | "
                                  f"{_pct2(part['pct_of_ttft'])} | {split['sd_ms'][name]:.2f} |")
+        ratios = [(label, split["launch_over_span"]) for label, split in splits if "launch_over_span" in split]
+        if ratios:
+            lines += ["", "The forward's launch on the host over its device span (means over the requests; near 1 "
+                      "the device waited for the engine thread's launches, so host work added to the launch "
+                      "lengthens the prefill): " + "; ".join(f"{label} {ratio:.2f}" for label, ratio in ratios) + "."]
         levels = [(label, split["way_out_in_order"]) for label, split in splits if split.get("way_out_in_order")]
         if levels:
             lines += ["", "The way out in request order, the tap running and paused alike: quartiles (ms), the "

@@ -151,6 +151,34 @@ def test_the_idle_split_finds_a_small_host_cost_under_a_noisy_device_span():
     assert be.forward_span_split([30.0, 31.0], [20.0, 20.0], [False, True]) == {"pairs": 1}
 
 
+def test_the_idle_split_says_whether_the_device_waited_for_the_forwards_launch():
+    """A host whose CPU runs behind its GPU: the engine thread's enqueueing of a prefill takes
+    about as long as the device's span of it, and the tap's host work in that launch (0.1 ms
+    here) shows as a part of its own; on a fast host the launch is a fraction of the span."""
+    rng = np.random.default_rng(2)
+    paused = [be.idle_toggle_paused(n) for n in range(600)]
+    tap = np.where(paused, 0.0, 0.1)
+    slow_launch = 27.0 + rng.normal(0.0, 0.3, 600) + tap
+    span = slow_launch + 0.5 + rng.normal(0.0, 0.05, 600)  # the device ends just after the last launch
+    way_in = 2.0 + rng.normal(0.0, 0.05, 600)
+    ttft = way_in + span + 4.0 + rng.normal(0.0, 0.1, 600)
+    split = be.forward_span_split(list(ttft), list(span), paused, list(way_in), list(slow_launch))
+    assert split["launch_over_span"] == pytest.approx(0.98, abs=0.01)
+    low, high = split["launch"]["ci95_ms"]
+    assert low < 0.1 < high and high - low < 0.1 and split["launch"]["paused_mean_ms"] == pytest.approx(27.0, abs=0.1)
+    assert "launch over span 0.98" in be.forward_span_line(split)
+    fast = be.forward_span_split(list(ttft), list(span), paused, list(way_in), list(slow_launch / 4))
+    assert fast["launch_over_span"] == pytest.approx(0.245, abs=0.01)
+    assert "launch" not in be.forward_span_split(list(ttft), list(span), paused, list(way_in))
+    # the report, and a saved run re-rendered from its per-request times
+    entry = {"forward_split": split, "per_request_ttft_ms": list(ttft), "per_request_span_ms": list(span),
+             "per_request_way_in_ms": list(way_in), "per_request_launch_ms": list(slow_launch), "paused": paused}
+    text = be.markdown_tables({"setups": [{"label": "tap-toggle", "results": {}, "idle_ttft_toggle": entry}]})
+    assert "| | | the forward's launch on the host (within the span) |" in text
+    assert "waited for the engine thread's launches, so host work added to the launch lengthens the prefill): " \
+           "tap-toggle 0.98." in text
+
+
 def test_the_step_timings_route_is_for_admins_and_says_when_timing_is_off(monkeypatch):
     from engine_worker.middleware import ProbexMiddleware
     from engine_worker.tap_config import TapConfig
