@@ -440,6 +440,8 @@ class TapController:
         runner adapter's non-blocking check): consuming first would then hold the first token
         up, where otherwise it overlaps the device's sampling."""
         transfer = self.transfer
+        if not transfer.prompt_scores_after_output:  # the experiment off (the default): every step comes here
+            return False
         transfer.token_reads_checked = True
         if not transfer.defers_prompt_scores:
             return False
