@@ -32,8 +32,7 @@ from engine_worker.step_timing import ENV_STEP_TIMING, StepTimer, step_timing_en
 from engine_worker.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
 from engine_worker.tap import LayerTap, ProbeSlot
-from engine_worker.tap_config import (ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_spin_s, prompt_scores_after_output,
-                                      prompt_scores_beside_output, prompt_scores_early, prompt_scores_mid_forward,
+from engine_worker.tap_config import (ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_spin_s, prompt_scores_mid_forward,
                                       scores_ahead_of_tokens)
 
 log = logging.getLogger("probex.controller")
@@ -106,9 +105,6 @@ class TapController:
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
         self._hook_spin_s = hook_spin_s()  # PROBEX_HOOK_SPIN_US, a diagnostic; 0 otherwise
         self.scores_ahead_of_tokens = scores_ahead_of_tokens()  # PROBEX_SCORES_AHEAD_OF_TOKENS=0: a diagnostic
-        # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1, an experiment: see `prompt_scores_beside`
-        self.prompt_scores_beside_output = prompt_scores_beside_output()
-        self.tokens_ready_errors = 0  # `scores_after_output`'s check of a step's tokens failed
         # PROBEX_PROMPT_SCORES_MID_FORWARD (on unless "0"): see `open_mid_forward_copies`.
         self.prompt_scores_mid_forward = prompt_scores_mid_forward()
         self._mid_forward_open = False  # a reserved step's forward is being enqueued
@@ -119,10 +115,7 @@ class TapController:
         self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
                                       self._consume_step, threaded=threaded,
                                       copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
-                                      consumer=os.environ.get(ENV_SCORE_CONSUMER, "").strip().lower() or consumer,
-                                      # PROBEX_PROMPT_SCORES_EARLY=1, an experiment: see `_consume_early`
-                                      early_consume=prompt_scores_early() and self.prompt_scores_mid_forward,
-                                      prompt_scores_after_output=prompt_scores_after_output())
+                                      consumer=os.environ.get(ENV_SCORE_CONSUMER, "").strip().lower() or consumer)
 
     # -- probe sets ------------------------------------------------------------------------
 
@@ -204,7 +197,6 @@ class TapController:
             "slots_per_layer": {str(l): t.capacity for l, t in self.taps.items()},
             "capture": self.capture_dir is not None,
             "transfer": {**self.transfer.describe(), "scores_ahead_of_tokens": self.scores_ahead_of_tokens,
-                         "prompt_scores_beside_output": self.prompt_scores_beside_output,
                          "prompt_scores_mid_forward": self.prompt_scores_mid_forward,
                          "consume_parts": self.consume_parts.as_dict()},
             "engine_thread": {"steps": self.steps, "hook_s": self.engine_thread_s, "layout_s": self.layout_s,
@@ -422,50 +414,6 @@ class TapController:
         started, waited = time.perf_counter(), self.transfer.device_wait_s
         self.transfer.consume_through(mark)
         self.engine_thread_s += time.perf_counter() - started - (self.transfer.device_wait_s - waited)
-
-    def prompt_scores_beside(self, mark: int) -> bool:
-        """With PROBEX_PROMPT_SCORES_BESIDE_OUTPUT on: whether the steps up to `mark` hold a
-        prompt-sized one (more than LARGE_STEP_ROWS rows), whose scores then go to the watchdog
-        thread once the tokens are read (`consume_scores_beside`) instead of being consumed
-        ahead of them. Its consume (0.2 ms for a 1024-token prompt on the H200) would otherwise
-        sit between the prompt's forward and vLLM's output of its first token."""
-        return self.prompt_scores_beside_output and self.transfer.pending_rows_through(mark) > LARGE_STEP_ROWS
-
-    def scores_after_output(self, mark: int, tokens_ready: Callable[[], bool]) -> bool:
-        """Whether the steps up to `mark` are consumed after vLLM outputs the tokens it is
-        about to read (`consume_scores_after_output`) rather than ahead of them: where
-        PROBEX_PROMPT_SCORES_AFTER_OUTPUT is on and the engine's output thread can take them,
-        when steps handed to that thread are still pending (these follow them), or when a
-        prompt-sized step is among them and the tokens are ready already (`tokens_ready`, the
-        runner adapter's non-blocking check): consuming first would then hold the first token
-        up, where otherwise it overlaps the device's sampling."""
-        transfer = self.transfer
-        if not transfer.prompt_scores_after_output:  # the experiment off (the default): every step comes here
-            return False
-        transfer.token_reads_checked = True
-        if not transfer.defers_prompt_scores:
-            return False
-        if transfer.leaves_steps_to_output_thread():
-            return True
-        if transfer.pending_rows_through(mark) <= LARGE_STEP_ROWS:
-            return False
-        try:
-            return bool(tokens_ready())
-        except Exception:
-            self.tokens_ready_errors += 1
-            if self.tokens_ready_errors == 1:  # an output of another kind fails the same way every step
-                log.exception("probex: checking whether a step's tokens are ready failed; its scores go ahead of them")
-            return False
-
-    def consume_scores_after_output(self, mark: int) -> None:
-        started = time.perf_counter()
-        self.transfer.consume_after_output(mark)
-        self.engine_thread_s += time.perf_counter() - started
-
-    def consume_scores_beside(self, mark: int) -> None:
-        started = time.perf_counter()
-        self.transfer.consume_beside(mark)
-        self.engine_thread_s += time.perf_counter() - started
 
     def tokens_read(self, wait_s: float) -> None:
         """vLLM read a step's sampled tokens `wait_s` after its scores were consumed (engine

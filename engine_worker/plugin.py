@@ -19,8 +19,6 @@ def register() -> None:
     if _registered:
         return
     import engine_worker.ops  # noqa: F401  (torch.ops.probex.tap)
-    from engine_worker.tap_config import prompt_scores_after_output
-    from engine_worker.vllm_engine_core import patch_engine_core_output
     from engine_worker.vllm_models import patch_decoder_layers, patch_engine_config
     from engine_worker.vllm_v1_runner import patch_v1_runner
     from engine_worker.vllm_v2_runner import patch_v2_runner
@@ -31,6 +29,4 @@ def register() -> None:
     patch_v1_runner()
     patch_v2_runner()  # a no-op where vLLM has no V2 runner (the CPU backend)
     patch_prefix_cache_bypass()
-    if prompt_scores_after_output():  # the experiment only: otherwise vLLM's output queue stays its own
-        patch_engine_core_output()
     _registered = True

@@ -67,25 +67,12 @@ engine has not come by for that long (an engine that stopped calling the hook); 
 for the device outside the lock, so an engine that comes back never waits for it. On the H200 the two consumers measured
 the same speed (docs/benchmark-sessions.md, session 8); the engine consumer wakes no second
 thread per step.
-
-Where the host runs behind the device, the engine thread reaches a prompt step's tokens
-after they are ready, and consuming the scores ahead of them holds the first token up. With
-PROBEX_PROMPT_SCORES_AFTER_OUTPUT=1 (an experiment, off by default: on the GPU it moved the
-wait to the API server, whose first chunk waits for the prompt's scores, and under load cost
-the engine thread GIL time) such a step is left to the engine core's output thread, which
-consumes it once it has taken the outputs vLLM puts next (`consume_after_output`,
-after_output.py); until then the engine thread's own consumes leave that step and those
-after it alone, and a landed prompt-sized step is not consumed in passing at a later step's
-hook: its own token read decides (where the runner adapter checks it). The output thread
-never waits for the transfer's lock: where another thread holds it, the watchdog takes the
-steps.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
-import functools
 import logging
 import queue
 import threading
@@ -95,8 +82,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-
-from engine_worker import after_output
 
 log = logging.getLogger("probex.transfer")
 
@@ -331,19 +316,12 @@ class ScoreTransfer:
         copy_stream: str = "same",
         consumer: str = "thread",
         stale_after_s: float = 0.05,
-        early_consume: bool = False,
-        prompt_scores_after_output: bool = False,
     ) -> None:
         """`driver`: the device calls (tests pass a recording stand-in); made from libcuda
         when the sources are on a CUDA device. `copy_stream`: "same" (the engine's stream)
         or "side" (see the module docstring; a device only). `consumer`: "thread" (the
         transfer thread consumes every step) or "engine" (the engine thread consumes landed
-        steps, a watchdog those left longer than `stale_after_s`; see the module docstring).
-        `early_consume` (consumer="engine", an experiment: PROBEX_PROMPT_SCORES_EARLY): the
-        watchdog consumes a step copied mid-forward as soon as its copies land
-        (`_consume_early`). `prompt_scores_after_output` (consumer="engine", copies on the
-        engine's stream): a prompt-sized step whose tokens are ready when the engine reads
-        them is consumed once its outputs are sent (`consume_after_output`)."""
+        steps, a watchdog those left longer than `stale_after_s`; see the module docstring)."""
         if depth < 1:
             raise ValueError("ScoreTransfer needs at least one staging buffer")
         if copy_stream not in ("same", "side"):
@@ -398,28 +376,6 @@ class ScoreTransfer:
         self._closing = threading.Event()
         self.stale_after_s = stale_after_s
         self.stale_steps = 0  # steps the watchdog consumed (nobody else came by in time)
-        # consume_beside: the steps up to this number are the watchdog's, woken by `_wake`.
-        self._beside_through = 0
-        self._wake = threading.Event()
-        self.beside_steps = 0  # steps the watchdog consumed when asked (`consume_beside`)
-        # early_consume: the steps up to this number are the watchdog's to consume once landed.
-        # Only where it can happen: an engine consumer with its watchdog, copies on the engine's
-        # stream (a side stream reserves nothing, so no step is copied mid-forward)
-        self.early_consume = early_consume and consumer == "engine" and threaded and self._side is None
-        self._early_through = 0
-        self.early_steps = 0  # steps the watchdog consumed early (`_consume_early`)
-        # consume_after_output: the steps up to this number are the engine output thread's,
-        # to consume once the outputs put after them are taken (after_output.py).
-        self.prompt_scores_after_output = prompt_scores_after_output and consumer == "engine" and self._side is None
-        self._after_output_through = 0
-        # Set once the runner adapter checks a step's tokens where vLLM reads them (a model
-        # whose steps never come there, a pooling model's, keeps its prompt steps consumed in
-        # passing).
-        self.token_reads_checked = False
-        self.after_output_steps = 0  # steps the output thread consumed
-        self.after_output_failures = 0
-        self._device_threads: set[int] = set()  # threads other than ours bound to the device's context
-        self.early_wait_s = 0.0  # its waits for their copies to land (GIL released, no lock held)
         self.query_errors = 0
         self._last_submit = time.perf_counter()  # consumer="engine": when the engine last came by
         if threaded:
@@ -488,13 +444,7 @@ class ScoreTransfer:
                 self._pending.append(step)
                 # A step without rows ends requests, and the engine may go idle after it: wait
                 # for what is left, or the last tokens' scores would wait for the watchdog.
-                if rows == 0:
-                    self._consume_pending(wait=True)
-                elif not self.leaves_steps_to_output_thread():
-                    self._consume_pending(wait=False, keep_prompt_steps=self._keeps_prompt_steps())
-            if copied_mid_forward and self.early_consume and self._thread is not None:
-                self._early_through = self._submitted
-                self._wake.set()
+                self._consume_pending(wait=rows == 0)
             self.handoff_s += (staging - started) + (time.perf_counter() - staged)
         elif self._threaded:
             self._submitted += 1
@@ -606,7 +556,6 @@ class ScoreTransfer:
         if self.consumer == "engine":
             self.flush()  # what is pending is consumed here; the watchdog only stops
         self._closing.set()
-        self._wake.set()
         if self._thread is not None and self._thread.is_alive():
             self._work.put(None)
             self._thread.join(timeout=5)
@@ -615,12 +564,11 @@ class ScoreTransfer:
         """consumer="engine": consume, in order, the pending steps whose copies have landed
         (the runner adapter calls this where the engine has just read a step's sampled
         tokens, whose copy was ordered after that step's same-stream score copies). Never
-        waits for the device; it may wait for the lock while another thread consumes.
-        Steps handed to the watchdog (`consume_beside`) are left to it."""
-        if self.consumer != "engine" or self._beside_through > self._processed or self.leaves_steps_to_output_thread():
+        waits for the device; it may wait for the lock while another thread consumes."""
+        if self.consumer != "engine":
             return
         with self._pending_lock:
-            self._consume_pending(wait=False, keep_prompt_steps=self._keeps_prompt_steps())
+            self._consume_pending(wait=False)
 
     @property
     def submitted_steps(self) -> int:
@@ -647,110 +595,12 @@ class ScoreTransfer:
         with self._pending_lock:
             self._consume_pending(wait=True, limit=step_number - self._processed)
 
-    def pending_rows_through(self, step_number: int) -> int:
-        """consumer="engine": the most rows of a pending step up to the `step_number`-th
-        submitted (0 if none is pending)."""
-        first = self._processed + 1
-        pending = list(self._pending)  # a copy: the watchdog may consume meanwhile
-        return max((step.rows for number, step in enumerate(pending, first) if number <= step_number), default=0)
-
-    def consume_beside(self, step_number: int) -> None:
-        """consumer="engine", with the watchdog running: the pending steps up to the
-        `step_number`-th are the watchdog's to consume, now, while the engine thread goes on
-        (the adapter calls this once vLLM has read that step's tokens, so the copies have
-        landed). Where there is no watchdog they are consumed here."""
-        if self.consumer != "engine":
-            return
-        if self._thread is None or not self._thread.is_alive():
-            self.consume_through(step_number)
-            return
-        self._beside_through = max(self._beside_through, step_number)
-        self._wake.set()
-
-    def _consume_beside(self) -> None:
-        with self._pending_lock:
-            before = self._processed
-            self._consume_pending(wait=True, limit=self._beside_through - self._processed)
-            self.beside_steps += self._processed - before
-
-    @property
-    def defers_prompt_scores(self) -> bool:
-        """A prompt-sized step whose tokens are ready when the engine reads them is left to the
-        engine's output thread (`consume_after_output`): switched on, and the engine core's
-        output queue can run work (it can once the engine core has started its output thread)."""
-        return self.prompt_scores_after_output and after_output.available()
-
-    def _keeps_prompt_steps(self) -> bool:
-        """A landed prompt-sized step is left for its own token read to decide, not consumed in
-        passing: where that read is checked (`token_reads_checked`) and may hand it on."""
-        return self.token_reads_checked and self.defers_prompt_scores
-
-    def leaves_steps_to_output_thread(self) -> bool:
-        """Steps handed to the output thread are still pending: the engine thread's own
-        consumes leave them, and the steps after them follow them there (their order is kept)."""
-        return self._after_output_through > self._processed
-
-    def consume_after_output(self, step_number: int) -> None:
-        """consumer="engine", on the engine thread, once vLLM has read the `step_number`-th
-        step's tokens (ready when it came for them): the pending steps up to it are consumed on
-        the engine's output thread once the outputs vLLM puts next are taken, so a prompt's
-        first token goes out ahead of its scores' consume rather than behind it. The engine
-        thread's own consumes leave them (and the steps after them) alone until then. Where
-        the output thread cannot take them, they are consumed here and now."""
-        if self.consumer != "engine":
-            return
-        self._last_submit = time.perf_counter()  # the engine came by: the watchdog stands down
-        self._after_output_through = max(self._after_output_through, step_number)
-        if not after_output.run_after_next_output(functools.partial(self._consume_after_output, step_number)):
-            self._after_output_through = 0
-            self.consume_through(step_number)
-
-    def _consume_after_output(self, step_number: int) -> None:
-        """On the engine's output thread: the handed steps, in order (their copies landed before
-        their tokens were ready). vLLM's outputs must never wait for ProbeX's books: where
-        another thread holds them (the engine thread may hold them through a device wait, at
-        a step without rows or with every staging buffer pending), or a copy has not landed,
-        the watchdog takes the steps instead (`consume_beside`)."""
-        try:
-            self._bind_this_thread()
-            if not self._pending_lock.acquire(blocking=False):
-                self.consume_beside(step_number)
-                return
-            try:
-                before = self._processed
-                self._consume_pending(wait=False, limit=step_number - self._processed)
-                self.after_output_steps += self._processed - before
-                left = self._processed < step_number
-            finally:
-                self._pending_lock.release()
-            if left:
-                self.consume_beside(step_number)
-        except Exception:
-            # The engine thread takes every step again, as it did before this was switched on.
-            self.after_output_failures += 1
-            self.prompt_scores_after_output = False
-            self._after_output_through = 0
-            log.exception("probex: consuming scores on the engine's output thread failed; the engine thread "
-                          "consumes them from now on")
-
-    def _bind_this_thread(self) -> None:
-        """Make the device's context current on a thread that is not the engine's (a CUDA
-        driver context is per thread), once."""
-        ident = threading.get_ident()
-        if self._driver is not None and ident not in self._device_threads:
-            self._driver.bind_thread()
-            self._device_threads.add(ident)
-
-    def _consume_pending(self, wait: bool, limit: int | None = None, keep_prompt_steps: bool = False) -> None:
+    def _consume_pending(self, wait: bool, limit: int | None = None) -> None:
         """consumer="engine", with the lock held: consume pending steps in order while their
-        copies have landed (with `wait`, waiting for them), at most `limit`. With
-        `keep_prompt_steps`, stop at a prompt-sized step: its own token read decides when it
-        is consumed (`consume_after_output`)."""
+        copies have landed (with `wait`, waiting for them), at most `limit`."""
         consumed = 0
         while self._pending and (limit is None or consumed < limit):
             step = self._pending[0]
-            if keep_prompt_steps and step.rows > LARGE_STEP_ROWS:
-                return
             landed = step._ready is None or self._landed(step._ready)
             if not landed and not wait:
                 return
@@ -776,8 +626,7 @@ class ScoreTransfer:
             return False
 
     def _watch(self) -> None:
-        """consumer="engine": the safety net for steps nobody else consumes in time, and the
-        consumer of the steps handed to it (`consume_beside`, `_consume_early`)."""
+        """consumer="engine": the safety net for steps nobody else consumes in time."""
         if self._driver is not None:
             try:
                 self._driver.bind_thread()
@@ -786,51 +635,11 @@ class ScoreTransfer:
                 log.exception("probex: the score watchdog cannot use the engine's CUDA context; steps are "
                               "consumed by the engine thread only")
                 return
-        while not self._closing.is_set():
-            asked = self._wake.wait(self.stale_after_s)
-            if self._closing.is_set():
-                return
+        while not self._closing.wait(self.stale_after_s):
             try:
-                if asked:
-                    self._wake.clear()
-                    if self._beside_through > self._processed:  # (not for an early wake: no lock needed)
-                        self._consume_beside()
-                    self._consume_early()
-                else:
-                    self._consume_if_engine_away()
+                self._consume_if_engine_away()
             except Exception:
                 log.exception("probex: the score watchdog failed a round; it goes on")
-
-    def _consume_early(self) -> None:
-        """The watchdog, woken by the submit of a step copied mid-forward (early_consume):
-        consume the pending steps up to it, in order, each as soon as its copies land. It waits
-        for each with no lock held, so the engine thread never waits for that: its next
-        submit goes through, and its own consume where vLLM reads a step's tokens takes
-        whatever is still pending, waiting as usual (with async scheduling it reads the step
-        ahead's tokens while the watchdog waits for them too, and consumes that step itself;
-        the watchdog then goes on to the next). While the watchdog consumes, the engine thread
-        waits for the lock only if it comes by then."""
-        while self._processed < self._early_through and not self._closing.is_set():
-            try:
-                head = self._pending[0]  # unlocked peek: the engine thread may consume it meanwhile
-            except IndexError:
-                return
-            if head._ready is not None and not self._landed(head._ready):
-                waiting = time.perf_counter()
-                try:
-                    # (should the engine consume the step and reuse its buffer meanwhile, this
-                    # waits for that buffer's next copy instead; the step is no longer the head)
-                    head._ready.synchronize()
-                except Exception:
-                    return  # the engine thread's own wait meets the failure and counts it
-                finally:
-                    self.early_wait_s += time.perf_counter() - waiting
-            with self._pending_lock:
-                before = self._processed
-                self._consume_pending(wait=False, limit=self._early_through - self._processed)
-                self.early_steps += self._processed - before
-                if self._processed == before and self._pending and self._pending[0] is head:
-                    return  # the step waited for still shows not landed: left to the engine thread
 
     def _consume_if_engine_away(self) -> None:
         if time.perf_counter() - self._last_submit <= self.stale_after_s:
@@ -886,16 +695,10 @@ class ScoreTransfer:
 
     def describe(self) -> dict[str, Any]:
         return {"depth": self.depth, "copy_stream": "side" if self._side is not None else "same",
-                "consumer": self.consumer, "stale_steps": self.stale_steps, "beside_steps": self.beside_steps,
-                "early_consume": self.early_consume, "early_steps": self.early_steps,
-                "early_wait_s": self.early_wait_s,
-                "query_errors": self.query_errors,
+                "consumer": self.consumer, "stale_steps": self.stale_steps, "query_errors": self.query_errors,
                 "unguarded_forwards": self.unguarded_forwards, "mid_forward_steps": self.mid_forward_steps,
                 "mid_forward_layer_copies": self.mid_forward_layer_copies,
                 "mismatched_reservations": self.mismatched_reservations, "waits_for_staging": self.waits_for_staging,
-                "prompt_scores_after_output": self.prompt_scores_after_output,
-                "output_thread_can_consume": after_output.available(),  # the engine core's queue took the afterwork
-                "after_output_steps": self.after_output_steps, "after_output_failures": self.after_output_failures,
                 "consume_errors": self.consume_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
                 "device_wait_s": self.device_wait_s,
                 **self.stats.as_dict()}

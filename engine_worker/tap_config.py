@@ -67,35 +67,6 @@ ENV_COPY_STREAM = "PROBEX_COPY_STREAM"
 ENV_SCORES_AHEAD = "PROBEX_SCORES_AHEAD_OF_TOKENS"
 
 
-# Experiment, off by default: "1" has the engine consumer leave a prompt-sized step's scores
-# (more than LARGE_STEP_ROWS rows) to the watchdog thread, woken once vLLM has read the step's
-# tokens, so vLLM's output of the first token and the scores' booking and sending run side by
-# side instead of one after the other (`probex bench engine --worker-env ...=1`; a run records
-# it in its transfer settings).
-ENV_PROMPT_SCORES_BESIDE = "PROBEX_PROMPT_SCORES_BESIDE_OUTPUT"
-
-
-# Experiment, off by default since session 40: "1" has a prompt-sized step's scores consumed on
-# the engine core's output thread once the step's outputs are taken, where vLLM reads the step's
-# tokens after they are ready (a host whose CPU runs behind its GPU), instead of ahead of those
-# tokens (engine_worker/after_output.py; score_transfer.py's `consume_after_output`). Measured
-# on an H100 of that kind (docs/benchmarks.md, session 40) it did not pay: at an idle engine the
-# API server then held the first chunk for the prompt's scores about as long as the engine had
-# saved, and under load the output thread's consumes contended with the engine thread for the
-# GIL (a prompt step's consume 0.14 -> 0.44 ms of wall time, TPOT at 64 streams +0.7% -> +2.9%).
-# A run records it in its transfer settings, and the steps so consumed as `after_output_steps`.
-ENV_PROMPT_SCORES_AFTER_OUTPUT = "PROBEX_PROMPT_SCORES_AFTER_OUTPUT"
-
-
-# Experiment, off by default: "1" has the watchdog thread consume a step whose score rows were
-# copied mid-forward (below) as soon as those copies land (after the last tapped layer), while
-# the forward's remaining layers run, instead of the engine thread consuming it where vLLM
-# reads the step's tokens: there the engine thread comes late in about half the prompts
-# (session 35), and its consume then sits between the tokens and their output. A run records
-# it in its transfer settings; `probex bench engine`'s set-up "tap-toggle-early-consume".
-ENV_PROMPT_SCORES_EARLY = "PROBEX_PROMPT_SCORES_EARLY"
-
-
 # On by default; "0" is the older path, for comparison: a prompt-sized step's score rows are
 # copied out *during* its forward, as soon as each tapped layer's scores are final (enqueued
 # where the next decoder layer's attention runs from Python, between two CUDA-graph pieces),
@@ -124,24 +95,12 @@ def scores_ahead_of_tokens() -> bool:
     return _env_switch(ENV_SCORES_AHEAD)
 
 
-def prompt_scores_beside_output() -> bool:
-    return _env_switch(ENV_PROMPT_SCORES_BESIDE, default="off")
-
-
-def prompt_scores_after_output() -> bool:
-    return _env_switch(ENV_PROMPT_SCORES_AFTER_OUTPUT, default="off")
-
-
-def prompt_scores_early() -> bool:
-    return _env_switch(ENV_PROMPT_SCORES_EARLY, default="off")
-
-
 def prompt_scores_mid_forward() -> bool:
     return _env_switch(ENV_PROMPT_SCORES_MID_FORWARD)
 
 
-def _env_switch(name: str, default: str = "on") -> bool:
-    return switch_is_on(os.environ.get(name), default)
+def _env_switch(name: str) -> bool:
+    return switch_is_on(os.environ.get(name))
 
 
 def switch_is_on(value: str | None, default: str = "on") -> bool:

@@ -55,7 +55,7 @@ def patch_v1_runner() -> None:
     if not GPUModelRunner.__dict__.get("_probex_step_patched"):
         GPUModelRunner.execute_model = _remember_scheduler_output(GPUModelRunner.execute_model)
         GPUModelRunner._model_forward = _tapped_forward(GPUModelRunner._model_forward)
-        GPUModelRunner.sample_tokens = scores_with_sampled_tokens(GPUModelRunner.sample_tokens, _sampled_tokens_ready)
+        GPUModelRunner.sample_tokens = scores_with_sampled_tokens(GPUModelRunner.sample_tokens)
         GPUModelRunner._probex_step_patched = True
 
 
@@ -215,9 +215,3 @@ def _capture_requests(runner, layout: StepLayout) -> set[str]:
         if flag:
             wanted.add(req_id)
     return wanted
-
-
-def _sampled_tokens_ready(output) -> bool:
-    """Runner V1's async output (`AsyncGPUModelRunnerOutput`): are the sampled tokens on the
-    host already? Its copy's event, queried without waiting (vLLM 0.25 and 0.32)."""
-    return output.async_copy_ready_event.query()

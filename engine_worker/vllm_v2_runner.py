@@ -50,7 +50,7 @@ def patch_v2_runner() -> bool:
     GPUModelRunner.add_requests = _remember_capture_flags(GPUModelRunner.add_requests)
     GPUModelRunner.prepare_inputs = _layout_before_forward(GPUModelRunner.prepare_inputs)
     GPUModelRunner.execute_model = _scores_after_forward(GPUModelRunner.execute_model)
-    GPUModelRunner.sample_tokens = scores_with_sampled_tokens(GPUModelRunner.sample_tokens, _sampled_tokens_ready)
+    GPUModelRunner.sample_tokens = scores_with_sampled_tokens(GPUModelRunner.sample_tokens)
     setattr(GPUModelRunner, _PATCHED_MARK, True)
     return True
 
@@ -161,12 +161,6 @@ def _scores_after_forward(execute_model):
         return output
 
     return wrapper
-
-
-def _sampled_tokens_ready(output) -> bool:
-    """Runner V2's `AsyncOutput`: are the sampled tokens on the host already? Its copy's event,
-    queried without waiting (vLLM 0.25 and 0.32)."""
-    return output.copy_event.query()
 
 
 def _begin_timing(runner, timer, batch) -> None:

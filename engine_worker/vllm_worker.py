@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable
 
 from probes.artifact import ServedModel
 from engine_worker.controller import ProbeSetRejected, TapController, VectorSetRejected
@@ -106,14 +105,11 @@ def default_score_consumer(runner, reads_tokens_async: bool) -> str:
     return "engine" if reads_tokens_async and world_size == 1 and in_process else "thread"
 
 
-def scores_with_sampled_tokens(sample_tokens, tokens_ready: Callable[[Any], bool] | None = None):
+def scores_with_sampled_tokens(sample_tokens):
     """Wraps a runner's `sample_tokens` (V1 and V2 alike): with the engine consumer, the
     step's scores are consumed where the engine core reads the step's sampled tokens, in the
     `get_output` of the async output `sample_tokens` returns (vLLM's interface between either
-    runner and the engine core). At TP=1 vLLM calls it on the engine-core thread.
-    `tokens_ready(output)`: the runner adapter's non-blocking check that the output's tokens
-    are on the host already; a prompt step's scores then follow its tokens out
-    (`Controller.scores_after_output`). Without it they never do."""
+    runner and the engine core). At TP=1 vLLM calls it on the engine-core thread."""
 
     @functools.wraps(sample_tokens)
     def wrapper(self, *args, **kwargs):
@@ -130,15 +126,7 @@ def scores_with_sampled_tokens(sample_tokens, tokens_ready: Callable[[Any], bool
             # method, which holds the output — a cycle keeping each step's tensors alive
             # until the garbage collector runs.
             output.__dict__.pop("get_output", None)
-            try:
-                beside = controller.prompt_scores_beside(this_step)  # an experiment, off by default
-                after = (not beside and tokens_ready is not None
-                         and controller.scores_after_output(this_step, lambda: tokens_ready(output)))
-            except Exception:
-                log.exception("probex: checking the step's size failed")
-                beside = after = False
-            # PROBEX_SCORES_AHEAD_OF_TOKENS=0 (a diagnostic) skips this too
-            if controller.scores_ahead_of_tokens and not beside and not after:
+            if controller.scores_ahead_of_tokens:  # PROBEX_SCORES_AHEAD_OF_TOKENS=0 (a diagnostic) skips this
                 try:
                     # The step's score copies were queued behind its forward, ahead of its
                     # logits and sampling: waiting for them (GIL released, as vLLM's own wait
@@ -154,13 +142,8 @@ def scores_with_sampled_tokens(sample_tokens, tokens_ready: Callable[[Any], bool
             # Anything else landed meanwhile (side-stream copies, which may land after the
             # tokens, are taken here or at a later hook).
             try:
-                if beside:  # the watchdog books and sends them while vLLM outputs the tokens
-                    controller.consume_scores_beside(this_step)
-                elif after:  # the engine's output thread, once it has taken these tokens' outputs
-                    controller.consume_scores_after_output(this_step)
-                else:
-                    controller.tokens_read(time.perf_counter() - reading)
-                    controller.consume_landed_scores()
+                controller.tokens_read(time.perf_counter() - reading)
+                controller.consume_landed_scores()
             except Exception:
                 log.exception("probex: consuming landed scores failed")
             return result

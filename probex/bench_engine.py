@@ -71,13 +71,10 @@ worker's default score path, the score formatter since session 29 (before it, ea
 process read every step itself); ``tap-toggle-direct`` is ``tap-toggle`` on that older path
 (``PROBEX_SCORE_FORMATTER=0``), read on its own starts; ``tap-toggle-copies-after`` is
 ``tap-toggle`` with a prompt step's score rows copied behind its whole forward
-(``PROBEX_PROMPT_SCORES_MID_FORWARD=0``, the path before session 35) instead of during it;
-``tap-toggle-early-consume`` is ``tap-toggle`` with the experiment that has the watchdog thread
-consume those mid-forward copies as soon as they land (``PROBEX_PROMPT_SCORES_EARLY=1``);
-``tap-toggle-scores-after-output`` is ``tap-toggle`` with the experiment that has a prompt
-step's scores consumed on the engine core's output thread after its tokens' outputs, where
-those tokens were ready when read (``PROBEX_PROMPT_SCORES_AFTER_OUTPUT=1``; the default in
-session 39's code, off again since session 40).
+(``PROBEX_PROMPT_SCORES_MID_FORWARD=0``, the path before session 35) instead of during it.
+``tap-toggle-early-consume`` and ``tap-toggle-scores-after-output`` ran worker experiments
+removed in session 41; ``--setups`` no longer takes them, and ``--reanalyze`` reads the saved
+runs that have them as the toggled variants they were (``RETIRED_KINDS``).
 ``--gpus 0,1`` runs set-ups side by side, one per GPU, in rounds that place each set-up
 where its kind has run least (so repeats meet every GPU), and adds each set-up's TPOT over
 plain on the same GPU: two GPUs of one host can differ by more than the tap costs.
@@ -146,7 +143,6 @@ import numpy as np
 
 from engine_worker.launch import api_server_count, vllm_server_entry  # torch-free, as is tap_config
 from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY, ENV_HOOK_SPIN_US,
-                                      ENV_PROMPT_SCORES_AFTER_OUTPUT, ENV_PROMPT_SCORES_EARLY,
                                       ENV_PROMPT_SCORES_MID_FORWARD, ENV_SCORE_CONSUMER, ENV_SCORE_FORMATTER,
                                       ENV_SCORES_AHEAD, ENV_TAP_BUFFERS, switch_is_on)
 
@@ -159,10 +155,20 @@ try:  # a few times faster than json on the 8k chunks/s of 64 streams; not on ev
 except ImportError:  # pragma: no cover - depends on the machine
     _loads = json.loads
 
+# Every set-up kind a run may hold, in the order the tables list them; those the bench still runs
+# are RUNNABLE_KINDS (--setups).
 KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
          "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "tap-toggle-direct",
          "tap-toggle-copies-after", "tap-toggle-early-consume", "tap-toggle-scores-after-output", "eager", "steer-idle",
          "steer-active", "steer-gated")
+# Set-ups of worker experiments removed in session 41 (measured on the GPU without gain), kept
+# so that the saved runs that measured them (docs/results) still read as the toggled variants of
+# tap-toggle they were: tap-toggle-early-consume (PROBEX_PROMPT_SCORES_EARLY=1, the watchdog
+# consumed a prompt step's mid-forward copies as soon as they landed) and
+# tap-toggle-scores-after-output (PROBEX_PROMPT_SCORES_AFTER_OUTPUT=1, a prompt step's scores
+# consumed on the engine core's output thread after its tokens' outputs). Nothing runs them.
+RETIRED_KINDS = ("tap-toggle-early-consume", "tap-toggle-scores-after-output")
+RUNNABLE_KINDS = tuple(kind for kind in KINDS if kind not in RETIRED_KINDS)
 WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
                 "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle",
                 "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume",
@@ -182,10 +188,7 @@ TOGGLE_KIND = "tap-toggle"
 # each API server process reads every step itself, the default before session 29), so one run
 # can set the two side by side. tap-toggle-copies-after: the same with a prompt step's score
 # rows copied behind its whole forward (PROBEX_PROMPT_SCORES_MID_FORWARD=0), as before session
-# 35, rather than during it. tap-toggle-early-consume: the experiment that has the watchdog
-# thread consume those mid-forward copies as soon as they land (PROBEX_PROMPT_SCORES_EARLY=1).
-# tap-toggle-scores-after-output: the experiment that has a prompt step's scores consumed on the
-# engine core's output thread after its tokens' outputs (PROBEX_PROMPT_SCORES_AFTER_OUTPUT=1).
+# 35, rather than during it. The retired kinds (RETIRED_KINDS) were toggled too.
 TOGGLE_KINDS = (TOGGLE_KIND, "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume",
                 "tap-toggle-scores-after-output")
 # Which state those phases begin with (--toggle-first). A start's first phase at a
@@ -210,22 +213,14 @@ KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": 
                    # Pausable through PUT /probex/tap (an admin route), for phases on one start
                    "tap-toggle": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN},
                    "tap-toggle-direct": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_SCORE_FORMATTER: "0"},
-                   "tap-toggle-copies-after": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_PROMPT_SCORES_MID_FORWARD: "0"},
-                   "tap-toggle-early-consume": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_PROMPT_SCORES_EARLY: "1"},
-                   "tap-toggle-scores-after-output": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN,
-                                                      ENV_PROMPT_SCORES_AFTER_OUTPUT: "1"}}
+                   "tap-toggle-copies-after": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_PROMPT_SCORES_MID_FORWARD: "0"}}
 # What the worker's /probex/probes listing must then say (its `transfer` section), so a set-up
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
                           "tap-side-copies": ("copy_stream", "side"),
-                          "tap-toggle-copies-after": ("prompt_scores_mid_forward", False),
-                          "tap-toggle-early-consume": ("early_consume", True),
-                          "tap-toggle-scores-after-output": ("prompt_scores_after_output", True)}
-# Recorded for every worker set-up: the set-up kinds' settings and an experiment set with
-# --worker-env (PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1; engine_worker/tap_config.py).
-# Also whether the engine core's output thread could take a prompt step's scores (session 39 on).
-RECORDED_TRANSFER_SETTINGS = (*(key for key, _ in KIND_TRANSFER_SETTINGS.values()), "prompt_scores_beside_output",
-                              "output_thread_can_consume")
+                          "tap-toggle-copies-after": ("prompt_scores_mid_forward", False)}
+# Recorded for every worker set-up: the set-up kinds' settings.
+RECORDED_TRANSFER_SETTINGS = tuple(key for key, _ in KIND_TRANSFER_SETTINGS.values())
 # The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
 # the runner is vLLM's choice, so the bench cannot tell which adapter runs): the engine thread
 # (engine_worker.vllm_worker.default_score_consumer). With tensor parallelism, and on runner V1
@@ -1798,15 +1793,8 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "consumer": t1.get("consumer", "thread"),
             # consumer="engine": steps the watchdog had to take (the engine did not come by)
             "stale_steps": t1.get("stale_steps", 0) - t0.get("stale_steps", 0),
-            # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT=1: prompt-sized steps the watchdog was handed
-            "beside_steps": t1.get("beside_steps", 0) - t0.get("beside_steps", 0),
             # prompt steps whose every row was copied out during their forward (session 35 on)
             "mid_forward_steps": t1.get("mid_forward_steps", 0) - t0.get("mid_forward_steps", 0),
-            # PROBEX_PROMPT_SCORES_EARLY=1: steps the watchdog consumed as soon as they landed
-            "early_steps": t1.get("early_steps", 0) - t0.get("early_steps", 0),
-            # PROBEX_PROMPT_SCORES_AFTER_OUTPUT (session 39 on): steps the engine's output thread
-            # consumed once their tokens' outputs were taken (their tokens were ready when read)
-            "after_output_steps": t1.get("after_output_steps", 0) - t0.get("after_output_steps", 0),
         }
         if "device_wait_s" in t1 and "device_wait_s" in t0:
             # the consumers' waits for copies to land (GIL released), per step: for the V2 engine
@@ -1988,6 +1976,7 @@ def delivery_line(delivery: dict[str, Any]) -> str:
                         if t.get("large_steps") else "")
                      + (f", {t['mid_forward_steps']} prompt steps copied mid-forward" if "mid_forward_steps" in t
                         else "")
+                     # saved runs of the experiments removed in session 41 (RETIRED_KINDS) count these
                      + (f", {t['early_steps']} consumed early by the watchdog" if t.get("early_steps") else "")
                      + (f", {t['after_output_steps']} consumed after their tokens' output" if t.get("after_output_steps")
                         else ""))
@@ -2700,9 +2689,13 @@ def parse_gpus(text: str | None) -> list[str]:
 
 def parse_setups(text: str) -> list[str]:
     kinds = [k.strip() for k in text.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in KINDS]
+    retired = [k for k in kinds if k in RETIRED_KINDS]
+    if retired:
+        raise SystemExit(f"--setups: {', '.join(retired)} ran worker experiments that were measured without gain and "
+                         f"removed (docs/benchmarks.md, worker settings); --reanalyze still reads their saved runs")
+    bad = [k for k in kinds if k not in RUNNABLE_KINDS]
     if bad or not kinds:
-        raise SystemExit(f"--setups: unknown set-up(s) {bad}; choose from {', '.join(KINDS)}")
+        raise SystemExit(f"--setups: unknown set-up(s) {bad}; choose from {', '.join(RUNNABLE_KINDS)}")
     return kinds
 
 
@@ -3456,6 +3449,7 @@ def find_warnings(setups: Sequence[dict[str, Any]]) -> list[str]:
         settings = s.get("checks", {}).get("probex_transfer_settings") or {}
         engine_consumed = any(((e.get("delivery") or {}).get("transfer") or {}).get("consumer") == "engine"
                               for e in s.get("results", {}).values())
+        # Saved runs of sessions 39-40 only: the worker has had no such path since session 41.
         if settings.get("prompt_scores_after_output") and settings.get("output_thread_can_consume") is False \
                 and engine_consumed:
             warnings.append(f"{s['label']}: the engine core's output queue did not take ProbeX's work, so prompt "
@@ -4003,7 +3997,7 @@ def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokenizer files to serve with (default: the fetched SmolLM2 directory)")
     parser.add_argument("--setups", default="plain,tap,eager",
                         help=f"comma-separated, in order; repeats allowed (plain,tap,plain,tap); "
-                             f"from {', '.join(KINDS)}")
+                             f"from {', '.join(RUNNABLE_KINDS)}")
     parser.add_argument("--concurrency", default=None, help="comma-separated (default 1,8,64)")
     parser.add_argument("--num-prompts", type=int, default=None, help="measured requests per concurrency "
                         "(default max(16, 4 x concurrency))")

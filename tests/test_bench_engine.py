@@ -484,10 +484,11 @@ def test_a_phase_whose_clients_could_not_be_spread_is_warned_about():
     assert len(warnings) == 1 and warnings[0].startswith("tap c=8: no warm-up request succeeded")
 
 
-def test_an_engine_consumer_whose_output_queue_took_no_work_is_warned_about():
-    """PROBEX_PROMPT_SCORES_AFTER_OUTPUT on, the engine thread consuming, and the engine core's
-    queue not set up (a vLLM whose engine core changed): the run says its prompt scores went
-    ahead of their tokens; with the queue set up, or the transfer thread consuming, it does not."""
+def test_a_saved_engine_consumer_whose_output_queue_took_no_work_is_warned_about():
+    """A saved run of sessions 39-40 (PROBEX_PROMPT_SCORES_AFTER_OUTPUT, since removed) with it
+    on, the engine thread consuming, and the engine core's queue not set up (a vLLM whose
+    engine core changed): the run says its prompt scores went ahead of their tokens; with the
+    queue set up, or the transfer thread consuming, it does not."""
     def setup(can_consume, consumer):
         return {"label": "tap-toggle", "kind": "tap-toggle",
                 "checks": {"probex_transfer_settings": {"prompt_scores_after_output": True,
@@ -646,10 +647,7 @@ def test_delivery_delta_reads_the_worker_and_hub_counters_per_phase():
     delta = be.delivery_delta(before, after)
     assert delta["transfer"].pop("copy_stream") == "side"  # which copy path the phase ran
     assert delta["transfer"].pop("consumer") == "thread" and delta["transfer"].pop("stale_steps") == 0
-    assert delta["transfer"].pop("beside_steps") == 0  # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT unset
     assert delta["transfer"].pop("mid_forward_steps") == 0  # a worker from before session 35 says nothing of them
-    assert delta["transfer"].pop("early_steps") == 0  # PROBEX_PROMPT_SCORES_EARLY unset
-    assert delta["transfer"].pop("after_output_steps") == 0  # a worker from before session 39 says nothing of them
     assert delta["engine_thread"] == pytest.approx({"steps": 20, "hook_mean_ms": 0.1, "layout_mean_ms": 0.02,
                                                     "stage_mean_ms": 0.04, "handoff_mean_ms": 0.01,
                                                     "other_mean_ms": 0.03})
@@ -1743,6 +1741,32 @@ def test_a_toggled_variant_is_read_on_its_own_starts_apart_from_tap_toggles():
     assert "tap-toggle's starts, in the order of the lists above: tap-toggle (began running)." in tables
     assert "tap-toggle-direct's starts, in the order of the lists above: tap-toggle-direct (began running)." in tables
     assert "toggle_variants" not in be.analyze(setups[:1])
+
+
+def test_a_retired_set_up_is_no_longer_run_but_its_saved_runs_read_as_a_toggled_variant():
+    """tap-toggle-early-consume and tap-toggle-scores-after-output ran worker experiments since
+    removed: --setups refuses them, and a saved run of one reads on its own starts as before,
+    with the steps its experiment counted still in its delivery line."""
+    for retired in be.RETIRED_KINDS:
+        with pytest.raises(SystemExit, match="removed"):
+            be.parse_setups(f"tap-toggle,{retired}")
+        assert retired in be.TOGGLE_KINDS and retired not in be.KIND_WORKER_ENV
+    assert not set(be.RETIRED_KINDS) & set(be.RUNNABLE_KINDS)
+
+    def toggled(kind, running, paused):
+        setup = _setup(kind, kind, {"1": running})
+        setup["toggle"] = {"1": [{"paused": False, **setup["results"]["1"]}, {"paused": True, **_entry(paused)}]}
+        return setup
+
+    setups = [toggled("tap-toggle", 5.5, 5.0), toggled("tap-toggle-early-consume", 5.05, 5.0)]
+    analysis = be.analyze(setups)
+    variant = analysis["toggle_variants"]["tap-toggle-early-consume"]
+    assert variant["toggle_overhead_pct"]["1"]["tpot_p50"] == pytest.approx(1.0)
+    assert "tap-toggle-early-consume" in analysis["summary"]["per_kind"]  # its rows in the tables
+    tables = be.markdown_tables({**analysis, "setups": setups})
+    assert "**tap-toggle-early-consume**, its own starts:" in tables
+    saved = {"transfer": {"landed_mean_ms": 0.5, "consume_mean_ms": 0.1, "early_steps": 3, "after_output_steps": 2}}
+    assert ", 3 consumed early by the watchdog, 2 consumed after their tokens' output" in be.delivery_line(saved)
 
 
 def test_a_toggled_bar_on_the_chart_also_carries_its_reading_within_its_start():

@@ -16,7 +16,6 @@ import pytest
         ("gateway.app", ("torch", "vllm", "engine_worker")),
         ("gateway.serving", ("torch", "vllm", "engine_worker")),
         ("engine_worker.middleware", ("gateway", "fastapi")),
-        ("engine_worker.after_output", ("torch", "vllm", "fastapi", "gateway")),  # engine-agnostic
     ],
 )
 def test_module_does_not_pull_in(module, forbidden):

@@ -67,19 +67,6 @@ class RecordingController:
     def consume_scores_through(self, mark):
         self.calls.append(("consume through", mark))
 
-    def prompt_scores_beside(self, mark):
-        return False  # PROBEX_PROMPT_SCORES_BESIDE_OUTPUT unset
-
-    tokens_ready_seen = None  # what `scores_after_output` was told of the step's tokens
-    after_output = False  # whether it answers that the scores follow the tokens out
-
-    def scores_after_output(self, mark, tokens_ready):
-        self.tokens_ready_seen = tokens_ready()
-        return self.after_output
-
-    def consume_scores_after_output(self, mark):
-        self.calls.append(("consume after output", mark))
-
     def open_mid_forward_copies(self, rows):
         self.mid_forward = getattr(self, "mid_forward", []) + [("open", rows)]
 
@@ -318,81 +305,6 @@ def test_v2_adapter_consumes_scores_where_the_engine_reads_the_sampled_tokens(mo
     assert wrapped_runner_class().sample_tokens.__wrapped__ is FakeV2Runner.sample_tokens
 
 
-def test_a_prompt_steps_scores_follow_its_tokens_out_where_they_were_ready(monkeypatch):
-    """With the runner adapter's check of the async output's tokens: where the controller
-    says so (a prompt step, tokens ready), vLLM reads the tokens first and the scores go to
-    the engine's output thread; otherwise they are consumed ahead of the tokens, as before."""
-    monkeypatch.setattr(v2, "install_controller", lambda runner, **_: getattr(runner, CONTROLLER_ATTR))
-    controller = RecordingController()
-    controller.consumes_on_engine_thread = True
-    cls = wrapped_runner_class()
-    checked = []
-    cls.sample_tokens = scores_with_sampled_tokens(FakeV2Runner.sample_tokens,
-                                                   lambda output: checked.append(output) or True)
-    runner = cls(controller)
-    runner.load_model()
-    controller.submitted = 3
-    controller.after_output = True
-    output = runner.sample_tokens()
-    assert output.get_output() == "runner output"
-    assert controller.calls == [("tokens read",), ("consume after output", 3)]
-    assert checked == [output] and controller.tokens_ready_seen is True
-    controller.calls.clear()
-    controller.after_output = False
-    assert runner.sample_tokens().get_output() == "runner output"
-    assert controller.calls == [("consume through", 3), ("tokens read",), ("tokens waited for",), ("consume landed",)]
-    controller.calls.clear()
-    controller.scores_after_output = lambda mark, ready: 1 / 0
-    assert runner.sample_tokens().get_output() == "runner output"  # a failing check: ahead of the tokens
-    assert controller.calls[:2] == [("consume through", 3), ("tokens read",)]
-
-
-def test_each_runner_adapter_reads_its_async_outputs_copy_event_without_waiting():
-    from engine_worker import vllm_v1_runner as v1
-
-    class Event:
-        def __init__(self, done):
-            self.done = done
-
-        def query(self):
-            return self.done
-
-        def synchronize(self):
-            raise AssertionError("the check must not wait")
-
-    assert v2._sampled_tokens_ready(SimpleNamespace(copy_event=Event(True))) is True
-    assert v2._sampled_tokens_ready(SimpleNamespace(copy_event=Event(False))) is False
-    assert v1._sampled_tokens_ready(SimpleNamespace(async_copy_ready_event=Event(True))) is True
-    assert v1._sampled_tokens_ready(SimpleNamespace(async_copy_ready_event=Event(False))) is False
-
-
-def test_the_engine_core_adapter_gives_the_output_thread_its_afterwork_for_its_lifetime(monkeypatch):
-    """vLLM's EngineCoreProc starts its output thread on `process_output_sockets`: wrapped,
-    the engine's own queue gains the afterwork in place while the thread runs."""
-    import queue
-
-    from engine_worker import after_output
-    from engine_worker.vllm_engine_core import _with_afterwork, patch_engine_core_output
-
-    seen = []
-
-    def process_output_sockets(self, paths, coordinator, index):
-        seen.append((type(self.output_queue).__name__, after_output.available(), self.output_queue.get_nowait()))
-
-    engine = SimpleNamespace(output_queue=queue.Queue())
-    engine.output_queue.put_nowait("outputs put before the thread started")
-    _with_afterwork(process_output_sockets)(engine, ["ipc://out"], None, 0)
-    assert seen == [("OutputQueueWithAfterwork", True, "outputs put before the thread started")]
-    assert not after_output.available()  # the thread ended: nothing is handed to it any more
-    from vllm.v1.engine.core import EngineCoreProc
-
-    # vLLM's own class, patched as the plugin does (restored after the test)
-    monkeypatch.setattr(EngineCoreProc, "process_output_sockets", EngineCoreProc.process_output_sockets)
-    assert patch_engine_core_output() is True and patch_engine_core_output() is True
-    assert getattr(EngineCoreProc.process_output_sockets, "_probex_output_afterwork") is True
-    assert EngineCoreProc.process_output_sockets.__wrapped__.__name__ == "process_output_sockets"
-
-
 def test_the_engine_consumes_where_vllm_reads_the_tokens_on_it_through_an_async_output():
     """Runner V2 always hands the engine core an async output; runner V1 does with async
     scheduling (vLLM's default on CUDA), not on the CPU backend, which schedules
@@ -565,33 +477,6 @@ def test_v1_adapter_snapshots_the_persistent_batch_and_hands_the_step_over_when_
     assert (first.req_ids, first.num_scheduled.tolist(), first.num_computed.tolist(), first.num_prompt.tolist()) \
         == (["a", "b"], [5, 3], [0, 0], [5, 5])
     assert (second.req_ids, second.num_scheduled.tolist(), second.num_computed.tolist()) == (["b", "c"], [1, 2], [3, 0])
-
-
-def test_a_prompt_step_handed_beside_the_output_is_read_tokens_first_and_left_to_the_watchdog():
-    """PROBEX_PROMPT_SCORES_BESIDE_OUTPUT on and a prompt-sized step: the shared consumer reads
-    the tokens without consuming the step's scores ahead of them, then hands the step to the
-    watchdog; other steps keep the default order."""
-
-    class Controller(RecordingController):
-        consumes_on_engine_thread = True
-        beside_marks = {2}
-
-        def prompt_scores_beside(self, mark):
-            return mark in self.beside_marks
-
-        def consume_scores_beside(self, mark):
-            self.calls.append(("beside", mark))
-
-    controller = Controller()
-    runner = SimpleNamespace()
-    setattr(runner, CONTROLLER_ATTR, controller)
-    sample = scores_with_sampled_tokens(
-        lambda self: SimpleNamespace(get_output=lambda: controller.calls.append(("tokens read",)) or "out"))
-    for submitted in (1, 2):
-        controller.submitted = submitted
-        assert sample(runner).get_output() == "out"
-    assert controller.calls == [("consume through", 1), ("tokens read",), ("tokens waited for",), ("consume landed",),
-                                ("tokens read",), ("beside", 2)]
 
 
 class RecordingTimer:
