@@ -14,6 +14,11 @@ decode step of N requests. Reported per step:
   ProbeX) it is the slowdown;
 - `consume_us`: the transfer thread's wall time per step (waiting for the GIL included).
 
+Then the same inline hook + consume by its parts (layout, gather, message, publish), in a tight
+loop and right after a `--wait-us` sleep, for a decode step of each `--requests` and for a
+`--prompt-tokens`-row prefill (`consume_parts_cold` in the JSON): a thread back from a wait
+runs this code several times slower, which is the state the engine thread is in.
+
 Then the host steps on a first token's way, for one request with a `--prompt-tokens`-token
 prompt prefilled in one step (medians over `--repeats`; `first_token` in the JSON):
 
@@ -147,6 +152,50 @@ def run(requests: int, steps: int, threaded: bool, python_us: float, wait_us: fl
         consumed = controller.transfer.stats.consume_s - consumed_before
         controller.transfer.close()
     return {"hook_us": hook_s * 1e6, "consume_us": consumed / steps * 1e6, "step_us": step_s * 1e6}
+
+
+def consume_parts_cold(requests: int, prompt_tokens: int, sleep_s: float, repeats: int = 300) -> dict:
+    """The inline hook + consume of one step (`requests` decoding rows, or with `requests` 0 one
+    `prompt_tokens`-row prefill), by the consume's parts (`TapController.consume_parts`: layout,
+    gather, message, publish; means, µs), in a tight loop and right after sleeping `sleep_s`.
+
+    The engine thread comes to its hooks after vLLM's own scheduling and output processing and
+    after waiting for the device, with little of ProbeX's code or data still in the caches; the
+    GPU hosts' per-step consumes (0.1-0.2 ms) read like this machine's after a sleep, not like its
+    tight loop. Which parts grow most then is where trimming could pay."""
+    from engine_worker.bookkeeping import StepLayout
+
+    if requests:
+        ids = [f"cmpl-probex-{i:032x}-0-0123abcd" for i in range(requests)]
+
+        def layout(step: int) -> StepLayout:
+            return StepLayout(ids, np.ones(requests, np.int64), np.full(requests, 40 + step), np.full(requests, 32))
+    else:
+        def layout(step: int) -> StepLayout:
+            return StepLayout([f"cmpl-probex-{step:032x}-0-0123abcd"], np.array([prompt_tokens]),
+                              np.zeros(1, np.int64), np.array([prompt_tokens]))
+    out: dict = {"requests": requests, "rows": requests or prompt_tokens, "sleep_us": round(sleep_s * 1e6)}
+    with tempfile.TemporaryDirectory() as tmp:
+        controller = _controller(False, Path(tmp))
+        for step in range(50):
+            controller.after_forward(layout(step))
+        for state, pause in (("tight", 0.0), ("after_sleep", sleep_s)):
+            before = controller.consume_parts.as_dict()
+            hooks = []
+            for step in range(repeats):
+                step_layout = layout(step)
+                if pause:
+                    time.sleep(pause)  # releases the GIL and lets the caches go cold, as a device wait does
+                started = time.perf_counter()
+                controller.after_forward(step_layout)
+                hooks.append(time.perf_counter() - started)
+            after = controller.consume_parts.as_dict()
+            count = after["count"] - before["count"]
+            out[state] = {"hook_us": _median_us(hooks),
+                          **{f"{part}_us": round((after[f"{part}_s"] - before[f"{part}_s"]) / count * 1e6, 1)
+                             for part in controller.consume_parts.PARTS}}
+        controller.transfer.close()
+    return out
 
 
 _SSE_START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
@@ -493,6 +542,14 @@ def main() -> None:
             "layout_us_after_sleep": round(wake_cost_us(args.wait_us * 1e-6), 1)}
     print(f"one StepLayout: {wake['layout_us_tight_loop']} µs in a tight loop, {wake['layout_us_after_sleep']} µs"
           f" right after a {args.wait_us:.0f} µs sleep (how much of the hook is waking up)", flush=True)
+    cold = [consume_parts_cold(n, args.prompt_tokens, args.wait_us * 1e-6)
+            for n in [int(x) for x in args.requests.split(",")] + [0]]
+    for row in cold:
+        what = f"{row['requests']}-request decode step" if row["requests"] else f"{row['rows']}-row prefill step"
+        print(f"{what}, inline, tight loop / right after a {row['sleep_us']} µs sleep (µs; hook median, "
+              f"consume parts' means): hook {row['tight']['hook_us']} / {row['after_sleep']['hook_us']}; "
+              + ", ".join(f"{part} {row['tight'][part + '_us']} / {row['after_sleep'][part + '_us']}"
+                          for part in ("layout", "gather", "message", "publish")), flush=True)
     first = first_token_path(args.prompt_tokens, args.repeats)
     print(f"first token, {first['prompt_tokens']}-token prompt (medians of {first['repeats']}): request "
           f"{first['request_us']} µs in the API server (decoded and re-encoded: {first['request_decoded_us']} µs), prefill step "
@@ -520,7 +577,7 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "handoff", "steps": args.steps, "results": results,
-                                        "wake": wake, "first_token": first, "api_decode_step": api_steps},
+                                        "wake": wake, "consume_parts_cold": cold, "first_token": first, "api_decode_step": api_steps},
                                        indent=1) + "\n")
 
 

@@ -32,6 +32,12 @@ def test_handoff_benchmark_runs_both_ways_and_writes_json(tmp_path, monkeypatch)
     assert all((r["formatter_us"] is not None) == r["formatted"] for r in result["api_decode_step"])
     assert len(result["api_decode_step"][0]["gc_collections"]) == 3 and result["api_decode_step"][0]["gc_us_per_step"] >= 0
     assert all(first[key] > 0 for key in ("first_chunk_decoded_us", "token_chunk_decoded_us"))
+    # the consume's parts, in a tight loop and after each --wait-us sleep: a decode step of each
+    # --requests, then a --prompt-tokens-row prefill; every step was consumed and published
+    cold = result["consume_parts_cold"]
+    assert [(c["requests"], c["rows"], c["sleep_us"]) for c in cold] == [(4, 4, 200), (0, 64, 200)]
+    assert all(c[state][f"{part}_us"] > 0 for c in cold for state in ("tight", "after_sleep")
+               for part in ("gather", "message", "publish")) and all(c[s]["hook_us"] > 0 for c in cold for s in ("tight", "after_sleep"))
     assert row["requests"] == 4 and row["inline_us"] > 0 and row["hook_us"] > 0
     # the transfer thread consumed every step, and the stand-in loop really waited between steps
     assert row["consume_us"] > 0
