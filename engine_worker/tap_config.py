@@ -103,11 +103,10 @@ def _env_switch(name: str) -> bool:
     return switch_is_on(os.environ.get(name))
 
 
-def switch_is_on(value: str | None, default: str = "on") -> bool:
+def switch_is_on(value: str | None) -> bool:
     """A switch's setting: on unless "0", "off", "false" or "no" (any case, spaces ignored);
-    unset or empty, `default`."""
-    value = (value or "").strip().lower() or default
-    return value not in ("off", "0", "false", "no")
+    unset or empty, on."""
+    return (value or "").strip().lower() not in ("off", "0", "false", "no")
 
 
 def hook_spin_s() -> float:
