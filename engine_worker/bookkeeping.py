@@ -110,6 +110,15 @@ class ProbeTable:
             object.__setattr__(self, "_slot_columns", cached)  # frozen dataclass: cache once
         return cached
 
+    def buffer_slots(self) -> list[int]:
+        """Each probe's column in its layer's score buffer, in table order (with `describe`'s
+        layers, what the score formatter gathers a step's columns by from the score ring)."""
+        cached = self.__dict__.get("_buffer_slots")
+        if cached is None:
+            cached = [s.slot for s in self.slots]
+            object.__setattr__(self, "_buffer_slots", cached)
+        return cached
+
     def describe(self) -> tuple[tuple, ...]:
         """What the receiving side needs of each slot; built once per table (sent every step)."""
         cached = self.__dict__.get("_described")
@@ -364,11 +373,12 @@ def lost_message(requests: list[str], finished: list[str]) -> dict:
     return {CONTROL: "lost", "requests": list(requests), "finished": list(finished)}
 
 
-def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finished: list[str],
+def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray | None, finished: list[str],
                  pause: tuple[int, bool] | None = None) -> dict:
     """One step for the wire: ids as a list, the per-request counts and the scores as raw bytes;
     `pause`, the worker's (pause changes, paused) as it sends, so a receiver that lost a pause
-    control message is set right by the next step."""
+    control message is set right by the next step. `raw` None: the scores travel apart (the
+    score ring's slot) and the formatter adds them."""
     message = {
         "v": table.version,
         "probes": table.describe(),
@@ -378,9 +388,10 @@ def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray, finishe
             "computed": np.ascontiguousarray(layout.num_computed, dtype=np.int64).tobytes(),
             "prompt": np.ascontiguousarray(layout.num_prompt, dtype=np.int64).tobytes(),
         },
-        "raw": np.ascontiguousarray(raw, dtype=np.float32).tobytes(),
         "finished": finished,
     }
+    if raw is not None:
+        message["raw"] = np.ascontiguousarray(raw, dtype=np.float32).tobytes()
     if pause is not None:
         message["pause"] = [int(pause[0]), bool(pause[1])]
     return message

@@ -27,6 +27,8 @@ from probes.artifact import ProbeArtifact, ProbeFormatError, ProbeMismatchError,
 from probes.steering import SteeringVector, check_vector_set, load_vector
 from engine_worker.bookkeeping import (ProbeTable, ScoreBook, StepLayout, gather_scores, lost_message, paused_message,
                                        step_message, swapped_message)
+from engine_worker.ring_transfer import RingTransfer
+from engine_worker.score_ring import RingPublisher
 from engine_worker.score_transfer import LARGE_STEP_ROWS, ScoreTransfer, StagedStep
 from engine_worker.step_timing import ENV_STEP_TIMING, StepTimer, step_timing_enabled, step_timing_min_rows
 from engine_worker.steer import LayerSteer, RowValues
@@ -72,11 +74,15 @@ class TapController:
         threaded: bool = True,
         steers: dict[int, LayerSteer] | None = None,
         consumer: str = "thread",
+        ring: RingPublisher | None = None,
     ) -> None:
         """`consumer`: who consumes each step's scores once its copies land ("thread" or
         "engine", see score_transfer.py), unless PROBEX_SCORE_CONSUMER says otherwise. The
         runner adapter picks it: "engine" only where it calls `consume_scores_through` and
-        `consume_landed_scores` around the engine's read of a step's sampled tokens."""
+        `consume_landed_scores` around the engine's read of a step's sampled tokens.
+        `ring`: hand each step to the score formatter's process through this shared-memory
+        ring instead (ring_transfer.py): nobody in the engine process consumes, and control
+        messages go through the ring too (`publish` is then the ring's)."""
         if not taps:
             raise ValueError("TapController needs at least one tapped layer")
         self.taps = dict(sorted(taps.items()))
@@ -86,7 +92,7 @@ class TapController:
         self.vector_version = 0
         self._steer_warned: set[tuple[str, str]] = set()
         self.served = served
-        self.publish = publish
+        self.publish = ring.publish if ring is not None else publish
         self.capture_dir = Path(capture_dir) if capture_dir else None
         self.table = ProbeTable(version=0, slots=())
         self.paused = False  # the tap switched off at run time (`set_paused`)
@@ -112,10 +118,15 @@ class TapController:
         # (step_timing.py); the runner adapters time the forwards, `step_timings` reads them.
         device = next(iter(self.taps.values())).scores.device
         self.step_timer = StepTimer(device, step_timing_min_rows()) if step_timing_enabled() else None
-        self.transfer = ScoreTransfer({layer: tap.scores for layer, tap in self.taps.items()},
-                                      self._consume_step, threaded=threaded,
-                                      copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
-                                      consumer=os.environ.get(ENV_SCORE_CONSUMER, "").strip().lower() or consumer)
+        sources = {layer: tap.scores for layer, tap in self.taps.items()}
+        if ring is not None:
+            # Capture keeps books here (when is a captured prompt complete): its steps' rows are
+            # copied synchronously, as capture's own rows are.
+            self.transfer = RingTransfer(sources, ring, self._ring_message, synchronous=self.capture_dir is not None)
+        else:
+            self.transfer = ScoreTransfer(sources, self._consume_step, threaded=threaded,
+                                          copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
+                                          consumer=os.environ.get(ENV_SCORE_CONSUMER, "").strip().lower() or consumer)
 
     # -- probe sets ------------------------------------------------------------------------
 
@@ -506,17 +517,7 @@ class TapController:
             gathered = time.perf_counter()
             capture_failure = None
             if self.capture_dir is not None:
-                # Before the step goes out: a captured request's files are written by the time
-                # its response ends. A capture that fails costs no scores.
-                try:
-                    events = self.book.record_step(layout, table, raw)
-                    if captured is not None:
-                        self._collect_capture(layout, events, capture_plan, captured)
-                except Exception as exc:
-                    capture_failure = exc
-                self.book.finish(finished)
-                for req_id in finished:
-                    self._capture_requests.pop(req_id, None)
+                capture_failure = self._book_capture(layout, table, raw, finished, capture_plan, captured)
             if self.publish is not None and (layout.req_ids or finished):
                 # Read in this order: the engine thread sets `paused` before counting the change.
                 pause = (self.pause_changes, self.paused)
@@ -539,6 +540,54 @@ class TapController:
                 requests = layout.req_ids if isinstance(layout, StepLayout) else []
                 self.publish(lost_message(list(requests), list(finished)))
             raise
+
+    def _book_capture(self, layout: StepLayout, table: ProbeTable, raw: np.ndarray, finished: list[str],
+                      capture_plan, captured) -> Exception | None:
+        """Capture mode, before the step goes out: a captured request's files are written by the
+        time its response ends. A capture that fails costs no scores: its error is returned."""
+        failure = None
+        try:
+            events = self.book.record_step(layout, table, raw)
+            if captured is not None:
+                self._collect_capture(layout, events, capture_plan, captured)
+        except Exception as exc:
+            failure = exc
+        self.book.finish(finished)
+        for req_id in finished:
+            self._capture_requests.pop(req_id, None)
+        return failure
+
+    def _ring_message(self, rows: int, context, scores: dict[int, np.ndarray] | None) -> dict | None:
+        """The ring's consumer-less counterpart of `_consume_step`, on the engine thread at the
+        step's submit: its message without the scores (the formatter gathers the columns from
+        the slot, `slots` saying which of each layer's buffer columns is which probe), or None
+        where it has nothing to say. `scores`: the host rows where they were copied
+        synchronously (capture mode keeps its books with them here)."""
+        layout, table, finished, capture_plan, captured = context
+        try:
+            if not isinstance(layout, StepLayout):
+                layout = self._build_layout(layout, rows)
+            capture_failure = None
+            if self.capture_dir is not None and scores is not None:
+                capture_failure = self._book_capture(layout, table, gather_scores(table, rows, scores), finished,
+                                                     capture_plan, captured)
+            elif self.capture_dir is not None:
+                self.book.finish(finished)
+            if capture_failure is not None:
+                log.error("probex: capturing a step's rows failed: %r", capture_failure)
+            if not (layout.req_ids or finished):
+                return None
+            message = step_message(table, layout, None, list(finished), (self.pause_changes, self.paused))
+            message["rows"] = rows
+            message["slots"] = table.buffer_slots()
+            return message
+        except Exception:
+            # The step's scores cannot be placed: the API servers hear of it, so its requests
+            # stop waiting for scores and those that ended with it end.
+            log.exception("probex: describing a step's scores failed")
+            self.transfer.message_errors += 1
+            requests = layout.req_ids if isinstance(layout, StepLayout) else []
+            return lost_message(list(requests), list(finished))
 
     @staticmethod
     def _build_layout(build: Callable[[], StepLayout], rows: int) -> StepLayout:

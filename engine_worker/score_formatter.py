@@ -48,12 +48,14 @@ import threading
 import time
 
 import msgspec
+import numpy as np
 import zmq
 
 from engine_worker import responses
 from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader, pause_of
 from engine_worker.delivery import (BROADCAST, OWNER_MARKER, PUBLISHER, UNTAGGED, FormattedPrompt, FormattedStep,
                                     _ProbeSet, external_request_id, laid_out_prompt)
+from engine_worker.score_ring import STEP, RingReader, ScoreRing
 
 log = logging.getLogger("probex.score_formatter")
 
@@ -217,18 +219,106 @@ class ScoreFormatter:
         return number
 
 
-def serve(step_address: str, score_address: str, api_server_count: int, parent_pid: int | None = None,
-          ready_fd: int | None = None, high_water_mark: int = 100_000) -> None:
+def ring_message(kind: int, meta: bytes, scores: dict[int, np.ndarray], decoder: msgspec.msgpack.Decoder) -> dict:
+    """A score ring entry as the message `ScoreFormatter.take` reads: a step's probe columns
+    gathered from the slot's rows (its `slots`, each probe's column in its layer's buffer)."""
+    message = decoder.decode(meta)
+    if kind == STEP and "raw" not in message:
+        rows = int(message["rows"])
+        slots = message["slots"]
+        raw = np.empty((rows, len(slots)), dtype=np.float32)
+        for column, (slot, described) in enumerate(zip(slots, message["probes"])):
+            raw[:, column] = scores[described[4]][:rows, slot]  # described: (name, read, slope, intercept, layer)
+        message["raw"] = raw.tobytes()
+    elif "step" in message and "raw" not in message:  # a step without rows
+        message["raw"] = b""
+    return message
+
+
+class _RingSource:
+    """The worker's messages from the score ring, polled. A step committed but not landed is
+    polled every `BUSY_POLL_S` (its rows are a forward away at most); with nothing committed,
+    as often for `STAY_BUSY_S` after the last entry (the next step is that close under load),
+    then every `IDLE_POLL_S`: an idle prefill's scores wait for that at most, while its
+    forward runs for milliseconds after the entry is committed."""
+
+    BUSY_POLL_S = 20e-6
+    STAY_BUSY_S = 0.05
+    IDLE_POLL_S = 200e-6
+
+    def __init__(self, fd: int) -> None:
+        self.ring = ScoreRing.attach(fd)
+        self.reader = RingReader(self.ring)
+        self._decoder = msgspec.msgpack.Decoder()
+        self._last_entry = 0.0
+        _fine_timer_slack()
+
+    def next(self, timeout_s: float) -> dict | None:
+        """The next message, waiting up to about `timeout_s` for it; an entry that cannot be
+        read comes back as {} (the caller reports it), never stops the ring."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            entry = self.reader.poll()
+            if entry is not None:
+                kind, meta, scores = entry
+                try:
+                    return ring_message(kind, meta, scores, self._decoder)
+                except Exception:
+                    log.exception("probex: could not read a score ring entry")
+                    return {}
+                finally:
+                    self.reader.done()
+                    self._last_entry = time.monotonic()
+            now = time.monotonic()
+            if now >= deadline:
+                return None
+            busy = self.reader.waiting_for_device() or now - self._last_entry < self.STAY_BUSY_S
+            time.sleep(self.BUSY_POLL_S if busy else self.IDLE_POLL_S)
+
+
+class _SocketSource:
+    """The worker's messages from its ZMQ step socket (PROBEX_SCORE_RING=0, or no ring)."""
+
+    def __init__(self, ctx: zmq.Context, step_address: str) -> None:
+        self.socket = ctx.socket(zmq.SUB)
+        # Bounded: a formatter minutes of steps behind drops there, and the gap in the worker's
+        # count goes on to every process as a loss, rather than its queue and every score's delay
+        # growing without end and unseen.
+        self.socket.setsockopt(zmq.RCVHWM, 10_000)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.connect(step_address)
+        self._decoder = msgspec.msgpack.Decoder()
+
+    def next(self, timeout_s: float) -> dict | None:
+        if not self.socket.poll(timeout_s * 1000):
+            return None
+        frame = self.socket.recv()
+        try:
+            return self._decoder.decode(frame)
+        except Exception:
+            log.exception("probex: could not decode a score message")
+            return {}
+
+
+def _fine_timer_slack() -> None:
+    """Sleeps of tens of microseconds as asked (Linux's default slack adds 50 µs to each)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(29, 1000)  # PR_SET_TIMERSLACK, in nanoseconds
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(step_address: str | None, score_address: str, api_server_count: int, parent_pid: int | None = None,
+          ready_fd: int | None = None, high_water_mark: int = 100_000, ring_fd: int | None = None) -> None:
     """The formatter's loop: until the worker (`parent_pid`) is gone. `ready_fd`: written to
-    once the sockets are bound and connected (`FormatterProcess` waits for it)."""
+    once the sockets are bound and connected (`FormatterProcess` waits for it). The worker's
+    messages come from its score ring (`ring_fd`, inherited) or its step socket."""
+    if (step_address is None) == (ring_fd is None):
+        raise ValueError("the score formatter reads either a step address or a score ring")
     ctx = zmq.Context()
-    steps = ctx.socket(zmq.SUB)
-    # Bounded: a formatter minutes of steps behind drops there, and the gap in the worker's
-    # count goes on to every process as a loss, rather than its queue and every score's delay
-    # growing without end and unseen.
-    steps.setsockopt(zmq.RCVHWM, 10_000)
-    steps.setsockopt(zmq.SUBSCRIBE, b"")
-    steps.connect(step_address)
+    steps = _RingSource(ring_fd) if ring_fd is not None else _SocketSource(ctx, step_address)
     scores = ctx.socket(zmq.PUB)
     # A process so far behind that its queue is full loses messages there alone, and finds the gap.
     scores.setsockopt(zmq.SNDHWM, high_water_mark)
@@ -238,23 +328,25 @@ def serve(step_address: str, score_address: str, api_server_count: int, parent_p
         os.write(ready_fd, b"1")
         os.close(ready_fd)
     formatter = ScoreFormatter(api_server_count)
-    decoder = msgspec.msgpack.Decoder()
-    last_sweep = time.monotonic()
+    last_sweep = last_parent_check = time.monotonic()
     worker_silent = False
-    log.info("probex: score formatter %d: %s -> %s", formatter.publisher, step_address, score_address)
-    while parent_pid is None or os.getppid() == parent_pid:
-        if steps.poll(HEARTBEAT_S * 1000 / 4):
-            frame = steps.recv()
-            message: dict = {}
+    log.info("probex: score formatter %d: %s -> %s", formatter.publisher,
+             step_address or "the worker's score ring", score_address)
+    while True:
+        message = steps.next(HEARTBEAT_S / 4)
+        if message is not None:
             try:
-                message = decoder.decode(frame)
-                out = formatter.take(message)
+                out = formatter.take(message) if message else [formatter.step_failed(message)]
             except Exception:  # a bad message must not stop delivery for everyone
                 log.exception("probex: could not format a score message")
                 out = [formatter.step_failed(message)]
             for topic, payload in out:
                 scores.send_multipart((topic, payload), flags=zmq.NOBLOCK)
         now = time.monotonic()
+        if parent_pid is not None and now - last_parent_check > 0.1:
+            if os.getppid() != parent_pid:
+                return
+            last_parent_check = now
         # The worker heartbeats every second when it has nothing to send: if it is not heard,
         # no scores come through here either, and the API server processes should stop
         # waiting for them (they do when these heartbeats stop: ScoreHub.silent).
@@ -286,8 +378,12 @@ class FormatterProcess:
 
     STARTUP_S = 30.0
 
-    def __init__(self, step_address: str, score_address: str, api_server_count: int) -> None:
-        self.command = [sys.executable, "-m", "engine_worker.score_formatter", "--steps", step_address,
+    def __init__(self, step_address: str | None, score_address: str, api_server_count: int,
+                 ring_fd: int | None = None) -> None:
+        """The worker's messages come from `step_address` (ZMQ) or the score ring `ring_fd`."""
+        source = ["--ring-fd", str(ring_fd)] if ring_fd is not None else ["--steps", step_address]
+        self._inherited = (ring_fd,) if ring_fd is not None else ()
+        self.command = [sys.executable, "-m", "engine_worker.score_formatter", *source,
                         "--scores", score_address, "--api-server-count", str(api_server_count),
                         "--parent", str(os.getpid())]
         cpus = launcher_cpus()
@@ -318,7 +414,7 @@ class FormatterProcess:
                 if self._closed.is_set():
                     return None
                 process = self.process = subprocess.Popen([*self.command, "--ready-fd", str(write_fd)],
-                                                          pass_fds=(write_fd,))
+                                                          pass_fds=(write_fd, *self._inherited))
         finally:
             os.close(write_fd)
         try:
@@ -406,7 +502,9 @@ def _run_on(cpus: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="ProbeX score formatter (started by the worker)")
-    parser.add_argument("--steps", required=True, help="the worker's step address (ZMQ, it binds)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--steps", help="the worker's step address (ZMQ, it binds)")
+    source.add_argument("--ring-fd", type=int, help="the worker's score ring (an inherited memfd; score_ring.py)")
     parser.add_argument("--scores", required=True, help="the address the API server processes connect to")
     parser.add_argument("--api-server-count", type=int, default=1)
     parser.add_argument("--parent", type=int, default=None, help="end when this process is gone")
@@ -421,7 +519,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # Ctrl-C reaches the whole process group: the worker ends it (with SIGTERM, or by exiting).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(args.steps, args.scores, args.api_server_count, args.parent, args.ready_fd)
+    serve(args.steps, args.scores, args.api_server_count, args.parent, args.ready_fd, ring_fd=args.ring_fd)
 
 
 if __name__ == "__main__":

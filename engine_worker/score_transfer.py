@@ -179,6 +179,34 @@ class _CudaDriver:
     def synchronize(self, event: ctypes.c_void_p) -> None:
         self.check(self.waiting.cuEventSynchronize(event), "cuEventSynchronize")
 
+    CU_MEMHOSTREGISTER_PORTABLE = 0x1
+    CU_MEMHOSTREGISTER_DEVICEMAP = 0x2
+
+    def register_host_memory(self, address: int, size: int) -> int:
+        """Pin `size` bytes of this process's memory at `address` (the score ring's shared
+        mapping) for the device to write by DMA and by stream memory writes; returns the
+        device address of `address`. Once, at start-up, on the engine thread."""
+        lib = self.lib
+        lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        with torch.cuda.device(self.device):
+            self.check(lib.cuMemHostRegister_v2(address, size, self.CU_MEMHOSTREGISTER_PORTABLE
+                                                | self.CU_MEMHOSTREGISTER_DEVICEMAP), "cuMemHostRegister")
+            device_address = ctypes.c_uint64()
+            self.check(lib.cuMemHostGetDevicePointer_v2(ctypes.byref(device_address), address, 0),
+                       "cuMemHostGetDevicePointer")
+        # The V2 entry point of stream memory operations (CUDA 11.7 on) needs no driver
+        # module option, unlike the first one.
+        write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
+        write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._write_value = write
+        return device_address.value
+
+    def write_value(self, device_address: int, value: int, stream: int) -> None:
+        """Enqueue a write of `value` to `device_address` behind the stream's work so far (with
+        a memory fence: what the stream wrote before is visible first)."""
+        self.check(self._write_value(stream, device_address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
     CUDA_ERROR_NOT_READY = 600
 
     def query(self, event: ctypes.c_void_p) -> bool:

@@ -61,6 +61,18 @@ ENV_HOOK_SPIN_US = "PROBEX_HOOK_SPIN_US"
 ENV_COPY_STREAM = "PROBEX_COPY_STREAM"
 
 
+# On by default where a score formatter runs beside the worker: each step's scores go to it
+# through a shared-memory ring (engine_worker/score_ring.py), copied there by the device, which
+# also says when they have landed, so the engine process neither waits for the copies nor
+# gathers, encodes or sends them. "0" is the older path, for comparison: the engine process
+# consumes each step (score_transfer.py) and sends it to the formatter over ZMQ.
+ENV_SCORE_RING = "PROBEX_SCORE_RING"
+
+
+def score_ring_wanted() -> bool:
+    return _env_switch(ENV_SCORE_RING)
+
+
 # Diagnostic: "0" makes the engine consumer read a step's tokens first and consume its
 # scores after them (the order before session 9), instead of consuming the scores while the
 # device samples (set-up "tap-scores-after-tokens").

@@ -10,6 +10,7 @@ forward is — stays in its own adapter.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -21,8 +22,8 @@ from engine_worker.controller import ProbeSetRejected, TapController, VectorSetR
 from engine_worker.steer import LayerSteer
 from engine_worker.steering import SteeringError, SteerRequest, steering_from_xargs
 from engine_worker.tap import LayerTap, awaiting_storage, materialize
-from engine_worker.tap_config import (ENV_API_SERVER_COUNT, ENV_DELIVERY, ENV_PROMPT_SCORES_MID_FORWARD, TapConfig,
-                                      scores_delivered)
+from engine_worker.tap_config import (ENV_API_SERVER_COUNT, ENV_DELIVERY, ENV_PROMPT_SCORES_MID_FORWARD,
+                                      ENV_SCORE_RING, TapConfig, score_ring_wanted, scores_delivered)
 from engine_worker.vllm_models import copy_scores_mid_forward
 
 log = logging.getLogger("vllm.probex.worker")  # under "vllm": printed by its log handler
@@ -68,8 +69,8 @@ def install_controller(runner, score_consumer: str = "thread") -> TapController 
     served = ServedModel.from_hf_config(hf_config, name=runner.vllm_config.model_config.model)
     # Every rank computes the same rows; one writes them (two would race on the same files).
     capture_dir = tap_config.capture_dir if tap_config.capture_enabled and _is_delivering_rank() else None
-    controller = TapController(taps, served, _publisher(tap_config), capture_dir, steers=steers,
-                               consumer=score_consumer)
+    publish, ring = _publisher(tap_config, taps)
+    controller = TapController(taps, served, publish, capture_dir, steers=steers, consumer=score_consumer, ring=ring)
     try:
         controller.load(list(tap_config.probe_dirs))
         if steers:
@@ -172,23 +173,49 @@ def _give_buffers_storage(runner, modules: list) -> None:
         runner.model_memory_usage += sum(b.numel() * b.element_size() for m in modules for b in m.buffers(recurse=False))
 
 
-def _publisher(tap_config: TapConfig):
+def _publisher(tap_config: TapConfig, taps: dict[int, LayerTap]):
+    """(publish, ring): where this rank's steps and control messages go. With a score formatter,
+    through the shared-memory score ring it reads (the default; `ring` set, score_ring.py) or
+    over ZMQ (PROBEX_SCORE_RING=0; `publish` set); without one, over ZMQ to the API servers."""
     if not tap_config.score_address or not _is_delivering_rank():
-        return None
+        return None, None
     if not scores_delivered():
         log.warning("probex: %s=off: scores are computed in the graphs but never copied out or delivered "
                     "(diagnostic)", ENV_DELIVERY)
-        return None
+        return None, None
     from engine_worker.delivery import ScorePublisher
 
     if tap_config.step_address is None:
-        return ScorePublisher(tap_config.score_address).publish
+        return ScorePublisher(tap_config.score_address).publish, None
     from engine_worker.score_formatter import FormatterProcess
 
+    api_servers = int(os.environ.get(ENV_API_SERVER_COUNT, "1"))
+    if score_ring_wanted() and _ring_supported(taps):
+        from engine_worker.score_ring import RingPublisher, ScoreRing
+
+        ring = ScoreRing.create({layer: tuple(tap.scores.shape) for layer, tap in taps.items()})
+        FormatterProcess(None, tap_config.score_address, api_servers, ring_fd=ring.fd).start()
+        log.info("probex: scores go to the score formatter through a %d-slot shared-memory ring (%.1f MiB; %s=0 "
+                 "sends them over ZMQ instead)", ring.slots, ring.size / 2**20, ENV_SCORE_RING)
+        return None, RingPublisher(ring)
     publisher = ScorePublisher(tap_config.step_address)
-    FormatterProcess(tap_config.step_address, tap_config.score_address,
-                     int(os.environ.get(ENV_API_SERVER_COUNT, "1"))).start()
-    return publisher.publish
+    FormatterProcess(tap_config.step_address, tap_config.score_address, api_servers).start()
+    return publisher.publish, None
+
+
+def _ring_supported(taps: dict[int, LayerTap]) -> bool:
+    """The ring needs Linux's memfd and, on a GPU, the CUDA driver library (a ROCm build
+    reports its GPUs as "cuda" without one): elsewhere the ZMQ path is taken."""
+    if not hasattr(os, "memfd_create"):
+        return False
+    device = next(iter(taps.values())).scores.device
+    if device.type == "cuda":
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            log.warning("probex: no CUDA driver library: scores go to the score formatter over ZMQ")
+            return False
+    return True
 
 
 def _is_delivering_rank() -> bool:

@@ -71,7 +71,10 @@ worker's default score path, the score formatter since session 29 (before it, ea
 process read every step itself); ``tap-toggle-direct`` is ``tap-toggle`` on that older path
 (``PROBEX_SCORE_FORMATTER=0``), read on its own starts; ``tap-toggle-copies-after`` is
 ``tap-toggle`` with a prompt step's score rows copied behind its whole forward
-(``PROBEX_PROMPT_SCORES_MID_FORWARD=0``, the path before session 35) instead of during it.
+(``PROBEX_PROMPT_SCORES_MID_FORWARD=0``, the path before session 35) instead of during it;
+``tap-toggle-zmq`` is ``tap-toggle`` with each step consumed in the engine process and sent to
+the formatter over ZMQ (``PROBEX_SCORE_RING=0``, the path before session 42) instead of staged
+into the shared-memory score ring the formatter reads.
 ``tap-toggle-early-consume`` and ``tap-toggle-scores-after-output`` ran worker experiments
 removed in session 41; ``--setups`` no longer takes them, and ``--reanalyze`` reads the saved
 runs that have them as the toggled variants they were (``RETIRED_KINDS``).
@@ -144,6 +147,7 @@ import numpy as np
 from engine_worker.launch import api_server_count, vllm_server_entry  # torch-free, as is tap_config
 from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY, ENV_HOOK_SPIN_US,
                                       ENV_PROMPT_SCORES_MID_FORWARD, ENV_SCORE_CONSUMER, ENV_SCORE_FORMATTER,
+                                      ENV_SCORE_RING,
                                       ENV_SCORES_AHEAD, ENV_TAP_BUFFERS, switch_is_on)
 
 from probex.processes import free_port
@@ -159,8 +163,8 @@ except ImportError:  # pragma: no cover - depends on the machine
 # are RUNNABLE_KINDS (--setups).
 KINDS = ("plain", "tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
          "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle", "tap-toggle-direct",
-         "tap-toggle-copies-after", "tap-toggle-early-consume", "tap-toggle-scores-after-output", "eager", "steer-idle",
-         "steer-active", "steer-gated")
+         "tap-toggle-copies-after", "tap-toggle-zmq", "tap-toggle-early-consume", "tap-toggle-scores-after-output",
+         "eager", "steer-idle", "steer-active", "steer-gated")
 # Set-ups of worker experiments removed in session 41 (measured on the GPU without gain), kept
 # so that the saved runs that measured them (docs/results) still read as the toggled variants of
 # tap-toggle they were: tap-toggle-early-consume (PROBEX_PROMPT_SCORES_EARLY=1, the watchdog
@@ -171,7 +175,7 @@ RETIRED_KINDS = ("tap-toggle-early-consume", "tap-toggle-scores-after-output")
 RUNNABLE_KINDS = tuple(kind for kind in KINDS if kind not in RETIRED_KINDS)
 WORKER_KINDS = ("tap", "tap-op-only", "tap-engine-consumer", "tap-thread-consumer", "tap-slow-hook",
                 "tap-scores-after-tokens", "tap-side-copies", "tap-buffers-in-model", "tap-toggle",
-                "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume",
+                "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-zmq", "tap-toggle-early-consume",
                 "tap-toggle-scores-after-output", "steer-idle", "steer-active",
                 "steer-gated")  # `probex worker`, the 8 probes
 # Diagnostic: the op computes scores in the graphs, but nothing copies them out or delivers them
@@ -188,9 +192,11 @@ TOGGLE_KIND = "tap-toggle"
 # each API server process reads every step itself, the default before session 29), so one run
 # can set the two side by side. tap-toggle-copies-after: the same with a prompt step's score
 # rows copied behind its whole forward (PROBEX_PROMPT_SCORES_MID_FORWARD=0), as before session
-# 35, rather than during it. The retired kinds (RETIRED_KINDS) were toggled too.
-TOGGLE_KINDS = (TOGGLE_KIND, "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-early-consume",
-                "tap-toggle-scores-after-output")
+# 35, rather than during it. tap-toggle-zmq: the same with each step consumed in the engine
+# process and sent to the score formatter over ZMQ (PROBEX_SCORE_RING=0), the default before
+# session 42. The retired kinds (RETIRED_KINDS) were toggled too.
+TOGGLE_KINDS = (TOGGLE_KIND, "tap-toggle-direct", "tap-toggle-copies-after", "tap-toggle-zmq",
+                "tap-toggle-early-consume", "tap-toggle-scores-after-output")
 # Which state those phases begin with (--toggle-first). A start's first phase at a
 # concurrency follows its warm-up; alternating the state it is in between the starts of a
 # run keeps whatever that position adds off one state's account.
@@ -199,21 +205,29 @@ TOGGLE_ADMIN_TOKEN = secrets.token_hex(16)  # this run's servers only, on 127.0.
 # Worker settings a set-up kind stands for (on top of --worker-env), measured against `tap` in
 # the same run. Who consumes each step's scores once its copies land: the engine thread
 # (the default on one GPU) or the transfer thread; engine_worker/score_transfer.py.
-KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"}, "tap-engine-consumer": {ENV_SCORE_CONSUMER: "engine"},
-                   "tap-thread-consumer": {ENV_SCORE_CONSUMER: "thread"},
+# The consumer set-ups, and those of the engine consumer's order and copy stream, measure the
+# hand-off over ZMQ (score_transfer.py): the score ring, the default since session 42, has no
+# consumer in the engine process.
+_ZMQ = {ENV_SCORE_RING: "0"}
+KIND_WORKER_ENV = {"tap-op-only": {ENV_DELIVERY: "off"},
+                   "tap-engine-consumer": {**_ZMQ, ENV_SCORE_CONSUMER: "engine"},
+                   "tap-thread-consumer": {**_ZMQ, ENV_SCORE_CONSUMER: "thread"},
                    # Diagnostic: is engine-thread time on the step's critical path? (tap_config.py)
                    "tap-slow-hook": {ENV_HOOK_SPIN_US: str(SLOW_HOOK_SPIN_US)},
                    # Diagnostic: the engine consumer's order before session 9 (tap_config.py)
-                   "tap-scores-after-tokens": {ENV_SCORES_AHEAD: "0"},
+                   "tap-scores-after-tokens": {**_ZMQ, ENV_SCORES_AHEAD: "0"},
                    # The score copies on a side stream, off the path from forward to sampling
-                   "tap-side-copies": {ENV_COPY_STREAM: "side"},
+                   "tap-side-copies": {**_ZMQ, ENV_COPY_STREAM: "side"},
                    # Diagnostic: the tap's buffers allocated between the model's weights, as
                    # before session 11 (engine_worker/tap.py)
                    "tap-buffers-in-model": {ENV_TAP_BUFFERS: "in-model"},
                    # Pausable through PUT /probex/tap (an admin route), for phases on one start
                    "tap-toggle": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN},
                    "tap-toggle-direct": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_SCORE_FORMATTER: "0"},
-                   "tap-toggle-copies-after": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_PROMPT_SCORES_MID_FORWARD: "0"}}
+                   "tap-toggle-copies-after": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, ENV_PROMPT_SCORES_MID_FORWARD: "0"},
+                   # The default path before session 42: the engine process consumes each step
+                   # and sends it to the score formatter over ZMQ
+                   "tap-toggle-zmq": {ENV_ADMIN_TOKEN: TOGGLE_ADMIN_TOKEN, **_ZMQ}}
 # What the worker's /probex/probes listing must then say (its `transfer` section), so a set-up
 # that silently ran the default is reported instead of compared.
 KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", False),
@@ -1290,6 +1304,9 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             formatter = (None if kind in UNDELIVERED_KINDS
                          else switch_is_on(env[ENV_SCORE_FORMATTER] if ENV_SCORE_FORMATTER in env
                                            else os.environ.get(ENV_SCORE_FORMATTER)))
+            if formatter and switch_is_on(env[ENV_SCORE_RING] if ENV_SCORE_RING in env
+                                          else os.environ.get(ENV_SCORE_RING)):
+                consumer = "formatter"  # through the score ring (the default since session 42), whatever else is set
         else:
             # The module `probex worker` execs, with the same interpreter flags and server count.
             argv = [sys.executable, "-W", "ignore::DeprecationWarning",
@@ -1781,7 +1798,14 @@ def delivery_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
     out: dict[str, Any] = {}
     t0, t1 = before.get("transfer") or {}, after.get("transfer") or {}
     steps = t1.get("steps", 0) - t0.get("steps", 0)
-    if steps > 0:
+    if t1.get("consumer") == "formatter":
+        # The score ring (engine_worker/score_ring.py): the engine process stages each step and
+        # the formatter's process consumes it; nothing is consumed or waited for here.
+        out["transfer"] = {"consumer": "formatter", "synchronous": t1.get("synchronous"),
+                           **{key: t1.get(key, 0) - t0.get(key, 0)
+                              for key in ("submitted_steps", "dropped_steps", "ring_dropped_messages",
+                                          "mid_forward_steps", "message_errors")}}
+    elif steps > 0:
         out["transfer"] = {
             "steps": steps,
             "landed_mean_ms": (t1["landed_s"] - t0["landed_s"]) / steps * 1e3,
@@ -1969,7 +1993,11 @@ def delivery_line(delivery: dict[str, Any]) -> str:
                 r = e[label]
                 parts.append(f"tokens read {r['wait_mean_ms']:.3f} ms after the scores' consume, ready by then in "
                              f"{r['ready_share']:.0%} of {r['count']} {what}")
-    if "transfer" in delivery:
+    if (delivery.get("transfer") or {}).get("consumer") == "formatter":
+        t = delivery["transfer"]
+        parts.append(f"score ring: {t['submitted_steps']} steps staged, {t['mid_forward_steps']} of them mid-forward, "
+                     f"{t['dropped_steps']} dropped (the formatter's process consumes them)")
+    elif "transfer" in delivery:
         t = delivery["transfer"]
         parts.append(f"transfer: landed {t['landed_mean_ms']:.3f} ms, consume {t['consume_mean_ms']:.3f} ms per step"
                      + (f" ({t['large_consume_mean_ms']:.3f} ms for the {t['large_steps']} prefill-sized)"
@@ -3867,7 +3895,7 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
     colors = {"plain": "#4c72b0", "tap": "#55a868", "tap-op-only": "#937860", "tap-engine-consumer": "#da8bc3",
               "tap-thread-consumer": "#8c8c8c", "tap-slow-hook": "#e5ae38", "tap-scores-after-tokens": "#4f9da6",
               "tap-side-copies": "#b07aa1", "tap-buffers-in-model": "#ff9da6", "tap-toggle": "#2ca02c",
-              "tap-toggle-direct": "#98df8a", "tap-toggle-copies-after": "#17becf",
+              "tap-toggle-direct": "#98df8a", "tap-toggle-copies-after": "#17becf", "tap-toggle-zmq": "#9edae5",
               "tap-toggle-early-consume": "#bcbd22", "tap-toggle-scores-after-output": "#7f7f7f",
               "eager": "#c44e52", "steer-idle": "#8172b2",
               "steer-active": "#ccb974", "steer-gated": "#64b5cd"}
@@ -3884,6 +3912,8 @@ def write_png(result: dict[str, Any], path: Path) -> bool:
              "tap-toggle-direct": f"ProbeX tap, {probes} probes, no score formatter (first running phase)",
              "tap-toggle-copies-after": f"ProbeX tap, {probes} probes, prompt scores copied after the forward"
                                         " (first running phase)",
+             "tap-toggle-zmq": f"ProbeX tap, {probes} probes, steps sent to the formatter over ZMQ"
+                               " (first running phase)",
              "tap-toggle-early-consume": f"ProbeX tap, {probes} probes, prompt scores consumed as they land"
                                          " (first running phase)",
              "tap-toggle-scores-after-output": f"ProbeX tap, {probes} probes, prompt scores after their tokens'"

@@ -595,7 +595,7 @@ def test_a_diagnostic_set_up_that_ran_the_default_is_reported():
     problems = be.find_problems([ran_default, side])
     assert [p for p in problems if "reports" in p] == [
         "tap-scores-after-tokens#1: the worker reports scores_ahead_of_tokens=True, not False: it ran the default"
-        " instead of the set-up's {'PROBEX_SCORES_AHEAD_OF_TOKENS': '0'}"]
+        " instead of the set-up's {'PROBEX_SCORE_RING': '0', 'PROBEX_SCORES_AHEAD_OF_TOKENS': '0'}"]
 
 
 def test_vllms_ttft_is_split_by_its_stage_histograms_per_phase():
@@ -833,7 +833,10 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
                 # the worker's own account of delivery during the phase (from /probex/health)
                 delivery = e["delivery"]
                 assert delivery["engine_thread"]["steps"] > 0 and delivery["engine_thread"]["hook_mean_ms"] > 0, where
-                assert delivery["transfer"]["steps"] > 0 and delivery["transfer"]["consume_mean_ms"] > 0, where
+                # staged through the score ring: the formatter's process consumed them, none was lost
+                transfer = delivery["transfer"]
+                assert transfer["consumer"] == "formatter" and transfer["submitted_steps"] > 0, (where, transfer)
+                assert transfer["dropped_steps"] == 0 and transfer["message_errors"] == 0, (where, transfer)
                 # every request's first content chunk asked for its prompt scores once
                 assert delivery["prompt_waits"]["chunks"] == scores["requests"], (where, delivery)
             else:
@@ -956,20 +959,31 @@ def test_the_op_only_set_up_turns_delivery_off_and_its_missing_scores_are_no_pro
                            [tmp_path / "p"], [], "default")
     assert [p.env_changes.get("PROBEX_DELIVERY") for p in plans] == [None, None, "off", None, None]
     assert [p.env_changes.get("PROBEX_SCORE_CONSUMER") for p in plans] == [None, None, None, "engine", "thread"]
-    # With vLLM choosing the runner, the bench cannot know the tap's default consumer.
-    assert [p.score_consumer for p in plans] == [None, None, None, "engine", "thread"]
-    on_v2 = be.plan_setups(["plain", "tap", "tap-thread-consumer"], tmp_path, [tmp_path / "p"], [], "v2")
-    on_v1 = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], [], "v1")
+    # The tap's default, the score ring, consumes in the formatter's process whatever the runner;
+    # the consumer set-ups measure the ZMQ path (PROBEX_SCORE_RING=0), which takes the runner's
+    # consumer: with vLLM choosing the runner, the bench cannot know it.
+    assert [p.score_consumer for p in plans] == [None, "formatter", None, "engine", "thread"]
+    assert [p.env_changes.get("PROBEX_SCORE_RING") for p in plans] == [None, None, None, "0", "0"]
+    zmq = {"PROBEX_SCORE_RING": "0"}
+    assert be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], [], "default", worker_env=zmq)[0].score_consumer is None
+    on_v2 = be.plan_setups(["plain", "tap", "tap-thread-consumer"], tmp_path, [tmp_path / "p"], [], "v2", worker_env=zmq)
+    on_v1 = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], [], "v1", worker_env=zmq)
     assert [p.score_consumer for p in on_v2] == [None, "engine", "thread"] and on_v1[0].score_consumer == "engine"
     # Runner V1 reads the tokens through an async output only when it schedules asynchronously.
-    synchronous_v1 = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], ["--no-async-scheduling"], "v1")
+    synchronous_v1 = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], ["--no-async-scheduling"], "v1",
+                                    worker_env=zmq)
     assert synchronous_v1[0].score_consumer == "thread"
-    on_two_gpus = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], ["--tensor-parallel-size", "2"], "v2")
+    on_two_gpus = be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], ["--tensor-parallel-size", "2"], "v2",
+                                 worker_env=zmq)
     assert on_two_gpus[0].score_consumer == "thread"  # V2 reads tokens on another thread at TP > 1
     # What the worker decides from what the bench cannot see is not predicted (nor checked)
     for args in (["--pipeline-parallel-size", "2"], ["--distributed-executor-backend=mp"],
                  ["--speculative-config", "{}"], ["-dp", "2"]):
-        assert be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], args, "v1")[0].score_consumer is None, args
+        assert be.plan_setups(["tap"], tmp_path, [tmp_path / "p"], args, "v1", worker_env=zmq)[0].score_consumer \
+            is None, args
+    # Without the score formatter there is no ring either: the runner's consumer again.
+    direct = be.plan_setups(["tap-toggle-direct", "tap-toggle-zmq", "tap-toggle"], tmp_path, [tmp_path / "p"], [], "v2")
+    assert [p.score_consumer for p in direct] == ["engine", "engine", "formatter"]
     consumer = be.analyze([_setup("plain", "plain", {"1": 5.0}), _setup("tap", "tap", {"1": 5.1}),
                            _setup("tap-thread-consumer", "tap-thread-consumer", {"1": 5.151})])["overhead_pct"]
     assert consumer["tap-thread-consumer_vs_tap"]["1"]["tpot_p50"] == pytest.approx(1.0)
