@@ -217,7 +217,9 @@ class RingPublisher:
     A full ring (the formatter that far behind, or gone while it is started again) is waited
     for up to `full_wait_s`; past that the message is dropped, its number skipped, and the
     formatter, finding the gap, tells every API server process so (their responses stop
-    waiting for those scores) rather than the engine waiting on another process."""
+    waiting for those scores) rather than the engine waiting on another process. Once one is
+    dropped, later ones are dropped without waiting until the ring has room again: a formatter
+    that is gone for a second costs the engine one wait, not one per step."""
 
     def __init__(self, ring: ScoreRing, heartbeat_s: float = 1.0, full_wait_s: float = 0.1) -> None:
         self.ring = ring
@@ -230,6 +232,7 @@ class RingPublisher:
         self.oversized = 0  # messages too large for a slot (sent as a loss)
         self._pause: tuple[int, bool] | None = None
         self._last_send = time.monotonic()
+        self._dropping = False  # the last reservation found the ring full: the next does not wait
         self._closed = threading.Event()
         if heartbeat_s > 0:
             threading.Thread(target=self._heartbeats, args=(heartbeat_s,), name="probex-ring-heartbeat",
@@ -246,10 +249,12 @@ class RingPublisher:
                     entry = RingEntry(self.produced % self.ring.slots, self.produced + 1, self.sequence)
                     self.produced += 1
                     self._last_send = time.monotonic()
+                    self._dropping = False
                     return entry
                 now = time.monotonic()
                 deadline = deadline if deadline is not None else now + self.full_wait_s
-                if now >= deadline:
+                if now >= deadline or self._dropping:
+                    self._dropping = True
                     self.sequence += 1
                     self.dropped += 1
                     if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:

@@ -107,16 +107,19 @@ def test_a_full_ring_drops_after_a_bounded_wait_and_the_formatter_reports_the_ga
     began = time.monotonic()
     publisher.publish({CONTROL: "heartbeat"})  # no formatter took the first two: dropped
     assert time.monotonic() - began >= 0.02 and publisher.dropped == 1
+    began = time.monotonic()
+    assert publisher.reserve() is None and publisher.dropped == 2  # still full: dropped at once
+    assert time.monotonic() - began < 0.02
     reader = RingReader(ring)
     formatter = ScoreFormatter(api_server_count=1)
     for message in read_all(reader):
         formatter.take(message)
     publisher.publish({CONTROL: "heartbeat"})  # room again
     (message,) = read_all(reader)
-    assert message[SEQUENCE] == 4  # the dropped one's number was used up
+    assert message[SEQUENCE] == 5  # the dropped ones' numbers were used up
     frames = formatter.take(message)
     lost = [msgspec.msgpack.decode(frame) for _, frame in frames]
-    assert lost and lost[0][CONTROL] == "lost" and lost[0]["messages"] == 1
+    assert lost and lost[0][CONTROL] == "lost" and lost[0]["messages"] == 2
 
 
 def test_a_message_too_large_for_a_slot_goes_out_as_a_loss_of_its_requests():
