@@ -77,6 +77,10 @@ class RingTransfer:
             self._driver = driver if driver is not None else _CudaDriver(device)
             base = self._driver.register_host_memory(ring.address, ring.size)
             self._landed_at = [base + ring.landed_offset(slot) for slot in range(ring.slots)]
+        # Mid-forward copies (`reserve_step`): through the driver, or on the CPU, where the forward
+        # has run up to where they are made; not in capture mode on a device, where a synchronous
+        # copy mid-forward would wait for the forward so far.
+        self._mid_forward = self._driver is not None or device.type != "cuda"
         self._early: _Reservation | None = None
         self.submitted_steps = 0
         self.dropped_steps = 0  # the ring stayed full (the formatter behind or gone)
@@ -115,10 +119,11 @@ class RingTransfer:
         try:
             if rows:
                 copied = early.copied if early is not None else ()
+                complete = early is not None and len(early.copied) == len(self._copies[entry.slot])
+                if complete:
+                    self.mid_forward_steps += 1  # every layer's rows were copied during the forward
                 if self._driver is not None:
-                    if early is not None and len(early.copied) == len(self._copies[entry.slot]):
-                        self.mid_forward_steps += 1  # rows and ticket were enqueued during the forward
-                    else:
+                    if not complete:  # (a complete step's ticket was enqueued after its last copy)
                         stream = self._driver.current_stream()
                         for copy in self._copies[entry.slot]:
                             if copy.layer not in copied:
@@ -150,9 +155,9 @@ class RingTransfer:
 
     def reserve_step(self, rows: int) -> bool:
         """Before a prompt step's forward: take its entry now, so its layers' rows can be copied
-        out mid-forward (`copy_layer_now`). False where the copies are synchronous, there is
-        nothing to copy, or the ring is full."""
-        if self.synchronous or not 0 < rows <= self.max_rows:
+        out mid-forward (`copy_layer_now`). False in capture mode, where there is nothing to
+        copy, or where the ring is full."""
+        if not self._mid_forward or not 0 < rows <= self.max_rows:
             return False
         if self._early is not None:  # a reservation no step took (the forward failed): its entry again
             self._early = _Reservation(self._early.entry, rows)
@@ -167,16 +172,20 @@ class RingTransfer:
         """Mid-forward, once `layer`'s scores for the reserved step are final: enqueue its rows'
         copy, and after the last tapped layer's, the ticket's write. True if it copied."""
         early = self._early
-        if early is None or layer in early.copied or self._driver is None:
+        if early is None or layer in early.copied:
             return False
         copy = self._copy_of[early.entry.slot].get(layer)
         if copy is None:
             return False
-        stream = self._driver.current_stream()
-        self._driver.copy_rows(copy, early.rows, stream)
-        early.copied.add(layer)
-        if len(early.copied) == len(self._copies[early.entry.slot]):
-            self._driver.write_value(self._landed_at[early.entry.slot], early.entry.ticket, stream)
+        if self._driver is None:  # the CPU: the forward has run up to here, the rows are final
+            copy.target[:early.rows].copy_(copy.source[:early.rows])
+            early.copied.add(layer)
+        else:
+            stream = self._driver.current_stream()
+            self._driver.copy_rows(copy, early.rows, stream)
+            early.copied.add(layer)
+            if len(early.copied) == len(self._copies[early.entry.slot]):
+                self._driver.write_value(self._landed_at[early.entry.slot], early.entry.ticket, stream)
         self.mid_forward_layer_copies += 1
         return True
 

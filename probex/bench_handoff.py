@@ -80,7 +80,9 @@ import numpy as np
 HIDDEN = 64
 
 
-def _controller(threaded: bool, root: Path):
+def _controller(threaded: bool, root: Path, ring: bool = False):
+    """Eight probes over two tapped layers; `ring`: handing each step to a score ring
+    (engine_worker/score_ring.py) instead of consuming it (`publish` only encodes: no socket)."""
     from engine_worker.controller import TapController
     from engine_worker.tap import LayerTap
     from probes.artifact import ProbeArtifact, ReadPoint, ServedModel, save_probe
@@ -94,7 +96,14 @@ def _controller(threaded: bool, root: Path):
                                        weight=rng.standard_normal(HIDDEN).astype(np.float32), bias=0.0,
                                        model={"name": "bench"}), root / f"p{i}") for i in range(8)]
     encoder = msgspec.msgpack.Encoder()
-    controller = TapController(taps, served, lambda message: encoder.encode(message), threaded=threaded)
+    publisher = None
+    if ring:
+        from engine_worker.score_ring import RingPublisher, ScoreRing
+
+        publisher = RingPublisher(ScoreRing.create({layer: tuple(tap.scores.shape) for layer, tap in taps.items()}),
+                                  heartbeat_s=0)
+    controller = TapController(taps, served, lambda message: encoder.encode(message), threaded=threaded,
+                               ring=publisher)
     controller.load([str(p) for p in probes])
     return controller
 
@@ -154,7 +163,8 @@ def run(requests: int, steps: int, threaded: bool, python_us: float, wait_us: fl
     return {"hook_us": hook_s * 1e6, "consume_us": consumed / steps * 1e6, "step_us": step_s * 1e6}
 
 
-def consume_parts_cold(requests: int, prompt_tokens: int, sleep_s: float, repeats: int = 300) -> dict:
+def consume_parts_cold(requests: int, prompt_tokens: int, sleep_s: float, repeats: int = 300,
+                       ring: bool = False) -> dict:
     """The inline hook + consume of one step (`requests` decoding rows, or with `requests` 0 one
     `prompt_tokens`-row prefill), by the consume's parts (`TapController.consume_parts`: layout,
     gather, message, publish; means, µs), in a tight loop and right after sleeping `sleep_s`.
@@ -162,7 +172,12 @@ def consume_parts_cold(requests: int, prompt_tokens: int, sleep_s: float, repeat
     The engine thread comes to its hooks after vLLM's own scheduling and output processing and
     after waiting for the device, with little of ProbeX's code or data still in the caches; the
     GPU hosts' per-step consumes (0.1-0.2 ms) read like this machine's after a sleep, not like its
-    tight loop. Which parts grow most then is where trimming could pay."""
+    tight loop. Which parts grow most then is where trimming could pay.
+
+    `ring`: the same hook handing each step to a score ring instead (the default since session
+    42; its parts are not split: it builds the step's message and writes it to shared memory,
+    the scores copied there synchronously on this CPU). A stand-in formatter empties the ring
+    between steps, outside the timing."""
     from engine_worker.bookkeeping import StepLayout
 
     if requests:
@@ -174,11 +189,14 @@ def consume_parts_cold(requests: int, prompt_tokens: int, sleep_s: float, repeat
         def layout(step: int) -> StepLayout:
             return StepLayout([f"cmpl-probex-{step:032x}-0-0123abcd"], np.array([prompt_tokens]),
                               np.zeros(1, np.int64), np.array([prompt_tokens]))
-    out: dict = {"requests": requests, "rows": requests or prompt_tokens, "sleep_us": round(sleep_s * 1e6)}
+    out: dict = {"requests": requests, "rows": requests or prompt_tokens, "sleep_us": round(sleep_s * 1e6),
+                 "handoff": "score ring" if ring else "consumed inline"}
     with tempfile.TemporaryDirectory() as tmp:
-        controller = _controller(False, Path(tmp))
+        controller = _controller(False, Path(tmp), ring=ring)
+        drain = _ring_drain(controller) if ring else (lambda: None)
         for step in range(50):
             controller.after_forward(layout(step))
+            drain()
         for state, pause in (("tight", 0.0), ("after_sleep", sleep_s)):
             before = controller.consume_parts.as_dict()
             hooks = []
@@ -189,13 +207,26 @@ def consume_parts_cold(requests: int, prompt_tokens: int, sleep_s: float, repeat
                 started = time.perf_counter()
                 controller.after_forward(step_layout)
                 hooks.append(time.perf_counter() - started)
+                drain()
             after = controller.consume_parts.as_dict()
             count = after["count"] - before["count"]
             out[state] = {"hook_us": _median_us(hooks),
                           **{f"{part}_us": round((after[f"{part}_s"] - before[f"{part}_s"]) / count * 1e6, 1)
-                             for part in controller.consume_parts.PARTS}}
+                             for part in controller.consume_parts.PARTS if count}}
         controller.transfer.close()
     return out
+
+
+def _ring_drain(controller):
+    """A stand-in score formatter: takes every ready entry off the controller's ring."""
+    from engine_worker.score_ring import RingReader
+
+    reader = RingReader(controller.transfer.ring)
+
+    def drain() -> None:
+        while reader.poll() is not None:
+            reader.done()
+    return drain
 
 
 _SSE_START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
@@ -542,14 +573,16 @@ def main() -> None:
             "layout_us_after_sleep": round(wake_cost_us(args.wait_us * 1e-6), 1)}
     print(f"one StepLayout: {wake['layout_us_tight_loop']} µs in a tight loop, {wake['layout_us_after_sleep']} µs"
           f" right after a {args.wait_us:.0f} µs sleep (how much of the hook is waking up)", flush=True)
-    cold = [consume_parts_cold(n, args.prompt_tokens, args.wait_us * 1e-6)
-            for n in [int(x) for x in args.requests.split(",")] + [0]]
+    cold = [consume_parts_cold(n, args.prompt_tokens, args.wait_us * 1e-6, ring=ring)
+            for n in [int(x) for x in args.requests.split(",")] + [0] for ring in (False, True)]
     for row in cold:
         what = f"{row['requests']}-request decode step" if row["requests"] else f"{row['rows']}-row prefill step"
-        print(f"{what}, inline, tight loop / right after a {row['sleep_us']} µs sleep (µs; hook median, "
-              f"consume parts' means): hook {row['tight']['hook_us']} / {row['after_sleep']['hook_us']}; "
+        parts = ("layout", "gather", "message", "publish") if "layout_us" in row["tight"] else ()
+        print(f"{what}, {row['handoff']}, tight loop / right after a {row['sleep_us']} µs sleep (µs; hook median"
+              + (", consume parts' means" if parts else "") + f"): hook {row['tight']['hook_us']} / "
+              f"{row['after_sleep']['hook_us']}" + ("; " if parts else "")
               + ", ".join(f"{part} {row['tight'][part + '_us']} / {row['after_sleep'][part + '_us']}"
-                          for part in ("layout", "gather", "message", "publish")), flush=True)
+                          for part in parts), flush=True)
     first = first_token_path(args.prompt_tokens, args.repeats)
     print(f"first token, {first['prompt_tokens']}-token prompt (medians of {first['repeats']}): request "
           f"{first['request_us']} µs in the API server (decoded and re-encoded: {first['request_decoded_us']} µs), prefill step "

@@ -34,10 +34,15 @@ def test_handoff_benchmark_runs_both_ways_and_writes_json(tmp_path, monkeypatch)
     assert all(first[key] > 0 for key in ("first_chunk_decoded_us", "token_chunk_decoded_us"))
     # the consume's parts, in a tight loop and after each --wait-us sleep: a decode step of each
     # --requests, then a --prompt-tokens-row prefill; every step was consumed and published
+    # (each beside the same hook handing the step to a score ring, whose parts are not split)
     cold = result["consume_parts_cold"]
-    assert [(c["requests"], c["rows"], c["sleep_us"]) for c in cold] == [(4, 4, 200), (0, 64, 200)]
-    assert all(c[state][f"{part}_us"] > 0 for c in cold for state in ("tight", "after_sleep")
+    assert [(c["requests"], c["rows"], c["sleep_us"], c["handoff"]) for c in cold] == [
+        (4, 4, 200, "consumed inline"), (4, 4, 200, "score ring"), (0, 64, 200, "consumed inline"),
+        (0, 64, 200, "score ring")]
+    inline = [c for c in cold if c["handoff"] == "consumed inline"]
+    assert all(c[state][f"{part}_us"] > 0 for c in inline for state in ("tight", "after_sleep")
                for part in ("gather", "message", "publish")) and all(c[s]["hook_us"] > 0 for c in cold for s in ("tight", "after_sleep"))
+    assert all("gather_us" not in c["tight"] for c in cold if c["handoff"] == "score ring")
     assert row["requests"] == 4 and row["inline_us"] > 0 and row["hook_us"] > 0
     # the transfer thread consumed every step, and the stand-in loop really waited between steps
     assert row["consume_us"] > 0

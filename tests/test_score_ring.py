@@ -271,3 +271,26 @@ def test_the_worker_runs_the_formatter_on_the_ring_and_a_restart_goes_on_where_i
     assert tokens[1] == (pytest.approx(calibrate(0.5, 2.0, -0.5)),)
     assert tokens[3] == (pytest.approx(calibrate(0.25, 2.0, -0.5)),)
     assert restarts == 1
+
+
+def test_on_the_cpu_a_prompt_steps_rows_are_copied_as_each_layer_finishes(taps_and_probes):
+    """Mid-forward copies without a device: each tapped layer's rows are taken when its op has
+    run (`layer_scores_final`), so what the scores buffer holds afterwards is not what is sent."""
+    taps, probes = taps_and_probes
+    ring = ring_for(taps)
+    controller = TapController(taps, served(), None, ring=RingPublisher(ring, heartbeat_s=0))
+    controller.load([str(p) for p in probes])
+    layout = StepLayout(["a"], np.array([4]), np.array([0]), np.array([4]))
+    stream = {layer: torch.randn(4, HIDDEN) for layer in taps}
+    controller.open_mid_forward_copies(4)
+    run_step(taps, stream)
+    for layer in taps:
+        controller.layer_scores_final(layer)
+        taps[layer].scores.fill_(1e9)  # what a later forward would write
+    controller.close_mid_forward_copies()
+    controller.after_forward(layout)
+    assert controller.transfer.mid_forward_steps == 1
+    (_, message) = read_all(RingReader(ring))
+    (prompt,) = StepReader().read(message).prompt
+    w1, b1 = taps[1].weight[0], taps[1].bias[0]
+    assert prompt["last_raw"][0] == pytest.approx(float(stream[1][3] @ w1 + b1), rel=1e-5)
