@@ -366,6 +366,24 @@ def heartbeat_message() -> dict:
     return {CONTROL: "heartbeat"}
 
 
+def send_heartbeats(publish, closed, every_s: float, last_send, last_pause, gone: tuple[type[BaseException], ...]) -> None:
+    """A worker publisher's heartbeat thread (ZMQ's and the score ring's): until `closed` is set,
+    `publish` a heartbeat whenever nothing was sent for `every_s` (`last_send()`, monotonic),
+    repeating the last pause state sent (`last_pause()`) for a receiver that missed the change;
+    one of `gone` raised means the publisher's channel is gone, and the thread ends."""
+    while not closed.wait(every_s):
+        if time.monotonic() - last_send() < every_s:
+            continue
+        message = heartbeat_message()
+        pause = last_pause()
+        if pause is not None:
+            message["pause"] = list(pause)
+        try:
+            publish(message)
+        except gone:
+            return
+
+
 def lost_message(requests: list[str], finished: list[str]) -> dict:
     """A step whose scores could not be sent: receivers stop waiting for scores of `requests`
     (the step's, where its layout was built; the rest of a response's steps still come);

@@ -34,7 +34,7 @@ import numpy as np
 import zmq
 
 from engine_worker import responses
-from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader, heartbeat_message, pause_of
+from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader, pause_of, send_heartbeats
 from probes.scoring import calibrate_array
 
 log = logging.getLogger("probex.delivery")
@@ -140,16 +140,9 @@ class ScorePublisher:
             self._socket.close(linger=0)
 
     def _heartbeats(self, every_s: float) -> None:
-        while not self._closed.wait(every_s):
-            if time.monotonic() - self._last_send < every_s:
-                continue
-            message = heartbeat_message()
-            if self._pause is not None:
-                message["pause"] = list(self._pause)
-            try:
-                self.publish(message)
-            except zmq.ZMQError:  # the socket was closed under it: the publisher is gone
-                return
+        # a ZMQError: the socket was closed under it, the publisher is gone
+        send_heartbeats(self.publish, self._closed, every_s, lambda: self._last_send, lambda: self._pause,
+                        (zmq.ZMQError,))
 
 
 def owner_tag() -> str:

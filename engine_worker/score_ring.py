@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from engine_worker.bookkeeping import CONTROL, SEQUENCE, heartbeat_message, lost_message, pause_of
+from engine_worker.bookkeeping import CONTROL, SEQUENCE, heartbeat_message, lost_message, pause_of, send_heartbeats
 
 log = logging.getLogger("probex.score_ring")
 
@@ -300,16 +300,9 @@ class RingPublisher:
         self._closed.set()
 
     def _heartbeats(self, every_s: float) -> None:
-        while not self._closed.wait(every_s):
-            if time.monotonic() - self._last_send < every_s:
-                continue
-            message = heartbeat_message()
-            if self._pause is not None:
-                message["pause"] = list(self._pause)
-            try:
-                self.publish(message)
-            except Exception:  # the ring is gone with the worker
-                return
+        # any error: the ring is gone with the worker
+        send_heartbeats(self.publish, self._closed, every_s, lambda: self._last_send, lambda: self._pause,
+                        (Exception,))
 
 
 class RingReader:

@@ -294,3 +294,23 @@ def test_on_the_cpu_a_prompt_steps_rows_are_copied_as_each_layer_finishes(taps_a
     (prompt,) = StepReader().read(message).prompt
     w1, b1 = taps[1].weight[0], taps[1].bias[0]
     assert prompt["last_raw"][0] == pytest.approx(float(stream[1][3] @ w1 + b1), rel=1e-5)
+
+
+def test_an_idle_ring_publisher_heartbeats_with_its_last_pause_state():
+    from engine_worker.bookkeeping import paused_message
+
+    ring = ScoreRing.create({2: (4, 1)}, slots=8)
+    publisher = RingPublisher(ring, heartbeat_s=0.05)
+    reader = RingReader(ring)
+    try:
+        publisher.publish(paused_message(True, 3))
+        deadline = time.monotonic() + 5
+        messages: list[dict] = []
+        while not any(m.get(CONTROL) == "heartbeat" for m in messages):
+            assert time.monotonic() < deadline, messages
+            messages += read_all(reader)
+            time.sleep(0.01)
+    finally:
+        publisher.close()
+    heartbeat = next(m for m in messages if m.get(CONTROL) == "heartbeat")
+    assert heartbeat["pause"] == [3, True] and heartbeat[SEQUENCE] == 2
