@@ -567,14 +567,12 @@ class TapController:
         try:
             if not isinstance(layout, StepLayout):
                 layout = self._build_layout(layout, rows)
-            capture_failure = None
-            if self.capture_dir is not None and scores is not None:
-                capture_failure = self._book_capture(layout, table, gather_scores(table, rows, scores), finished,
-                                                     capture_plan, captured)
-            elif self.capture_dir is not None:
-                self.book.finish(finished)
-            if capture_failure is not None:
-                log.error("probex: capturing a step's rows failed: %r", capture_failure)
+            if self.capture_dir is not None:  # synchronous: a step with rows has its scores here
+                raw = (gather_scores(table, rows, scores) if scores is not None
+                       else np.zeros((0, len(table.slots)), dtype=np.float32))
+                capture_failure = self._book_capture(layout, table, raw, finished, capture_plan, captured)
+                if capture_failure is not None:
+                    log.error("probex: capturing a step's rows failed: %r", capture_failure)
             if not (layout.req_ids or finished):
                 return None
             message = step_message(table, layout, None, list(finished), (self.pause_changes, self.paused))
