@@ -109,6 +109,7 @@ class TapController:
         self.consume_parts = ConsumeParts()  # where each step's consume goes (`_consume_step`)
         self._capture_requests: dict[str, dict[int, np.ndarray]] = {}
         self._capture_plan: list[tuple[str, int, int]] = []  # (req, first position, count) in capture order
+        self._captures_in_step = False  # the step about to run has capture requests (`before_forward`)
         self._hook_spin_s = hook_spin_s()  # PROBEX_HOOK_SPIN_US, a diagnostic; 0 otherwise
         self.scores_ahead_of_tokens = scores_ahead_of_tokens()  # PROBEX_SCORES_AHEAD_OF_TOKENS=0: a diagnostic
         # PROBEX_PROMPT_SCORES_MID_FORWARD (on unless "0"): see `open_mid_forward_copies`.
@@ -119,10 +120,9 @@ class TapController:
         device = next(iter(self.taps.values())).scores.device
         self.step_timer = StepTimer(device, step_timing_min_rows()) if step_timing_enabled() else None
         sources = {layer: tap.scores for layer, tap in self.taps.items()}
+        self._ring = ring
         if ring is not None:
-            # Capture keeps books here (when is a captured prompt complete): its steps' rows are
-            # copied synchronously, as capture's own rows are.
-            self.transfer = RingTransfer(sources, ring, self._ring_message, synchronous=self.capture_dir is not None)
+            self.transfer = RingTransfer(sources, ring, self._ring_message)
         else:
             self.transfer = ScoreTransfer(sources, self._consume_step, threaded=threaded,
                                           copy_stream=os.environ.get(ENV_COPY_STREAM, "same"),
@@ -343,6 +343,7 @@ class TapController:
             for layer, steer in self.steers.items():
                 steer.stage_rows(rows.get(layer), layout.num_rows)
         self._capture_plan = []
+        self._captures_in_step = False
         if self.capture_dir is None or not capture_req_ids:
             return
         if self.paused:  # nothing is captured while paused, and what began then is never written
@@ -350,6 +351,7 @@ class TapController:
             return
         if self._capture_skipped:
             capture_req_ids = {r for r in capture_req_ids if r not in self._capture_skipped}
+        self._captures_in_step = bool(capture_req_ids)
         rows: list[int] = []
         capacity = next(iter(self.taps.values())).capture_index.shape[0]
         for i, req_id in enumerate(layout.req_ids):
@@ -376,7 +378,8 @@ class TapController:
         Decode steps keep the copies behind the forward: their graphs replay whole, with no
         point mid-forward where the host runs. The adapter calls `close_mid_forward_copies`
         once the forward is enqueued."""
-        if self.prompt_scores_mid_forward and self.reads_scores:
+        # Not for a step of capture requests: through the score ring it is copied synchronously.
+        if self.prompt_scores_mid_forward and self.reads_scores and not (self._ring is not None and self._captures_in_step):
             self._mid_forward_open = self.transfer.reserve_step(rows)
 
     def layer_scores_final(self, layer: int) -> None:
@@ -470,7 +473,12 @@ class TapController:
                 raise TypeError("after_forward: a layout handed over as a function needs the step's num_rows")
             num_rows = layout.num_rows
         context = (layout, self.table, list(finished), self._capture_plan, captured)
-        self.transfer.submit(num_rows, context)
+        if self._ring is not None:
+            # A step of capture requests keeps its books here (when is a captured prompt
+            # complete?): its scores are copied synchronously, as the captured rows just were.
+            self.transfer.submit(num_rows, context, host_copy=self._captures_in_step)
+        else:
+            self.transfer.submit(num_rows, context)
         if self._hook_spin_s:
             spin_until = time.perf_counter() + self._hook_spin_s
             while time.perf_counter() < spin_until:
@@ -567,10 +575,15 @@ class TapController:
         try:
             if not isinstance(layout, StepLayout):
                 layout = self._build_layout(layout, rows)
-            if self.capture_dir is not None:  # synchronous: a step with rows has its scores here
-                raw = (gather_scores(table, rows, scores) if scores is not None
+            if self.capture_dir is not None:
+                # The steps of capture requests come with their scores (`host_copy`; on the CPU
+                # every step does) and are booked; the others only end requests here: a captured
+                # prompt's rows are all in steps of capture requests.
+                booked = scores is not None
+                raw = (gather_scores(table, rows, scores) if booked
                        else np.zeros((0, len(table.slots)), dtype=np.float32))
-                capture_failure = self._book_capture(layout, table, raw, finished, capture_plan, captured)
+                capture_failure = self._book_capture(layout if booked else StepLayout.empty(), table, raw, finished,
+                                                     capture_plan, captured)
                 if capture_failure is not None:
                     log.error("probex: capturing a step's rows failed: %r", capture_failure)
             if not (layout.req_ids or finished):

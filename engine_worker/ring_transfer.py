@@ -12,9 +12,10 @@ A prompt step's rows may leave mid-forward, as with `ScoreTransfer`: `reserve_st
 entry before the forward, `copy_layer_now` enqueues each tapped layer's copy as soon as its
 tap op is enqueued, and the ticket's write after the last.
 
-`synchronous` (the CPU backend, and capture mode, which keeps books in the worker): the rows
-are copied before `submit` returns and the engine thread writes the ticket itself; the
-message is built with the scores at hand (`message_of`'s third argument).
+On the CPU backend (`synchronous`), and for a step submitted with `host_copy` (capture mode's
+steps with captured rows: it keeps books in the worker), the rows are copied before `submit`
+returns and the engine thread writes the ticket itself; the message is built with the scores
+at hand (`message_of`'s third argument).
 
 The controller-facing surface is `ScoreTransfer`'s, with the consume calls doing nothing:
 nobody in the engine process consumes.
@@ -51,7 +52,7 @@ class RingTransfer:
     consumer = "formatter"
 
     def __init__(self, sources: dict[int, torch.Tensor], publisher: RingPublisher, message_of: MessageOf,
-                 synchronous: bool = False, driver=None) -> None:
+                 driver=None) -> None:
         """`driver`: the device calls (tests pass a recording stand-in); made from libcuda when
         the sources are on a CUDA device and the copies are not `synchronous`."""
         ring = publisher.ring
@@ -65,7 +66,7 @@ class RingTransfer:
         self._message_of = message_of
         device = next(iter(sources.values())).device
         # A driver given (tests: a recording stand-in) makes the copies its calls on any device.
-        self.synchronous = synchronous or (device.type != "cuda" and driver is None)
+        self.synchronous = device.type != "cuda" and driver is None
         self.max_rows = min(source.shape[0] for source in sources.values())
         self._copies = [[_LayerCopy(layer, source, torch.from_numpy(ring.scores(slot)[layer]), source.data_ptr(),
                                     ring.address + ring.scores_offset(slot, layer), source.stride(0) * 4)
@@ -77,14 +78,11 @@ class RingTransfer:
             self._driver = driver if driver is not None else _CudaDriver(device)
             base = self._driver.register_host_memory(ring.address, ring.size)
             self._landed_at = [base + ring.landed_offset(slot) for slot in range(ring.slots)]
-        # Mid-forward copies (`reserve_step`): through the driver, or on the CPU, where the forward
-        # has run up to where they are made; not in capture mode on a device, where a synchronous
-        # copy mid-forward would wait for the forward so far.
-        self._mid_forward = self._driver is not None or device.type != "cuda"
         self._early: _Reservation | None = None
         self.submitted_steps = 0
         self.dropped_steps = 0  # the ring stayed full (the formatter behind or gone)
         self.message_errors = 0
+        self.host_copied_steps = 0  # copied synchronously on a device (`host_copy`)
         self.mid_forward_steps = 0
         self.mid_forward_layer_copies = 0
         self.mismatched_reservations = 0
@@ -96,8 +94,9 @@ class RingTransfer:
         self.device_wait_s = 0.0
         self.last_consumed_rows = 0
 
-    def submit(self, rows: int, context: Any) -> None:
-        """On the engine thread right after the forward was enqueued."""
+    def submit(self, rows: int, context: Any, host_copy: bool = False) -> None:
+        """On the engine thread right after the forward was enqueued. `host_copy`: copy the rows
+        now, waiting for the forward, and build the message with them (capture mode's steps)."""
         if not 0 <= rows <= self.max_rows:
             raise ValueError(f"a step of {rows} rows does not fit the {self.max_rows}-row score buffers")
         started = time.perf_counter()
@@ -122,7 +121,7 @@ class RingTransfer:
                 complete = early is not None and len(early.copied) == len(self._copies[entry.slot])
                 if complete:
                     self.mid_forward_steps += 1  # every layer's rows were copied during the forward
-                if self._driver is not None:
+                if self._driver is not None and not host_copy:
                     if not complete:  # (a complete step's ticket was enqueued after its last copy)
                         stream = self._driver.current_stream()
                         for copy in self._copies[entry.slot]:
@@ -130,9 +129,11 @@ class RingTransfer:
                                 self._driver.copy_rows(copy, rows, stream)
                         self._driver.write_value(self._landed_at[entry.slot], entry.ticket, stream)
                 else:
+                    if self._driver is not None:
+                        self.host_copied_steps += 1
                     for copy in self._copies[entry.slot]:
                         if copy.layer not in copied:
-                            copy.target[:rows].copy_(copy.source[:rows])
+                            copy.target[:rows].copy_(copy.source[:rows])  # from a device: waits for the forward
                     self.ring.mark_landed(entry.slot, entry.ticket)
                     scores = {layer: array[:rows] for layer, array in self.ring.scores(entry.slot).items()}
         except BaseException:
@@ -155,9 +156,9 @@ class RingTransfer:
 
     def reserve_step(self, rows: int) -> bool:
         """Before a prompt step's forward: take its entry now, so its layers' rows can be copied
-        out mid-forward (`copy_layer_now`). False in capture mode, where there is nothing to
-        copy, or where the ring is full."""
-        if not self._mid_forward or not 0 < rows <= self.max_rows:
+        out mid-forward (`copy_layer_now`). False where there is nothing to copy or the ring is
+        full. (Not for a step to be submitted with `host_copy`: its copies wait for the forward.)"""
+        if not 0 < rows <= self.max_rows:
             return False
         if self._early is not None:  # a reservation no step took (the forward failed): its entry again
             self._early = _Reservation(self._early.entry, rows)
@@ -218,6 +219,7 @@ class RingTransfer:
     def describe(self) -> dict[str, Any]:
         return {"depth": self.ring.slots, "copy_stream": "same", "consumer": self.consumer,
                 "synchronous": self.synchronous, "submitted_steps": self.submitted_steps,
+                "host_copied_steps": self.host_copied_steps,
                 "dropped_steps": self.dropped_steps, "ring_dropped_messages": self.publisher.dropped,
                 "ring_oversized_messages": self.publisher.oversized, "message_errors": self.message_errors,
                 "mid_forward_steps": self.mid_forward_steps, "mid_forward_layer_copies": self.mid_forward_layer_copies,

@@ -208,7 +208,7 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
     info = {"ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:8], "runner_log_lines": runner_lines[:4],
             "score_consumer": score_consumer,
             # prompt steps whose scores were copied out during their forward (session 35 on), of all steps
-            "mid_forward_steps": transfer.get("mid_forward_steps"), "steps": transfer.get("steps")}
+            "mid_forward_steps": transfer.get("mid_forward_steps"), "steps": transfer.get("submitted_steps", transfer.get("steps"))}
     if forced is not None:
         info["teacher_forced"] = forced
     return responses, info
@@ -357,7 +357,7 @@ def report(result: dict, comparisons: dict) -> None:
         captured = [l for l in info["graph_log_lines"] if "Capturing CUDA graphs" in l or "Graph capturing" in l]
         line = f"{label}: ready in {info['ready_s']} s; CUDA-graph capture log lines: {len(captured)}"
         if info.get("score_consumer"):
-            line += f"; scores consumed on the {info['score_consumer']} thread"
+            line += f"; scores' consumer: {info['score_consumer']}"
         if info.get("mid_forward_steps") is not None:
             line += f"; {info['mid_forward_steps']} of {info['steps']} steps' scores copied mid-forward"
         if info.get("runner_log_lines"):
