@@ -378,8 +378,10 @@ class TapController:
         Decode steps keep the copies behind the forward: their graphs replay whole, with no
         point mid-forward where the host runs. The adapter calls `close_mid_forward_copies`
         once the forward is enqueued."""
-        # Not for a step of capture requests: through the score ring it is copied synchronously.
-        if self.prompt_scores_mid_forward and self.reads_scores and not (self._ring is not None and self._captures_in_step):
+        # Not for a step of capture requests on a device: through the score ring such a step is
+        # copied at once behind its forward (on the CPU every copy is made at once anyway).
+        host_copied = self._ring is not None and self._captures_in_step and not self.transfer.synchronous
+        if self.prompt_scores_mid_forward and self.reads_scores and not host_copied:
             self._mid_forward_open = self.transfer.reserve_step(rows)
 
     def layer_scores_final(self, layer: int) -> None:

@@ -228,6 +228,13 @@ def test_capture_mode_books_the_steps_of_capture_requests_from_rows_copied_at_on
     controller.after_forward(plain, finished=["a"])
     assert [call[0] for call in driver.calls] == ["copy", "copy", "write"] and len(controller.book) == 0
     assert controller.transfer.host_copied_steps == 1
+    # on the CPU a step of capture requests is still copied layer by layer mid-forward
+    cpu = TapController(taps, served(), None, capture_dir=str(tmp_path / "capture-cpu"),
+                        ring=RingPublisher(ring_for(taps), heartbeat_s=0))
+    cpu.load([str(p) for p in probes])
+    cpu.before_forward(captured, {"a"})
+    cpu.open_mid_forward_copies(4)
+    assert cpu._mid_forward_open
 
 
 def test_the_worker_runs_the_formatter_on_the_ring_and_a_restart_goes_on_where_it_stopped():
