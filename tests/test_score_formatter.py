@@ -59,6 +59,14 @@ def worker_messages(ids: dict[str, str]) -> list[dict]:
     return [{**message, SEQUENCE: number} for number, message in enumerate(messages, start=1)]
 
 
+async def until(condition, timeout: float = 20.0) -> None:
+    """Wait (polling, in the event loop) until `condition()` holds; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
 def formatted_hubs(owners: dict[str, str | None]) -> tuple[dict[str, ScoreHub], dict[str, ScoreHub]]:
     direct = {name: ScoreHub("inproc://unused", owner=owner) for name, owner in owners.items()}
     formatted = {name: ScoreHub("inproc://unused", owner=owner, formatted=True) for name, owner in owners.items()}
@@ -198,12 +206,6 @@ def test_the_worker_runs_the_formatter_and_starts_it_again_when_it_dies():
         layout = StepLayout([ids["a"], ids["b"]], np.array([1, 1]), np.array([computed, computed]), np.array([2, 2]))
         return step_message(ONE_PROBE, layout, np.array([[0.5], [-1.0]], np.float32), [])
 
-    async def until(condition, timeout=20.0):
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert time.monotonic() < deadline, "timed out"
-            await asyncio.sleep(0.05)
-
     async def scenario():
         publisher = ScorePublisher(steps_at, heartbeat_s=0.2)
         formatter = FormatterProcess(steps_at, scores_at, api_server_count=2).start()
@@ -330,13 +332,6 @@ def test_ids_a_client_chose_reach_no_process_and_a_look_alike_topic_is_ignored()
     assert hub.messages_lost == 0 and hub.losses == 0 and hub.messages_received == 1
 
 
-async def _until(condition, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 def _stop(hubs, *closers):
     for closer in closers:
         closer.close()
@@ -363,7 +358,7 @@ def test_a_process_with_no_rows_of_its_own_still_hears_the_formatter(monkeypatch
         for hub in hubs:
             hub.start()
         try:
-            await _until(lambda: all(hub._formatter is not None for hub in hubs))
+            await until(lambda: all(hub._formatter is not None for hub in hubs))
             for computed in range(2, 42):  # 4 s of steps for one process only
                 layout = StepLayout([busy], np.array([1]), np.array([computed]), np.array([2]))
                 publisher.publish(step_message(ONE_PROBE, layout, np.array([[0.5]], np.float32), []))
@@ -385,8 +380,8 @@ def test_a_formatter_that_hears_no_worker_lets_the_processes_stop_waiting(monkey
         hub = ScoreHub(f"ipc://{root}/scores", formatted=True)
         hub.start()
         try:
-            await _until(lambda: hub._formatter is not None)  # heartbeats at first
-            await _until(lambda: hub.silent, timeout=15)  # held back once no worker was heard for 3 s
+            await until(lambda: hub._formatter is not None)  # heartbeats at first
+            await until(lambda: hub.silent, timeout=15)  # held back once no worker was heard for 3 s
             return hub.losses
         finally:
             _stop([hub], formatter)

@@ -28,7 +28,7 @@ from engine_worker.tap import LayerTap
 from probes.artifact import ReadPoint
 from probes.scoring import calibrate
 from tests.test_controller import HIDDEN, make_probe, run_step, served
-from tests.test_score_formatter import ONE_PROBE, engine_id
+from tests.test_score_formatter import ONE_PROBE, engine_id, until
 
 
 def read_all(reader: RingReader) -> list[dict]:
@@ -257,12 +257,6 @@ def test_the_worker_runs_the_formatter_on_the_ring_and_a_restart_goes_on_where_i
         message = step_message(ONE_PROBE, layout, None, [])
         message.update(rows=1, slots=ONE_PROBE.buffer_slots())
         publisher.commit(entry, message, kind=STEP)
-
-    async def until(condition, timeout=20.0):
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert time.monotonic() < deadline, "timed out"
-            await asyncio.sleep(0.05)
 
     async def scenario():
         formatter = FormatterProcess(None, scores_at, api_server_count=2, ring_fd=ring.fd).start()
