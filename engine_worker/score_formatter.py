@@ -52,10 +52,10 @@ import numpy as np
 import zmq
 
 from engine_worker import responses
-from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader, pause_of
+from engine_worker.bookkeeping import CONTROL, SEQUENCE, ProbeSlot, ProbeTable, StepReader, gather_scores, pause_of
 from engine_worker.delivery import (BROADCAST, OWNER_MARKER, PUBLISHER, UNTAGGED, FormattedPrompt, FormattedStep,
                                     _ProbeSet, external_request_id, laid_out_prompt)
-from engine_worker.score_ring import STEP, RingReader, ScoreRing
+from engine_worker.score_ring import RingReader, ScoreRing
 
 log = logging.getLogger("probex.score_formatter")
 
@@ -219,19 +219,21 @@ class ScoreFormatter:
         return number
 
 
-def ring_message(kind: int, meta: bytes, scores: dict[int, np.ndarray], decoder: msgspec.msgpack.Decoder) -> dict:
+def ring_message(meta: bytes, scores: dict[int, np.ndarray], decoder: msgspec.msgpack.Decoder,
+                 tables: dict[int, ProbeTable]) -> dict:
     """A score ring entry as the message `ScoreFormatter.take` reads: a step's probe columns
-    gathered from the slot's rows (its `slots`, each probe's column in its layer's buffer)."""
+    gathered from the slot's rows as the worker's consume gathers them (`gather_scores`), by the
+    step's probe table rebuilt from its `probes` and `slots` (each probe's column in its layer's
+    buffer) and kept in `tables` by version. A step without rows gathers none."""
     message = decoder.decode(meta)
-    if kind == STEP and "raw" not in message:
-        rows = int(message["rows"])
-        slots = message["slots"]
-        raw = np.empty((rows, len(slots)), dtype=np.float32)
-        for column, (slot, described) in enumerate(zip(slots, message["probes"])):
-            raw[:, column] = scores[described[4]][:rows, slot]  # described: (name, read, slope, intercept, layer)
-        message["raw"] = raw.tobytes()
-    elif "step" in message and "raw" not in message:  # a step without rows
-        message["raw"] = b""
+    if "step" in message and "raw" not in message:
+        version = message["v"]
+        table = tables.get(version)
+        if table is None:  # described: (name, read, slope, intercept, layer)
+            table = tables[version] = ProbeTable(version, tuple(
+                ProbeSlot(name, layer, slot, read, slope, intercept)
+                for slot, (name, read, slope, intercept, layer) in zip(message["slots"], message["probes"])))
+        message["raw"] = gather_scores(table, int(message["rows"]), scores).tobytes()
     return message
 
 
@@ -250,6 +252,7 @@ class _RingSource:
         self.ring = ScoreRing.attach(fd)
         self.reader = RingReader(self.ring)
         self._decoder = msgspec.msgpack.Decoder()
+        self._tables: dict[int, ProbeTable] = {}
         self._last_entry = 0.0
         _fine_timer_slack()
 
@@ -260,9 +263,9 @@ class _RingSource:
         while True:
             entry = self.reader.poll()
             if entry is not None:
-                kind, meta, scores = entry
+                _, meta, scores = entry
                 try:
-                    return ring_message(kind, meta, scores, self._decoder)
+                    return ring_message(meta, scores, self._decoder, self._tables)
                 except Exception:
                     log.exception("probex: could not read a score ring entry")
                     return {}

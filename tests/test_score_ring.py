@@ -33,10 +33,11 @@ from tests.test_score_formatter import ONE_PROBE, engine_id, until
 
 def read_all(reader: RingReader) -> list[dict]:
     """Every ready entry, as the formatter turns it into a message."""
-    decoder = msgspec.msgpack.Decoder()
+    decoder, tables = msgspec.msgpack.Decoder(), {}
     out = []
     while (entry := reader.poll()) is not None:
-        out.append(ring_message(*entry, decoder))
+        _, meta, scores = entry
+        out.append(ring_message(meta, scores, decoder, tables))
         reader.done()
     return out
 
