@@ -17,8 +17,9 @@ steps with captured rows: it keeps books in the worker), the rows are copied bef
 returns and the engine thread writes the ticket itself; the message is built with the scores
 at hand (`message_of`'s third argument).
 
-The controller-facing surface is `ScoreTransfer`'s, with the consume calls doing nothing:
-nobody in the engine process consumes.
+The controller-facing surface is `ScoreTransfer`'s, with the consume calls doing nothing and
+no consume readings (the controller reads them only from an engine-thread consumer): nobody in
+the engine process consumes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from engine_worker.score_ring import MESSAGE, STEP, RingEntry, RingPublisher
-from engine_worker.score_transfer import TransferStats, _LayerCopy, _CudaDriver
+from engine_worker.score_transfer import _LayerCopy, _CudaDriver
 
 log = logging.getLogger("probex.transfer")
 
@@ -90,9 +91,6 @@ class RingTransfer:
         # taking the entry, building and committing the message (`handoff`).
         self.stage_s = 0.0
         self.handoff_s = 0.0
-        self.stats = TransferStats()  # no consume here: the formatter's process does it
-        self.device_wait_s = 0.0
-        self.last_consumed_rows = 0
 
     def submit(self, rows: int, context: Any, host_copy: bool = False) -> None:
         """On the engine thread right after the forward was enqueued. `host_copy`: copy the rows
@@ -150,7 +148,6 @@ class RingTransfer:
             self.publisher.skip(entry)
         else:
             self.publisher.commit(entry, message, STEP if rows else MESSAGE)
-        self.last_consumed_rows = rows
         self.stage_s += staged - staging
         self.handoff_s += (staging - started) + (time.perf_counter() - staged)
 
@@ -223,6 +220,5 @@ class RingTransfer:
                 "dropped_steps": self.dropped_steps, "ring_dropped_messages": self.publisher.dropped,
                 "ring_oversized_messages": self.publisher.oversized, "message_errors": self.message_errors,
                 "mid_forward_steps": self.mid_forward_steps, "mid_forward_layer_copies": self.mid_forward_layer_copies,
-                "mismatched_reservations": self.mismatched_reservations, "waits_for_staging": 0,
-                "consume_errors": self.message_errors, "stage_s": self.stage_s, "handoff_s": self.handoff_s,
-                "device_wait_s": self.device_wait_s, **self.stats.as_dict()}
+                "mismatched_reservations": self.mismatched_reservations, "stage_s": self.stage_s,
+                "handoff_s": self.handoff_s}
