@@ -127,4 +127,30 @@ def scores(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, b
         scores_out.stride(0), n_slots, SLOTS=group, BLOCK=block_for(group))
 
 
+def warm_up(width: int, slots: int, max_rows: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Compile the kernel's variants for one layer's shapes before the first request; returns
+    how many launches it made (0 where the kernel does not run).
+
+    Triton compiles a variant on its first launch, one per slots-per-program group
+    (`slots_per_program`: a decode step's and a prefill's). Under CUDA graphs vLLM's capture
+    launches both before serving; with `enforce_eager` nothing does, so the first decode step
+    of the first request paid the compile (vLLM's JIT monitor warned of it in the GPU smoke's
+    eager workers). These launches use tensors of their own, laid out as the served ones,
+    with the pause flag set, so the kernel returns at once and the layer's buffers are never
+    touched."""
+    if not _ENABLED:
+        return 0
+    weight = torch.zeros(slots, width, dtype=torch.float32, device=device)
+    bias = torch.zeros(slots, dtype=torch.float32, device=device)
+    paused = torch.ones(1, dtype=torch.int32, device=device)
+    launches = 0
+    for rows in sorted({1, min(max_rows, ONE_SLOT_PER_PROGRAM_BELOW_ROWS)}):
+        stream = torch.zeros(rows, width, dtype=dtype, device=device)
+        scores_out = torch.zeros(rows, slots, dtype=torch.float32, device=device)
+        if applies(stream, stream, weight, bias, scores_out, paused):  # not off CUDA
+            scores(stream, stream, weight, bias, scores_out, paused)
+            launches += 1
+    return launches
+
+
 _ENABLED = enabled()

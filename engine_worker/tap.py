@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import engine_worker.ops  # noqa: F401  (registers torch.ops.probex.tap)
+from engine_worker import fused_tap
 from engine_worker.bookkeeping import ProbeSlot  # noqa: F401  (the host-side record of a slot, torch-free)
 
 
@@ -65,6 +66,13 @@ class LayerTap(nn.Module):
         torch.ops.probex.tap(
             hidden, residual, self.weight, self.bias, self.scores, self.capture_index, self.capture, self.paused
         )
+
+    @torch.no_grad()
+    def warm_kernels(self, dtype: torch.dtype) -> int:
+        """Compile the op's device kernels for this layer's shapes now, with the model's
+        activation dtype, instead of on the first request (`fused_tap.warm_up`); returns the
+        launches made, 0 off CUDA."""
+        return fused_tap.warm_up(self.hidden_size, self.capacity, self.max_rows, dtype, self.scores.device)
 
     @torch.no_grad()
     def set_paused(self, paused: bool) -> None:

@@ -65,6 +65,9 @@ def install_controller(runner, score_consumer: str = "thread") -> TapController 
         raise RuntimeError(f"probex: layers {missing} were asked to be steered but the model has no steering op there")
     served_modules = [*taps.values(), *steers.values()]
     _give_buffers_storage(runner, served_modules + [m for m in awaiting_storage() if m not in served_modules])
+    warmed = sum(tap.warm_kernels(runner.vllm_config.model_config.dtype) for tap in taps.values())
+    if warmed:
+        log.info("probex: the tap's kernel compiled before serving (%d launches over %d layers)", warmed, len(taps))
     hf_config = runner.vllm_config.model_config.hf_config.to_dict()
     served = ServedModel.from_hf_config(hf_config, name=runner.vllm_config.model_config.model)
     # Every rank computes the same rows; one writes them (two would race on the same files).

@@ -263,3 +263,38 @@ def test_every_tap_built_on_the_meta_device_waits_for_storage_until_materialized
     assert served not in awaiting_storage() and draft in awaiting_storage()
     materialize(draft, torch.device("cpu"))
     assert draft not in awaiting_storage()
+
+
+def test_warm_up_launches_the_decode_and_prefill_variants_paused_on_tensors_of_its_own(monkeypatch):
+    """With enforce_eager no CUDA-graph capture compiles the kernel before serving; warm_up
+    launches each slots-per-program variant once, with the pause flag set, on scratch tensors."""
+    from engine_worker import fused_tap
+
+    launches = []
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            def launch(hidden, residual, weight, bias, out, paused, *args, SLOTS, BLOCK):
+                launches.append({"rows": hidden.shape[0], "grid": grid, "SLOTS": SLOTS, "dtype": hidden.dtype,
+                                 "paused": int(paused[0]), "out": out.data_ptr()})
+            return launch
+
+    monkeypatch.setattr(fused_tap, "_tap_rows", RecordingKernel())
+    monkeypatch.setattr(fused_tap, "_ENABLED", True)
+    monkeypatch.setattr(fused_tap, "applies", lambda *tensors: True)  # as on CUDA
+    tap = LayerTap(layer=3, hidden_size=64, capacity=6, max_rows=512)
+    tap.scores.fill_(-7.0)
+    assert tap.warm_kernels(torch.bfloat16) == 2
+    assert [(l["rows"], l["SLOTS"]) for l in launches] == [(1, 1), (fused_tap.ONE_SLOT_PER_PROGRAM_BELOW_ROWS, 8)]
+    assert all(l["paused"] == 1 and l["dtype"] == torch.bfloat16 for l in launches)
+    assert all(l["out"] != tap.scores.data_ptr() for l in launches)
+    assert (tap.scores == -7.0).all() and int(tap.paused[0]) == 0
+
+    launches.clear()
+    small = LayerTap(layer=3, hidden_size=64, capacity=6, max_rows=1)  # no prefill variant to warm
+    assert small.warm_kernels(torch.float32) == 1 and [l["SLOTS"] for l in launches] == [1]
+
+
+def test_warm_up_launches_nothing_off_cuda():
+    tap = LayerTap(layer=0, hidden_size=32, capacity=4, max_rows=256)
+    assert tap.warm_kernels(torch.bfloat16) == 0
