@@ -1261,6 +1261,12 @@ class SetupPlan:
     toggle_first_paused: bool = False  # tap-toggle: each concurrency's phases begin with the tap paused
 
 
+def _switch_on(env: dict[str, str | None], name: str) -> bool:
+    """A worker switch as a set-up's server will read it: its own environment's setting where
+    it has one (None: unset there), else the one this process runs with."""
+    return switch_is_on(env[name] if name in env else os.environ.get(name))
+
+
 def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path], engine_args: Sequence[str],
                 runner: str, steer_dir: Path | None = None,
                 worker_env: dict[str, str] | None = None, gpus: Sequence[str] = (),
@@ -1301,11 +1307,8 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
             env.update(worker_env or {})
             env.update(KIND_WORKER_ENV.get(kind, {}))
             consumer = env.get(ENV_SCORE_CONSUMER) or default_score_consumer(runner, engine_args)
-            formatter = (None if kind in UNDELIVERED_KINDS
-                         else switch_is_on(env[ENV_SCORE_FORMATTER] if ENV_SCORE_FORMATTER in env
-                                           else os.environ.get(ENV_SCORE_FORMATTER)))
-            if formatter and switch_is_on(env[ENV_SCORE_RING] if ENV_SCORE_RING in env
-                                          else os.environ.get(ENV_SCORE_RING)):
+            formatter = None if kind in UNDELIVERED_KINDS else _switch_on(env, ENV_SCORE_FORMATTER)
+            if formatter and _switch_on(env, ENV_SCORE_RING):
                 consumer = "formatter"  # through the score ring (the default since session 42), whatever else is set
         else:
             # The module `probex worker` execs, with the same interpreter flags and server count.
