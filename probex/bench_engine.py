@@ -144,8 +144,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from engine_worker.launch import api_server_count, vllm_server_entry  # torch-free, as is tap_config
-from engine_worker.tap_config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY, ENV_HOOK_SPIN_US,
+from engine_worker.vllm.launch import api_server_count, vllm_server_entry  # torch-free, as is tap_config
+from engine_worker.tap.config import (ENV_ADMIN_TOKEN, ENV_COPY_STREAM, ENV_DELIVERY, ENV_HOOK_SPIN_US,
                                       ENV_PROMPT_SCORES_MID_FORWARD, ENV_SCORE_CONSUMER, ENV_SCORE_FORMATTER,
                                       ENV_SCORE_RING,
                                       ENV_SCORES_AHEAD, ENV_TAP_BUFFERS, switch_is_on)
@@ -237,7 +237,7 @@ KIND_TRANSFER_SETTINGS = {"tap-scores-after-tokens": ("scores_ahead_of_tokens", 
 RECORDED_TRANSFER_SETTINGS = tuple(key for key, _ in KIND_TRANSFER_SETTINGS.values())
 # The consumer a runner adapter picks when PROBEX_SCORE_CONSUMER is not set, on one GPU (None:
 # the runner is vLLM's choice, so the bench cannot tell which adapter runs): the engine thread
-# (engine_worker.vllm_worker.default_score_consumer). With tensor parallelism, and on runner V1
+# (engine_worker.vllm.worker.default_score_consumer). With tensor parallelism, and on runner V1
 # scheduling synchronously, the transfer thread.
 RUNNER_SCORE_CONSUMER = {"v1": "engine", "v2": "engine"}
 
@@ -253,7 +253,7 @@ def default_score_consumer(runner: str, engine_args: Sequence[str]) -> str | Non
             tensor_parallel = int(arg.split("=", 1)[1])
     if runner not in RUNNER_SCORE_CONSUMER:
         return None
-    # Set-ups the worker's rule (engine_worker.vllm_worker.default_score_consumer) decides from
+    # Set-ups the worker's rule (engine_worker.vllm.worker.default_score_consumer) decides from
     # what the bench cannot see here: other parallelism, another executor, or (runner V1) async
     # scheduling that vLLM may turn off itself. Not predicted, not checked.
     unpredictable = ("--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",

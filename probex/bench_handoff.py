@@ -83,8 +83,8 @@ HIDDEN = 64
 def _controller(threaded: bool, root: Path, ring: bool = False):
     """Eight probes over two tapped layers; `ring`: handing each step to a score ring
     (engine_worker/score_ring.py) instead of consuming it (`publish` only encodes: no socket)."""
-    from engine_worker.controller import TapController
-    from engine_worker.tap import LayerTap
+    from engine_worker.tap.controller import TapController
+    from engine_worker.tap.layer import LayerTap
     from probes.artifact import ProbeArtifact, ReadPoint, ServedModel, save_probe
 
     served = ServedModel.from_hf_config({"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": 4,
@@ -98,7 +98,7 @@ def _controller(threaded: bool, root: Path, ring: bool = False):
     encoder = msgspec.msgpack.Encoder()
     publisher = None
     if ring:
-        from engine_worker.score_ring import RingPublisher, ScoreRing
+        from engine_worker.scores.ring import RingPublisher, ScoreRing
 
         publisher = RingPublisher(ScoreRing.create({layer: tuple(tap.scores.shape) for layer, tap in taps.items()}),
                                   heartbeat_s=0)
@@ -131,7 +131,7 @@ def wake_cost_us(sleep_s: float, repeats: int = 300) -> float:
     On a VM a thread back from a few milliseconds of sleep runs its first microseconds of
     work several times slower (cold caches and clocks); the stand-in loop sleeps every
     step, so its hook times carry that cost, which a GPU host's engine thread may not."""
-    from engine_worker.bookkeeping import StepLayout
+    from engine_worker.scores.bookkeeping import StepLayout
 
     ids = [f"req-{i}" for i in range(8)]
     total = 0.0
@@ -145,7 +145,7 @@ def wake_cost_us(sleep_s: float, repeats: int = 300) -> float:
 
 
 def run(requests: int, steps: int, threaded: bool, python_us: float, wait_us: float) -> dict:
-    from engine_worker.bookkeeping import StepLayout
+    from engine_worker.scores.bookkeeping import StepLayout
 
     with tempfile.TemporaryDirectory() as tmp:
         controller = _controller(threaded, Path(tmp))
@@ -178,7 +178,7 @@ def consume_parts_cold(requests: int, prompt_tokens: int, sleep_s: float, repeat
     42; its parts are not split: it builds the step's message and writes it to shared memory,
     the scores copied there synchronously on this CPU). A stand-in formatter empties the ring
     between steps, outside the timing."""
-    from engine_worker.bookkeeping import StepLayout
+    from engine_worker.scores.bookkeeping import StepLayout
 
     if requests:
         ids = [f"cmpl-probex-{i:032x}-0-0123abcd" for i in range(requests)]
@@ -219,7 +219,7 @@ def consume_parts_cold(requests: int, prompt_tokens: int, sleep_s: float, repeat
 
 def _ring_drain(controller):
     """A stand-in score formatter: takes every ready entry off the controller's ring."""
-    from engine_worker.score_ring import RingReader
+    from engine_worker.scores.ring import RingReader
 
     reader = RingReader(controller.transfer.ring)
 
@@ -281,11 +281,11 @@ def first_token_path(prompt_tokens: int, repeats: int) -> dict:
     import asyncio
     import uuid
 
-    from engine_worker.bookkeeping import StepLayout
-    from engine_worker.delivery import ScoreHub
-    from engine_worker.middleware import (FirstChunkTimer, MonitoredCall, StreamRelay, _decode_request, body_as_sent,
+    from engine_worker.scores.bookkeeping import StepLayout
+    from engine_worker.api_server.hub import ScoreHub
+    from engine_worker.api_server.middleware import (FirstChunkTimer, MonitoredCall, StreamRelay, _decode_request, body_as_sent,
                                           inspect_request)
-    from engine_worker.score_formatter import ScoreFormatter
+    from engine_worker.scores.formatter import ScoreFormatter
 
     messages: list[bytes] = []
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
@@ -426,10 +426,10 @@ def api_decode_step(requests: int, steps: int, prompt_tokens: int = 1024, proces
     import asyncio
     import uuid
 
-    from engine_worker.bookkeeping import StepLayout
-    from engine_worker.delivery import BROADCAST, CollectionPauses, FormattedStep, ScoreHub, owner_tag
-    from engine_worker.middleware import MonitoredCall, StreamRelay
-    from engine_worker.score_formatter import ScoreFormatter
+    from engine_worker.scores.bookkeeping import StepLayout
+    from engine_worker.api_server.hub import BROADCAST, CollectionPauses, FormattedStep, ScoreHub, owner_tag
+    from engine_worker.api_server.middleware import MonitoredCall, StreamRelay
+    from engine_worker.scores.formatter import ScoreFormatter
 
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
     messages: list[bytes] = []

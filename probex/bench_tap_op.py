@@ -78,8 +78,9 @@ def _stream_us(fn, steps: int = 500) -> float:
 
 
 def measure(rows_list: list[int]) -> dict:
-    from engine_worker import fused_tap, ops
-    from engine_worker.score_transfer import ScoreTransfer
+    from engine_worker.tap.layer import kernel as fused_tap
+    from engine_worker.tap.layer import ops
+    from engine_worker.tap.cuda_driver import ScoreTransfer
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)

@@ -40,7 +40,7 @@ def check_probes(probe_dirs: list[Path], served: ServedModel, eval_split: str | 
 
 
 def run_calibrate(args: argparse.Namespace) -> None:
-    from engine_worker.launch import resolve_model
+    from engine_worker.vllm.launch import resolve_model
     from probex.train_cli import served_model
 
     model_dir = resolve_model(args.model)

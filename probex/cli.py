@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int | None:
         "worker",
         help="serve vLLM's OpenAI API with the ProbeX tap (unknown options pass through to vLLM)",
     )
-    from engine_worker.launch import add_worker_arguments
+    from engine_worker.vllm.launch import add_worker_arguments
 
     add_worker_arguments(worker)
 
@@ -134,7 +134,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
 
         print(fetch_model(args.name, force=args.force))
     elif args.command == "worker":
-        from engine_worker.launch import run_worker
+        from engine_worker.vllm.launch import run_worker
 
         run_worker(args, extra)
     elif args.command == "gateway":
@@ -149,7 +149,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
                                worker_admin_token=args.worker_admin_token or os.environ.get("PROBEX_ADMIN_TOKEN"))
         run_gateway(config, args.host, args.port)
     elif args.command == "serve":
-        from engine_worker.launch import resolve_model
+        from engine_worker.vllm.launch import resolve_model
         from probex.serve import run_embedded
 
         worker_args = extra or ["--max-model-len", "4096", "--gpu-memory-utilization", "0.25"]

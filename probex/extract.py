@@ -108,7 +108,7 @@ def capture_worker(model_name: str, layers: list[int], dtype: str, who: str, por
     import subprocess
     import sys
 
-    from engine_worker.launch import resolve_model
+    from engine_worker.vllm.launch import resolve_model
 
     model = str(resolve_model(model_name))
     capture = Path(tempfile.mkdtemp(prefix="probex-capture-"))

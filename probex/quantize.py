@@ -76,7 +76,7 @@ def quantize_model(model_dir: Path, method: str, group_size: int, out: Path) -> 
 
 
 def run_quantize(args: argparse.Namespace) -> None:
-    from engine_worker.launch import resolve_model
+    from engine_worker.vllm.launch import resolve_model
 
     summary = quantize_model(resolve_model(args.model), args.method, args.group_size, args.out)
     print(summary)

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     layers = args.layer or [12, 22]
     alphas = args.alpha or [1.0, 2.0, 4.0]
 
-    from engine_worker.launch import resolve_model
+    from engine_worker.vllm.launch import resolve_model
     from probes.datasets import load_temaq
     from probex.processes import wait_until_healthy
     from probex.steer_vector import build_vector

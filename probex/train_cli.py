@@ -138,7 +138,7 @@ def probe_name(args: argparse.Namespace) -> str:
 
 
 def run_train(args: argparse.Namespace) -> None:
-    from engine_worker.launch import resolve_model
+    from engine_worker.vllm.launch import resolve_model
 
     artifact_name = probe_name(args)  # not `name`: the split loops below rebind that
     if args.out.exists() and not args.out.is_dir():

@@ -170,7 +170,7 @@ def test_plans_same_launcher_and_plugin_switch(tmp_path):
     # several API server processes for every set-up (--extra-arg="--api-server-count 2"): plain
     # and eager start them as the worker does, through vLLM's `serve`
     scaled = be.plan_setups(["plain", "tap"], tmp_path, [tmp_path / "p1"], ["--api-server-count", "2"], "v2")
-    assert scaled[0].argv[3:6] == ["-m", "engine_worker.vllm_serve", str(tmp_path)]
+    assert scaled[0].argv[3:6] == ["-m", "engine_worker.vllm.serve", str(tmp_path)]
     assert scaled[0].argv[-2:] == ["--api-server-count", "2"] and scaled[1].argv[-2:] == ["--api-server-count", "2"]
     with pytest.raises(SystemExit):
         be.parse_setups("plain,hooks")

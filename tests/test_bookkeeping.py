@@ -1,7 +1,7 @@
 import numpy as np
 
-from engine_worker.bookkeeping import ProbeTable, ScoreBook, StepLayout, StepReader, gather_scores, step_message
-from engine_worker.tap import ProbeSlot
+from engine_worker.scores.bookkeeping import ProbeTable, ScoreBook, StepLayout, StepReader, gather_scores, step_message
+from engine_worker.tap.layer import ProbeSlot
 
 TABLE = ProbeTable(version=1, slots=(ProbeSlot("a", 3, 0, "last_prompt_token", 1.0, 0.0),))
 

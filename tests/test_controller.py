@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.bookkeeping import CONTROL, StepLayout, StepReader, lost_message, step_message
-from engine_worker import controller as controller_module
-from engine_worker.controller import TapController
-from engine_worker.delivery import ScoreHub
-from engine_worker.score_transfer import ScoreTransfer
-from engine_worker.tap import LayerTap
+from engine_worker.scores.bookkeeping import CONTROL, StepLayout, StepReader, lost_message, step_message
+from engine_worker.tap.layer import controller as controller_module
+from engine_worker.tap.controller import TapController
+from engine_worker.api_server.hub import ScoreHub
+from engine_worker.tap.cuda_driver import ScoreTransfer
+from engine_worker.tap.layer import LayerTap
 from probes.artifact import ProbeArtifact, ReadPoint, ServedModel, save_probe
 
 HIDDEN = 16
@@ -247,7 +247,7 @@ def test_a_paused_tap_scores_copies_and_sends_nothing_until_it_runs_again(setup)
     np.testing.assert_allclose(raw[:, 0], (streams[1] @ taps[1].weight[0]).numpy() + float(taps[1].bias[0]),
                                rtol=1e-5, atol=1e-5)
 
-    from engine_worker.steer import LayerSteer
+    from engine_worker.tap.steer import LayerSteer
 
     steering = TapController(taps, served(), published.append, threaded=False,
                              steers={1: LayerSteer(1, HIDDEN, capacity=2, max_rows=32, gate_taps=[taps[1]])})
@@ -325,7 +325,7 @@ def test_engine_waits_for_a_staging_buffer_instead_of_dropping_steps():
 def test_prefill_sized_steps_have_their_consume_timed_apart():
     """Steps of more than LARGE_STEP_ROWS rows (prefill chunks, on their way to a first token)
     are counted apart, so a benchmark can read their consume separately from decode steps'."""
-    from engine_worker.score_transfer import LARGE_STEP_ROWS
+    from engine_worker.tap.cuda_driver import LARGE_STEP_ROWS
 
     rows_seen = []
     transfer = ScoreTransfer({0: torch.zeros(LARGE_STEP_ROWS + 8, 2)}, lambda step: rows_seen.append(step.rows),
@@ -342,7 +342,7 @@ def test_prefill_sized_steps_have_their_consume_timed_apart():
 def test_the_consume_is_split_into_its_parts_for_published_steps(tmp_path, monkeypatch):
     """Each published step's consume is timed in four parts (layout, gather, message,
     publish), prefill-sized steps apart; a step with nothing to publish is not counted."""
-    from engine_worker.score_transfer import LARGE_STEP_ROWS
+    from engine_worker.tap.cuda_driver import LARGE_STEP_ROWS
 
     rows = LARGE_STEP_ROWS + 8
     taps = {1: LayerTap(1, HIDDEN, capacity=2, max_rows=rows)}
@@ -962,7 +962,7 @@ def test_the_cuda_driver_calls_match_the_driver_api(monkeypatch):
     import contextlib
     import ctypes
 
-    from engine_worker import score_transfer
+    from engine_worker.tap.layer import cuda_driver as score_transfer
 
     calls: list = []
     library = FakeCudaLibrary(calls)
@@ -1009,7 +1009,7 @@ def test_the_cuda_driver_calls_match_the_driver_api(monkeypatch):
 def test_without_the_cuda_driver_library_scores_are_copied_through_torch(monkeypatch):
     import ctypes
 
-    from engine_worker import score_transfer
+    from engine_worker.tap.layer import cuda_driver as score_transfer
 
     def missing(name):
         raise OSError(f"{name}: cannot open shared object file")
@@ -1105,7 +1105,7 @@ def test_the_wait_for_each_steps_tokens_after_its_scores_is_booked_by_step_size(
     more than 256 rows (prefill chunks, on a first token's way) are booked apart too."""
     from types import SimpleNamespace
 
-    from engine_worker.controller import TapController, TokenReads
+    from engine_worker.tap.controller import TapController, TokenReads
 
     consumer = SimpleNamespace(transfer=SimpleNamespace(last_consumed_rows=1024), token_reads=TokenReads())
     TapController.tokens_read(consumer, 0.00001)  # a prefill whose tokens were ready

@@ -14,12 +14,12 @@ import numpy as np
 
 import pytest
 
-from engine_worker.bookkeeping import ProbeTable, StepLayout, step_message
-from engine_worker.delivery import ScoreHub, external_request_id
-from engine_worker.middleware import (ProbexMiddleware, RequestRefused, _without_prompt_token_ids, body_as_sent,
+from engine_worker.scores.bookkeeping import ProbeTable, StepLayout, step_message
+from engine_worker.api_server.hub import ScoreHub, external_request_id
+from engine_worker.api_server.middleware import (ProbexMiddleware, RequestRefused, _without_prompt_token_ids, body_as_sent,
                                       inspect_request)
-from engine_worker.tap import ProbeSlot
-from engine_worker.tap_config import TapConfig
+from engine_worker.tap.layer import ProbeSlot
+from engine_worker.tap.config import TapConfig
 from probes.scoring import calibrate
 
 def test_engine_suffix_is_stripped():
@@ -207,8 +207,8 @@ def test_how_soon_after_its_prompts_step_a_first_chunk_comes_is_booked():
 def test_chunk_scores_written_as_json_directly_equal_the_general_path():
     """generated_scores_json's direct writing (every token in, one probe set) against
     chunk_scores encoded: one token, several, a gap (None), a second probe set, none."""
-    from engine_worker.delivery import ProbeInfo, ProbeColumns, RequestScores
-    from engine_worker.responses import chunk_scores, generated_scores_json
+    from engine_worker.api_server.hub import ProbeInfo, ProbeColumns, RequestScores
+    from engine_worker.scores.render import chunk_scores, generated_scores_json
 
     probes = ProbeColumns([ProbeInfo('a "quoted" ü', "last_prompt_token", 1.0, 0.0, 3),
                          ProbeInfo("b", "prompt_mean", 1.0, 0.0, 3)])
@@ -235,8 +235,8 @@ def test_a_first_chunks_scores_written_directly_equal_the_general_path():
     """first_chunk_scores_json (prompt part and tokens, one probe set) against chunk_scores
     with the prompt encoded; None, for the decoded path, where the prompt's part is missing,
     a token is missing or a swap came between the prompt and the tokens."""
-    from engine_worker.delivery import ProbeInfo, ProbeColumns, RequestScores
-    from engine_worker.responses import chunk_scores, first_chunk_scores_json, prompt_fields, prompt_json_parts
+    from engine_worker.api_server.hub import ProbeInfo, ProbeColumns, RequestScores
+    from engine_worker.scores.render import chunk_scores, first_chunk_scores_json, prompt_fields, prompt_json_parts
 
     probes = ProbeColumns([ProbeInfo('a "q"', "last_prompt_token", 1.0, 0.0, 3), ProbeInfo("b", "prompt_mean", 2.0, -1.0, 3)])
     summary = {"req": "r", "prompt_tokens": 5, "tokens_scored": 5, "last_raw": [0.5, -1.0], "mean_raw": [0.25, 0.0],
@@ -275,8 +275,8 @@ def test_a_spliced_streams_token_scores_are_written_as_they_come_in_and_taken_by
     """After a stream's first chunk went out spliced, the hub writes each later token's
     one-token scores JSON as the token comes in; the chunk carrying it takes it (a chunk of
     several tokens takes all of theirs), and the chunks read as the decoded path writes them."""
-    from engine_worker.middleware import MonitoredCall, StreamRelay
-    from engine_worker.responses import generated_scores_json
+    from engine_worker.api_server.middleware import MonitoredCall, StreamRelay
+    from engine_worker.scores.render import generated_scores_json
 
     async def discard(message):
         pass
@@ -326,7 +326,7 @@ def test_tokens_whose_chunk_went_out_are_not_written_and_a_chat_streams_role_chu
     """A token whose scores come in after its chunk went out (no wait, a pause, a loss) is not
     written: nothing would take it. A chat stream's first chunk, the role, carries the
     prompt's scores on the decoded path; the later tokens are written from there on."""
-    from engine_worker.middleware import MonitoredCall, StreamRelay
+    from engine_worker.api_server.middleware import MonitoredCall, StreamRelay
 
     async def discard(message):
         pass
@@ -383,7 +383,7 @@ def test_a_streams_token_scores_leave_the_garbage_collectors_books():
 
 
 def test_a_token_scored_again_by_the_first_probe_set_is_read_with_it():
-    from engine_worker.delivery import ProbeInfo, ProbeColumns, RequestScores
+    from engine_worker.api_server.hub import ProbeInfo, ProbeColumns, RequestScores
 
     first = ProbeColumns([ProbeInfo("a", "last_prompt_token", 1.0, 0.0, 3)])
     swapped = ProbeColumns([ProbeInfo("b", "last_prompt_token", 1.0, 0.0, 3)])
@@ -416,7 +416,7 @@ def test_a_token_scored_again_by_the_first_probe_set_is_read_with_it():
     (b'{"choices":[{"index":-1,"text":"a","token_ids":[1]}]}', None),
 ])
 def test_a_chunks_token_ids_are_read_from_compact_json_only(payload, expected):
-    from engine_worker.middleware import _splice_points
+    from engine_worker.api_server.middleware import _splice_points
 
     event = b"data: " + payload
     found = _splice_points(event)
@@ -457,7 +457,7 @@ def test_spliced_chunks_equal_decoded_ones(monkeypatch, cases, client_asked):
     """The stream relay's splice (scores written into the chunk's bytes) against its decoded
     path, chunk by chunk, and the splice really taken for every chunk with tokens, the one
     that carries the prompt's scores (and, in a completion, the prompt's token ids) too."""
-    from engine_worker import middleware
+    from engine_worker.api_server import middleware
 
     request = {"return_token_ids": True} if client_asked else {}
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),
@@ -520,7 +520,7 @@ def test_with_delivery_off_chunks_never_wait_for_scores(monkeypatch):
 
 
 def test_a_swap_refused_by_any_rank_is_reported_as_refused():
-    from engine_worker.middleware import _every_rank
+    from engine_worker.api_server.middleware import _every_rank
 
     ok = {"ok": True, "version": 2}
     assert _every_rank([ok, ok]) is ok
@@ -677,7 +677,7 @@ def test_a_refused_field_is_still_refused_when_the_rest_is_usual():
 def test_a_batched_completions_chunks_are_spliced_with_their_own_prompts_scores():
     """`/v1/completions` with two prompts: each choice's chunks carry its own request's scores
     (keys `<id>-<index>`), every chunk spliced, the first of each choice with its prompt's."""
-    from engine_worker.middleware import MonitoredCall, StreamRelay
+    from engine_worker.api_server.middleware import MonitoredCall, StreamRelay
 
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
     call = MonitoredCall(key_prefix="cmpl-probex-batch", stream=True, wants_token_ids=False, num_prompts=2)
@@ -777,7 +777,7 @@ def test_streams_in_flight_stop_waiting_for_scores_when_the_tap_is_paused():
     """A chunk waiting for scores when the tap is paused goes out at once; so do the later
     chunks of a stream that lived through a pause, after the tap runs again (the pause's
     tokens never get scores), instead of each waiting the full score wait."""
-    from engine_worker.middleware import MonitoredCall, StreamRelay
+    from engine_worker.api_server.middleware import MonitoredCall, StreamRelay
 
     async def go():
         hub = idle_hub()
@@ -804,8 +804,8 @@ def test_a_gap_in_the_workers_count_is_counted_and_no_chunk_waits_for_a_lost_tok
     the missing numbers tell its hub. A chunk whose token was in a lost step goes out once a
     later token is in (steps come in order, so the missing one never will), instead of each
     later chunk waiting the full score wait; tokens still to come are waited for as usual."""
-    from engine_worker.bookkeeping import SEQUENCE
-    from engine_worker.middleware import MonitoredCall, StreamRelay
+    from engine_worker.scores.bookkeeping import SEQUENCE
+    from engine_worker.api_server.middleware import MonitoredCall, StreamRelay
 
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
     call = MonitoredCall(key_prefix="cmpl-probex-a", stream=True, wants_token_ids=False)
@@ -851,8 +851,8 @@ def test_an_idle_worker_sends_heartbeats_so_a_lost_last_step_does_not_hold_its_c
     """The last step of a burst lost on the way (this process's queue was full) and nothing
     after it: the idle publisher's heartbeat carries the next number, the hub finds the gap,
     and the chunk waiting for that step's scores goes out then, not after the whole wait."""
-    from engine_worker.delivery import ScorePublisher
-    from engine_worker.middleware import MonitoredCall, StreamRelay
+    from engine_worker.api_server.hub import ScorePublisher
+    from engine_worker.api_server.middleware import MonitoredCall, StreamRelay
 
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
     call = MonitoredCall(key_prefix="cmpl-probex-a", stream=True, wants_token_ids=False)
@@ -891,7 +891,7 @@ def test_an_idle_worker_sends_heartbeats_so_a_lost_last_step_does_not_hold_its_c
 def test_a_wait_under_way_ends_when_messages_are_found_lost():
     """A chunk already waiting when a gap is found: the message that showed the gap is booked
     first (its tokens still count); what is missing after it is not waited for."""
-    from engine_worker.bookkeeping import SEQUENCE, heartbeat_message
+    from engine_worker.scores.bookkeeping import SEQUENCE, heartbeat_message
 
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
     a, b = "cmpl-probex-a-0-0123abcd", "cmpl-probex-b-0-0123abcd"
@@ -925,7 +925,7 @@ def test_a_lost_pause_message_is_made_good_by_the_next_step():
     """Each step carries the worker's pause state: a process that lost the pause (or the
     resume) message takes it from the step after, instead of waiting for scores that will not
     come, or relaying unmonitored, until the tap is switched again."""
-    from engine_worker.bookkeeping import SEQUENCE
+    from engine_worker.scores.bookkeeping import SEQUENCE
 
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
     hub = idle_hub()
@@ -944,8 +944,8 @@ def test_a_lost_pause_message_is_made_good_by_the_next_step():
 
 
 def test_the_publisher_numbers_its_messages_in_the_order_sent():
-    from engine_worker.bookkeeping import SEQUENCE, paused_message
-    from engine_worker.delivery import ScorePublisher
+    from engine_worker.scores.bookkeeping import SEQUENCE, paused_message
+    from engine_worker.api_server.hub import ScorePublisher
 
     address = f"ipc://{tempfile.mkdtemp()}/scores"
     publisher = ScorePublisher(address, heartbeat_s=0)
@@ -983,8 +983,8 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
     """Several API server processes (vLLM's --api-server-count): the worker publishes once, on
     the real wire (ZMQ PUB, msgpack); each process's hub books the rows of the requests its
     middleware tagged, prefills and decodes alike, and every hub hears pauses and swaps."""
-    from engine_worker.bookkeeping import paused_message, swapped_message
-    from engine_worker.delivery import ScorePublisher, owner_tag
+    from engine_worker.scores.bookkeeping import paused_message, swapped_message
+    from engine_worker.api_server.hub import ScorePublisher, owner_tag
 
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
     ours, theirs = owner_tag(), owner_tag()
@@ -1052,7 +1052,7 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
 def test_a_pause_older_than_what_a_process_applied_is_ignored():
     """Two processes switch the tap at once: each applies its own reply and the worker's
     broadcasts in whatever order they arrive, and ends with the worker's last state."""
-    from engine_worker.bookkeeping import paused_message
+    from engine_worker.scores.bookkeeping import paused_message
 
     hub = idle_hub()
     hub.ingest(paused_message(True, 1))   # process A's pause, broadcast
@@ -1072,7 +1072,7 @@ def test_several_api_server_processes_compute_a_probe_sets_retention_once(tmp_pa
     import threading
     import time as clock
 
-    from engine_worker.middleware import computed_once
+    from engine_worker.api_server.middleware import computed_once
 
     probe = tmp_path / "probe"
     probe.mkdir()
@@ -1117,7 +1117,7 @@ def test_the_shared_retention_directory_goes_when_its_process_exits(tmp_path):
     from pathlib import Path
 
     shared = tmp_path / "probex-scores-x.sock.shared"
-    code = (f"from pathlib import Path; from engine_worker.middleware import RetentionTracker, computed_once\n"
+    code = (f"from pathlib import Path; from engine_worker.api_server.middleware import RetentionTracker, computed_once\n"
             f"tracker = RetentionTracker(None, Path({str(shared)!r}))\n"
             f"computed_once(tracker.shared_dir, '/m', [], lambda model, dirs: {{'p': {{'retention': 1.0}}}})\n"
             f"assert any(Path({str(shared)!r}).iterdir())\n")
@@ -1129,7 +1129,7 @@ def test_a_probe_set_whose_swap_message_was_lost_still_gets_its_retention_check(
     """The swap message can be lost with others (a process far behind); the next step carries
     the new set's version: the process then reads the set from the worker's listing and
     schedules its retention check, once, and drops its cached listings."""
-    from engine_worker.bookkeeping import swapped_message
+    from engine_worker.scores.bookkeeping import swapped_message
 
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
     swapped = ProbeTable(version=3, slots=table.slots)
@@ -1175,7 +1175,7 @@ def test_listings_are_read_again_after_a_swap_another_api_server_process_took():
     """The steering and probe listings a steered request is checked against are cached until a
     swap: this process's own, or another's, which reaches this one as the worker's control
     message (ScoreHub.swaps)."""
-    from engine_worker.bookkeeping import swapped_message
+    from engine_worker.scores.bookkeeping import swapped_message
 
     class ListingEngine:
         def __init__(self):
@@ -1205,7 +1205,7 @@ def test_listings_are_read_again_after_a_swap_another_api_server_process_took():
 def test_each_probe_set_swapped_in_gets_its_retention_check_once_in_every_process():
     """A swap reaches a process as its own request's reply or as the worker's broadcast,
     whichever comes first: the retention check is scheduled once per probe-set version."""
-    from engine_worker.bookkeeping import swapped_message
+    from engine_worker.scores.bookkeeping import swapped_message
 
     hub = idle_hub()
     middleware = ProbexMiddleware(RecordingApp(), hub=hub)
@@ -1377,7 +1377,7 @@ def test_vllm_leaves_the_prompts_ids_out_unless_the_client_asked_for_token_ids(c
     (b'{"choices":[{"index":0,"text":"a"},{"index":1,"prompt_token_ids":[5],"token_ids":[1]}]}', None),
 ])
 def test_a_chunk_keeping_the_prompts_ids_is_read_around_them(payload, expected):
-    from engine_worker.middleware import _splice_points
+    from engine_worker.api_server.middleware import _splice_points
 
     found = _splice_points(b"data: " + payload, prompt_ids_kept=True)
     assert (found[:2] if found else None) == expected
@@ -1400,7 +1400,7 @@ def _completion_events(request_id: str, count: int) -> list[bytes]:
 def test_a_stream_is_decorated_alike_however_its_events_are_framed(framing):
     """vLLM sends one event per body message (the relay's quick path); events several to a
     message, or cut across messages, must come out the same."""
-    from engine_worker.middleware import MonitoredCall, StreamRelay
+    from engine_worker.api_server.middleware import MonitoredCall, StreamRelay
 
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
 
@@ -1442,7 +1442,7 @@ def test_a_stream_is_decorated_alike_however_its_events_are_framed(framing):
 def test_the_first_chunk_written_ahead_is_not_served_stale():
     """The hub writes a stream's first chunk's scores as the prompt's step comes in; a token 0
     that comes again (scored anew) must be what the first chunk carries."""
-    from engine_worker import responses
+    from engine_worker.scores import render as responses
 
     table = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 1.0, 0.0),))
     hub = idle_hub()

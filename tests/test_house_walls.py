@@ -15,7 +15,7 @@ import pytest
         ("engine_worker.steering", ("torch", "vllm", "fastapi", "gateway")),
         ("gateway.app", ("torch", "vllm", "engine_worker")),
         ("gateway.serving", ("torch", "vllm", "engine_worker")),
-        ("engine_worker.middleware", ("gateway", "fastapi")),
+        ("engine_worker.api_server.middleware", ("gateway", "fastapi")),
     ],
 )
 def test_module_does_not_pull_in(module, forbidden):

@@ -148,7 +148,7 @@ def test_probex_serve_hands_its_worker_the_admin_token_in_the_environment(tmp_pa
     import json
     import secrets
 
-    from engine_worker.launch import add_worker_arguments
+    from engine_worker.vllm.launch import add_worker_arguments
     from probex.cli import DEFAULT_POLICY
     from probex.serve import run_embedded, worker_command_line
 

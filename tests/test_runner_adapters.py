@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from engine_worker import vllm_v2_runner as v2
-from engine_worker.vllm_worker import CONTROLLER_ATTR, default_score_consumer, scores_with_sampled_tokens
+from engine_worker.vllm import v2_runner as v2
+from engine_worker.vllm.worker import CONTROLLER_ATTR, default_score_consumer, scores_with_sampled_tokens
 
 
 class RecordingController:
@@ -189,8 +189,8 @@ def test_v2_adapter_is_inert_without_a_tap(monkeypatch):
 
 
 def test_v1_adapter_reads_steering_from_sampling_params_once_per_request():
-    from engine_worker import vllm_v1_runner as v1
-    from engine_worker.bookkeeping import StepLayout
+    from engine_worker.vllm import v1_runner as v1
+    from engine_worker.scores.bookkeeping import StepLayout
 
     params = SimpleNamespace(extra_args={"probex_steer": "v", "probex_steer_alpha": -3})
     runner = SimpleNamespace(requests={"a": SimpleNamespace(sampling_params=params),
@@ -335,11 +335,11 @@ def test_v1_adapter_wraps_the_runners_sample_tokens_with_the_shared_consumer():
     import sys
 
     code = (
-        "from engine_worker.vllm_v1_runner import patch_v1_runner\n"
+        "from engine_worker.vllm.v1_runner import patch_v1_runner\n"
         "patch_v1_runner(); patch_v1_runner()\n"
         "from vllm.v1.worker.gpu_model_runner import GPUModelRunner\n"
         "from vllm.v1.worker.cpu_model_runner import CPUModelRunner\n"
-        "from engine_worker.vllm_worker import scores_with_sampled_tokens\n"
+        "from engine_worker.vllm.worker import scores_with_sampled_tokens\n"
         "ours = scores_with_sampled_tokens(print).__code__\n"
         "outer = GPUModelRunner.sample_tokens\n"
         "print('wrapped:', outer.__code__ is ours, outer.__wrapped__.__code__ is ours,\n"
@@ -389,7 +389,7 @@ class FakeV1Runner:
 def wrapped_v1_runner_class(base):
     """`base` (a FakeV1Runner) with the V1 adapter's wrappers, as `patch_v1_runner` puts them
     on vLLM's runner class."""
-    from engine_worker import vllm_v1_runner as v1
+    from engine_worker.vllm import v1_runner as v1
 
     cls = type(f"Wrapped{base.__name__}", (base,), {})
     cls.load_model = v1._after_load_model(base.load_model)
@@ -403,7 +403,7 @@ def test_v1_adapter_consumes_each_steps_scores_where_the_engine_reads_its_tokens
     """Runner V1 with the engine consumer, through the adapter's real step hooks: the step
     handed over at a forward's launch is the one consumed when that step's tokens are read,
     even after the next step was launched; a step that ran no forward hands nothing over."""
-    from engine_worker import vllm_v1_runner as v1
+    from engine_worker.vllm import v1_runner as v1
 
     class Controller(RecordingController):
         consumes_on_engine_thread = True
@@ -444,7 +444,7 @@ def test_v1_adapter_snapshots_the_persistent_batch_and_hands_the_step_over_when_
     step's arrays right after the forward's launch and the consumer builds the layout from the
     copies later; the step is handed over once execute_model has launched the rest of the
     step (the logits), not between the forward and them."""
-    from engine_worker import vllm_v1_runner as v1
+    from engine_worker.vllm import v1_runner as v1
 
     class PersistentBatchRunner(FakeV1Runner):
         def execute_model(self, scheduler_output):
@@ -529,7 +529,7 @@ def test_v2_adapter_times_prompt_sized_forwards_around_their_launch(monkeypatch)
 
 
 def test_v1_adapter_times_prompt_sized_forwards_around_the_model_forward(monkeypatch):
-    from engine_worker import vllm_v1_runner as v1
+    from engine_worker.vllm import v1_runner as v1
 
     class Runner(FakeV1Runner):
         def _model_forward(self):
@@ -571,7 +571,7 @@ def test_v2_adapter_opens_mid_forward_copies_for_steps_carrying_a_prompt_chunk_a
 
 
 def test_v1_adapter_opens_mid_forward_copies_around_the_model_forward_of_a_prompt_step(monkeypatch):
-    from engine_worker import vllm_v1_runner as v1
+    from engine_worker.vllm import v1_runner as v1
 
     class FailingForward(FakeV1Runner):
         fails = False
@@ -604,7 +604,7 @@ def test_the_model_hook_calls_back_before_the_next_layers_attention_and_only_the
     attention and is left to the copies behind the forward."""
     import torch
 
-    from engine_worker.vllm_models import copy_scores_mid_forward
+    from engine_worker.vllm.models import copy_scores_mid_forward
 
     calls = []
 

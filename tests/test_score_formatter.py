@@ -16,12 +16,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from engine_worker import delivery
-from engine_worker.bookkeeping import (SEQUENCE, ProbeSlot, ProbeTable, StepLayout, heartbeat_message, lost_message,
+from engine_worker.api_server import hub as delivery
+from engine_worker.scores.bookkeeping import (SEQUENCE, ProbeSlot, ProbeTable, StepLayout, heartbeat_message, lost_message,
                                        paused_message, step_message, swapped_message)
-from engine_worker.delivery import BROADCAST, ScoreHub, ScorePublisher, owner_tag
-from engine_worker.middleware import MonitoredCall, StreamRelay, inspect_request
-from engine_worker.score_formatter import FormatterProcess, ScoreFormatter
+from engine_worker.api_server.hub import BROADCAST, ScoreHub, ScorePublisher, owner_tag
+from engine_worker.api_server.middleware import MonitoredCall, StreamRelay, inspect_request
+from engine_worker.scores.formatter import FormatterProcess, ScoreFormatter
 from probes.scoring import calibrate
 
 ONE_PROBE = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 2.0, -0.5),))

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker import delivery
-from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepLayout, StepReader
-from engine_worker.controller import TapController
-from engine_worker.delivery import ScoreHub, owner_tag
-from engine_worker.ring_transfer import RingTransfer
-from engine_worker.score_formatter import FormatterProcess, ScoreFormatter, ring_message
-from engine_worker.score_ring import MESSAGE, STEP, RingPublisher, RingReader, ScoreRing
-from engine_worker.tap import LayerTap
+from engine_worker.api_server import hub as delivery
+from engine_worker.scores.bookkeeping import CONTROL, SEQUENCE, StepLayout, StepReader
+from engine_worker.tap.controller import TapController
+from engine_worker.api_server.hub import ScoreHub, owner_tag
+from engine_worker.tap.ring_copies import RingTransfer
+from engine_worker.scores.formatter import FormatterProcess, ScoreFormatter, ring_message
+from engine_worker.scores.ring import MESSAGE, STEP, RingPublisher, RingReader, ScoreRing
+from engine_worker.tap.layer import LayerTap
 from probes.artifact import ReadPoint
 from probes.scoring import calibrate
 from tests.test_controller import HIDDEN, make_probe, run_step, served
@@ -254,7 +254,7 @@ def test_the_worker_runs_the_formatter_on_the_ring_and_a_restart_goes_on_where_i
         ring.scores(entry.slot)[3][0, 0] = value
         ring.mark_landed(entry.slot, entry.ticket)
         layout = StepLayout([req], np.array([1]), np.array([computed]), np.array([2]))
-        from engine_worker.bookkeeping import step_message
+        from engine_worker.scores.bookkeeping import step_message
         message = step_message(ONE_PROBE, layout, None, [])
         message.update(rows=1, slots=ONE_PROBE.buffer_slots())
         publisher.commit(entry, message, kind=STEP)
@@ -317,7 +317,7 @@ def test_on_the_cpu_a_prompt_steps_rows_are_copied_as_each_layer_finishes(taps_a
 
 
 def test_an_idle_ring_publisher_heartbeats_with_its_last_pause_state():
-    from engine_worker.bookkeeping import paused_message
+    from engine_worker.scores.bookkeeping import paused_message
 
     ring = ScoreRing.create({2: (4, 1)}, slots=8)
     publisher = RingPublisher(ring, heartbeat_s=0.05)

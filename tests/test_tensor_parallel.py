@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine_worker import vllm_models, vllm_worker
-from engine_worker.tap import LayerTap
-from engine_worker.tap_config import TapConfig
+from engine_worker.vllm import models as vllm_models
+from engine_worker.vllm import worker as vllm_worker
+from engine_worker.tap.layer import LayerTap
+from engine_worker.tap.config import TapConfig
 
 
 @dataclass
@@ -159,7 +160,7 @@ def test_engine_config_validation_sees_sequence_parallelism_off_when_tapping(rec
 def test_installed_vllm_config_class_is_patched_by_the_plugin():
     from vllm.config import VllmConfig
 
-    from engine_worker import plugin
+    from engine_worker.vllm import plugin
 
     plugin.register()
     assert getattr(VllmConfig.__dict__["__post_init__"], vllm_models._PATCHED_MARK, False)

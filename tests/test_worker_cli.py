@@ -80,12 +80,12 @@ def test_data_parallel_engines_are_refused(passthrough):
                                                 (["--api_server_count", "3"], 3)])
 def test_several_api_server_processes_are_started_by_vllm_serve_and_told_their_count(passthrough, count):
     """One API server process: vLLM's api_server module, as before. Several: vLLM's `serve`
-    (only it starts them), through engine_worker.vllm_serve; every process learns the count
+    (only it starts them), through engine_worker.vllm.serve; every process learns the count
     from the environment and so tags its requests (middleware.py)."""
     import argparse
 
-    from engine_worker.launch import add_worker_arguments, build_worker_command
-    from engine_worker.tap_config import ENV_API_SERVER_COUNT
+    from engine_worker.vllm.launch import add_worker_arguments, build_worker_command
+    from engine_worker.tap.config import ENV_API_SERVER_COUNT
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
@@ -97,7 +97,7 @@ def test_several_api_server_processes_are_started_by_vllm_serve_and_told_their_c
         assert module == "vllm.entrypoints.openai.api_server"
         assert argv[argv.index("--api-server-count") + 1] == "1"  # data parallelism must not raise it
     else:
-        assert module == "engine_worker.vllm_serve" and "--model" not in argv  # serve takes it positionally
+        assert module == "engine_worker.vllm.serve" and "--model" not in argv  # serve takes it positionally
         assert argv[argv.index("-m") + 2].endswith("smollm2-135m-instruct")
     assert argv[-len(passthrough):] == passthrough if passthrough else True
 
@@ -105,7 +105,7 @@ def test_several_api_server_processes_are_started_by_vllm_serve_and_told_their_c
 def test_a_model_given_by_name_is_served_under_that_name_and_its_path():
     import argparse
 
-    from engine_worker.launch import add_worker_arguments, build_worker_command
+    from engine_worker.vllm.launch import add_worker_arguments, build_worker_command
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
@@ -126,8 +126,8 @@ def test_restarts_and_other_probe_files_keep_the_compile_cache_key(tmp_path):
     import argparse
     import json
 
-    from engine_worker.launch import add_worker_arguments, build_worker_command
-    from engine_worker.tap_config import ENV_TAP_CONFIG, TapConfig
+    from engine_worker.vllm.launch import add_worker_arguments, build_worker_command
+    from engine_worker.tap.config import ENV_TAP_CONFIG, TapConfig
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
@@ -175,8 +175,8 @@ def test_the_score_formatter_gets_the_workers_steps_on_an_address_of_its_own(mon
     import argparse
     import json
 
-    from engine_worker.launch import add_worker_arguments, build_worker_command
-    from engine_worker.tap_config import ENV_TAP_CONFIG, TapConfig
+    from engine_worker.vllm.launch import add_worker_arguments, build_worker_command
+    from engine_worker.tap.config import ENV_TAP_CONFIG, TapConfig
 
     monkeypatch.delenv("PROBEX_SCORE_FORMATTER", raising=False)
     monkeypatch.delenv("PROBEX_DELIVERY", raising=False)

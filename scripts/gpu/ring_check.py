@@ -30,8 +30,8 @@ sys.path.insert(0, ".")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine_worker.ring_transfer import RingTransfer  # noqa: E402
-from engine_worker.score_ring import STEP, RingPublisher, RingReader, ScoreRing  # noqa: E402
+from engine_worker.tap.ring_copies import RingTransfer  # noqa: E402
+from engine_worker.scores.ring import STEP, RingPublisher, RingReader, ScoreRing  # noqa: E402
 
 LAYERS = (5, 17)
 ROWS, WIDTH = 8192, 8

@@ -19,7 +19,8 @@ sys.path.insert(0, ".")
 
 import torch  # noqa: E402
 
-from engine_worker import fused_tap, ops  # noqa: E402
+from engine_worker.tap.layer import kernel as fused_tap
+from engine_worker.tap.layer import ops  # noqa: E402
 
 
 def compiled_variants() -> int | None:

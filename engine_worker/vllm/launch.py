@@ -12,11 +12,11 @@ from pathlib import Path
 
 from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import check_vector_set, load_vector
-from engine_worker.tap_config import (ENV_API_SERVER_COUNT, ENV_PREFIX, ENV_SCORE_FORMATTER, ENV_TAP_CONFIG, TapConfig,
+from engine_worker.tap.config import (ENV_API_SERVER_COUNT, ENV_PREFIX, ENV_SCORE_FORMATTER, ENV_TAP_CONFIG, TapConfig,
                                       score_formatter_wanted, scores_delivered)
 
-MIDDLEWARE = "engine_worker.middleware.ProbexMiddleware"
-WORKER_EXTENSION = "engine_worker.vllm_worker.ProbexWorkerExtension"
+MIDDLEWARE = "engine_worker.api_server.middleware.ProbexMiddleware"
+WORKER_EXTENSION = "engine_worker.vllm.worker.ProbexWorkerExtension"
 # vLLM's Ray executor copies environment variables with these prefixes to its workers.
 RAY_ENV_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 
@@ -122,7 +122,7 @@ def vllm_server_entry(model_dir: Path, api_servers: int) -> list[str]:
     run by vllm_serve.py for several (only `serve` starts them; it takes the model first)."""
     if api_servers == 1:
         return ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--api-server-count", "1"]
-    return ["-m", "engine_worker.vllm_serve", str(model_dir)]
+    return ["-m", "engine_worker.vllm.serve", str(model_dir)]
 
 
 def _load_or_refuse(load, check_set):

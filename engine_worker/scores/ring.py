@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from engine_worker.bookkeeping import CONTROL, SEQUENCE, heartbeat_message, lost_message, pause_of, send_heartbeats
+from engine_worker.scores.bookkeeping import CONTROL, SEQUENCE, heartbeat_message, lost_message, pause_of, send_heartbeats
 
 log = logging.getLogger("probex.score_ring")
 

@@ -18,13 +18,13 @@ import sys
 import time
 
 from probes.artifact import ServedModel
-from engine_worker.controller import ProbeSetRejected, TapController, VectorSetRejected
-from engine_worker.steer import LayerSteer
+from engine_worker.tap.controller import ProbeSetRejected, TapController, VectorSetRejected
+from engine_worker.tap.steer import LayerSteer
 from engine_worker.steering import SteeringError, SteerRequest, steering_from_xargs
-from engine_worker.tap import LayerTap, awaiting_storage, materialize
-from engine_worker.tap_config import (ENV_API_SERVER_COUNT, ENV_DELIVERY, ENV_PROMPT_SCORES_MID_FORWARD,
+from engine_worker.tap.layer import LayerTap, awaiting_storage, materialize
+from engine_worker.tap.config import (ENV_API_SERVER_COUNT, ENV_DELIVERY, ENV_PROMPT_SCORES_MID_FORWARD,
                                       ENV_SCORE_RING, TapConfig, score_ring_wanted, scores_delivered)
-from engine_worker.vllm_models import copy_scores_mid_forward
+from engine_worker.vllm.models import copy_scores_mid_forward
 
 log = logging.getLogger("vllm.probex.worker")  # under "vllm": printed by its log handler
 
@@ -186,15 +186,15 @@ def _publisher(tap_config: TapConfig, taps: dict[int, LayerTap]):
         log.warning("probex: %s=off: scores are computed in the graphs but never copied out or delivered "
                     "(diagnostic)", ENV_DELIVERY)
         return None, None
-    from engine_worker.delivery import ScorePublisher
+    from engine_worker.api_server.hub import ScorePublisher
 
     if tap_config.step_address is None:
         return ScorePublisher(tap_config.score_address).publish, None
-    from engine_worker.score_formatter import FormatterProcess
+    from engine_worker.scores.formatter import FormatterProcess
 
     api_servers = int(os.environ.get(ENV_API_SERVER_COUNT, "1"))
     if score_ring_wanted() and _ring_supported(taps):
-        from engine_worker.score_ring import RingPublisher, ScoreRing
+        from engine_worker.scores.ring import RingPublisher, ScoreRing
 
         ring = ScoreRing.create({layer: tuple(tap.scores.shape) for layer, tap in taps.items()})
         FormatterProcess(None, tap_config.score_address, api_servers, ring_fd=ring.fd).start()

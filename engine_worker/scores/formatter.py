@@ -51,11 +51,11 @@ import msgspec
 import numpy as np
 import zmq
 
-from engine_worker import responses
-from engine_worker.bookkeeping import CONTROL, SEQUENCE, ProbeSlot, ProbeTable, StepReader, gather_scores, pause_of
-from engine_worker.delivery import (BROADCAST, OWNER_MARKER, PUBLISHER, UNTAGGED, FormattedPrompt, FormattedStep,
+from engine_worker.scores import render as responses
+from engine_worker.scores.bookkeeping import CONTROL, SEQUENCE, ProbeSlot, ProbeTable, StepReader, gather_scores, pause_of
+from engine_worker.api_server.hub import (BROADCAST, OWNER_MARKER, PUBLISHER, UNTAGGED, FormattedPrompt, FormattedStep,
                                     _ProbeSet, external_request_id, laid_out_prompt)
-from engine_worker.score_ring import RingReader, ScoreRing
+from engine_worker.scores.ring import RingReader, ScoreRing
 
 log = logging.getLogger("probex.score_formatter")
 
@@ -386,7 +386,7 @@ class FormatterProcess:
         """The worker's messages come from `step_address` (ZMQ) or the score ring `ring_fd`."""
         source = ["--ring-fd", str(ring_fd)] if ring_fd is not None else ["--steps", step_address]
         self._inherited = (ring_fd,) if ring_fd is not None else ()
-        self.command = [sys.executable, "-m", "engine_worker.score_formatter", *source,
+        self.command = [sys.executable, "-m", "engine_worker.scores.formatter", *source,
                         "--scores", score_address, "--api-server-count", str(api_server_count),
                         "--parent", str(os.getpid())]
         cpus = launcher_cpus()

@@ -25,16 +25,16 @@ import numpy as np
 
 from probes.artifact import ProbeArtifact, ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import SteeringVector, check_vector_set, load_vector
-from engine_worker.bookkeeping import (ProbeTable, ScoreBook, StepLayout, gather_scores, lost_message, paused_message,
+from engine_worker.scores.bookkeeping import (ProbeTable, ScoreBook, StepLayout, gather_scores, lost_message, paused_message,
                                        step_message, swapped_message)
-from engine_worker.ring_transfer import RingTransfer
-from engine_worker.score_ring import RingPublisher
-from engine_worker.score_transfer import LARGE_STEP_ROWS, ScoreTransfer, StagedStep
+from engine_worker.tap.ring_copies import RingTransfer
+from engine_worker.scores.ring import RingPublisher
+from engine_worker.tap.cuda_driver import LARGE_STEP_ROWS, ScoreTransfer, StagedStep
 from engine_worker.step_timing import ENV_STEP_TIMING, StepTimer, step_timing_enabled, step_timing_min_rows
-from engine_worker.steer import LayerSteer, RowValues
+from engine_worker.tap.steer import LayerSteer, RowValues
 from engine_worker.steering import SteerRequest, raw_threshold, window_rows
-from engine_worker.tap import LayerTap, ProbeSlot
-from engine_worker.tap_config import (ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_spin_s, prompt_scores_mid_forward,
+from engine_worker.tap.layer import LayerTap, ProbeSlot
+from engine_worker.tap.config import (ENV_COPY_STREAM, ENV_SCORE_CONSUMER, hook_spin_s, prompt_scores_mid_forward,
                                       scores_ahead_of_tokens)
 
 log = logging.getLogger("probex.controller")

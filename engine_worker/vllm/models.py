@@ -27,9 +27,9 @@ import logging
 import weakref
 from typing import Callable
 
-from engine_worker.steer import LayerSteer
-from engine_worker.tap import LayerTap
-from engine_worker.tap_config import TapConfig, buffers_after_weights
+from engine_worker.tap.steer import LayerSteer
+from engine_worker.tap.layer import LayerTap
+from engine_worker.tap.config import TapConfig, buffers_after_weights
 
 log = logging.getLogger("vllm.probex.models")  # under "vllm": printed by its log handler
 

@@ -32,8 +32,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from engine_worker.score_ring import MESSAGE, STEP, RingEntry, RingPublisher
-from engine_worker.score_transfer import _LayerCopy, _CudaDriver
+from engine_worker.scores.ring import MESSAGE, STEP, RingEntry, RingPublisher
+from engine_worker.tap.cuda_driver import _LayerCopy, _CudaDriver
 
 log = logging.getLogger("probex.transfer")
 

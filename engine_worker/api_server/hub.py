@@ -33,8 +33,8 @@ import msgspec
 import numpy as np
 import zmq
 
-from engine_worker import responses
-from engine_worker.bookkeeping import CONTROL, SEQUENCE, StepReader, pause_of, send_heartbeats
+from engine_worker.scores import render as responses
+from engine_worker.scores.bookkeeping import CONTROL, SEQUENCE, StepReader, pause_of, send_heartbeats
 from probes.scoring import calibrate_array
 
 log = logging.getLogger("probex.delivery")

@@ -18,11 +18,11 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    import engine_worker.ops  # noqa: F401  (torch.ops.probex.tap)
-    from engine_worker.vllm_models import patch_decoder_layers, patch_engine_config
-    from engine_worker.vllm_v1_runner import patch_v1_runner
-    from engine_worker.vllm_v2_runner import patch_v2_runner
-    from engine_worker.vllm_worker import patch_prefix_cache_bypass
+    import engine_worker.tap.ops  # noqa: F401  (torch.ops.probex.tap)
+    from engine_worker.vllm.models import patch_decoder_layers, patch_engine_config
+    from engine_worker.vllm.v1_runner import patch_v1_runner
+    from engine_worker.vllm.v2_runner import patch_v2_runner
+    from engine_worker.vllm.worker import patch_prefix_cache_bypass
 
     patch_engine_config()  # before any VllmConfig exists in this process
     patch_decoder_layers()

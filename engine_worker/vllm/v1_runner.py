@@ -27,10 +27,10 @@ from typing import Callable
 
 import numpy as np
 
-from engine_worker.bookkeeping import StepLayout
-from engine_worker.controller import TapController
+from engine_worker.scores.bookkeeping import StepLayout
+from engine_worker.tap.controller import TapController
 from engine_worker.steering import SteerRequest
-from engine_worker.vllm_worker import (controller_of, default_score_consumer, install_controller,
+from engine_worker.vllm.worker import (controller_of, default_score_consumer, install_controller,
                                        scores_with_sampled_tokens, steering_of, wants_capture)
 
 log = logging.getLogger("vllm.probex.v1_runner")  # under "vllm": printed by its log handler

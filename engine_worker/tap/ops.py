@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_worker import fused_tap
+from engine_worker.tap.layer import kernel as fused_tap
 
 _LIBRARY = "probex"
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
-import engine_worker.ops  # noqa: F401  (registers torch.ops.probex.steer)
-from engine_worker.tap import LayerTap, await_storage
+import engine_worker.tap.ops  # noqa: F401  (registers torch.ops.probex.steer)
+from engine_worker.tap.layer import LayerTap, await_storage
 
 ALPHA, THRESHOLD, GATE_ENABLED = 0, 1, 2
 VECTOR_SLOT, GATE_COLUMN = 0, 1

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
-import engine_worker.ops  # noqa: F401  (registers torch.ops.probex.tap)
-from engine_worker import fused_tap
-from engine_worker.bookkeeping import ProbeSlot  # noqa: F401  (the host-side record of a slot, torch-free)
+import engine_worker.tap.ops  # noqa: F401  (registers torch.ops.probex.tap)
+from engine_worker.tap.layer import kernel as fused_tap
+from engine_worker.scores.bookkeeping import ProbeSlot  # noqa: F401  (the host-side record of a slot, torch-free)
 
 
 class LayerTap(nn.Module):
