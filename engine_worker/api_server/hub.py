@@ -1,20 +1,11 @@
-"""Score events from the worker process to the API-server processes, and the hub in each.
+"""The hub in each API server process: the score formatter's messages in, "are request X's scores here yet?" out.
 
-The worker (rank 0) publishes one small msgpack message per step over ZMQ PUB/SUB, and a
-control message when the tap is paused or run again and when probes or steering vectors
-are swapped. Every API server process (one, or `--api-server-count N`) subscribes; its
-`ScoreHub` keeps, per request, what has arrived and wakes whoever is waiting to attach
-scores to a response or stream chunk. Requests are keyed by their external id: the engine
-appends "-<8 hex>" to the id the API server chose, and we strip that suffix so the
-middleware can ask by the id it put in `X-Request-Id`. With several API server processes
-each one's middleware starts its ids with its own tag (`owner_tag`), and its hub books
-only the rows of those: each process relays its own requests' chunks, so the relay's work
-is shared out as vLLM shares out its own.
-
-With the score formatter (score_formatter.py; `probex worker` runs it unless told
-`--no-score-formatter`) the worker publishes to the formatter instead, which keeps the books
-once for every process and sends each its own requests' rows, calibrated and written as
-JSON; the hub then only files them (`ScoreHub(formatted=True)`, `take_formatted`).
+The score formatter (engine_worker/scores/formatter.py) keeps the books once for every API
+server process and sends each its own requests' rows, calibrated and written as JSON; the
+hub files them per request and wakes whoever waits to attach scores to a response or a
+stream chunk. Requests are keyed by the id the middleware gave them (`X-Request-Id`). With
+several API server processes each one's middleware starts its ids with its own tag
+(`owner_tag`) and the formatter sends each process only the rows of those.
 """
 
 from __future__ import annotations
@@ -22,279 +13,36 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import re
-import threading
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
-import numpy as np
 import zmq
 
 from engine_worker.scores import render as responses
-from engine_worker.scores.bookkeeping import CONTROL, SEQUENCE, StepReader, pause_of, send_heartbeats
-from probes.scoring import calibrate_array
+from engine_worker.scores.bookkeeping import CONTROL, SEQUENCE, pause_of
+from engine_worker.scores.columns import RequestScores
+from engine_worker.scores.wire import (BROADCAST, PUBLISHER, SILENT_AFTER_S, UNTAGGED, FormattedStep, ProbeSet,
+                                       owner_tag)
 
 log = logging.getLogger("probex.delivery")
 
-_ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 # A first chunk that reaches the relay within this long after its prompt's step was taken in
 # most likely waited behind that intake (ScoreHub.first_chunk_gaps).
 SOON_AFTER_INTAKE_S = 250e-6
 
 
-# -- from the score formatter (score_formatter.py), where the worker runs one -------------------
-# Topics: an API server process's own is its owner tag (8 hex digits, `owner_tag`);
-# with one API server process, whose ids carry no tag, every row goes to UNTAGGED.
-BROADCAST = b"*"
-UNTAGGED = b"-"
-OWNER_MARKER = "-probex-"  # what precedes an owner tag in a request id (middleware.inspect_request)
-PUBLISHER = "publisher"
-# A hub that has heard nothing for this long (the formatter's heartbeats come every second)
-# takes the formatter for gone: waits for scores end at once until it hears from it again.
-SILENT_AFTER_S = 5.0
-
-
-class FormattedPrompt(msgspec.Struct, array_like=True):
-    """A prompt complete in this step: its summary (`bookkeeping._prompt_summary`), each probe's
-    calibrated part (`responses.prompt_fields`) and the first chunk's JSON around its tokens'
-    scores (`responses.prompt_json_parts`; None if it could not be written)."""
-
-    request: str
-    summary: dict
-    fields: dict
-    json_parts: list[bytes | None] | None
-
-
-class FormattedStep(msgspec.Struct, array_like=True):
-    """One step's rows of one API server process's requests, ready to file: tokens as parallel
-    columns (calibrated scores, one float per probe, and the one-token chunk's JSON)."""
-
-    publisher: int
-    sequence: int
-    version: int
-    probes: msgspec.Raw  # the probe set's description (ProbeTable.describe); read once per version
-    pause: tuple[int, bool] | None
-    prompts: list[FormattedPrompt]
-    token_requests: list[str]
-    token_indexes: list[int]
-    token_scores: list[tuple[float, ...]]
-    token_json: list[bytes]
-    finished: list[str]
-
-
-def external_request_id(engine_request_id: str) -> str:
-    return _ENGINE_SUFFIX.sub("", engine_request_id)
-
-
-class ScorePublisher:
-    """Worker side: fire-and-forget PUB to every API server process; never blocks the engine loop.
-
-    The worker binds, the hubs connect: one address however many API server processes
-    there are. Every message carries the next number of a running count (`SEQUENCE`): an
-    API server process so far behind that its queue is full loses messages there and only
-    there (ZMQ's PUB drops for that subscriber alone, where refusing the send would take
-    them from every process), and its hub finds the gap in the count, so its responses stop
-    waiting for scores that will not come (`ScoreHub.messages_lost`). Steps are published by
-    the score consumer's thread and control messages by the engine thread between steps; a
-    ZMQ socket is not thread-safe, so sends take a lock (uncontended nearly always: a
-    fraction of a microsecond), which also keeps the count in the order of the sends.
-
-    While nothing else is sent, a heartbeat goes out every `heartbeat_s` (a thread that
-    wakes that often): a process that lost the last messages of a burst hears of it then,
-    not when traffic resumes, and its responses stop waiting for those scores. A heartbeat
-    repeats the last pause state sent, for a process that missed the change."""
-
-    def __init__(self, address: str, high_water_mark: int = 100_000, heartbeat_s: float = 1.0) -> None:
-        self._ctx = zmq.Context.instance()
-        self._socket = self._ctx.socket(zmq.PUB)
-        self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
-        self._socket.setsockopt(zmq.LINGER, 1000)
-        self._socket.bind(address)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._lock = threading.Lock()
-        self.sequence = 0
-        self._pause: tuple[int, bool] | None = None  # the last pause state sent, which heartbeats repeat
-        self._last_send = time.monotonic()
-        self._closed = threading.Event()
-        if heartbeat_s > 0:
-            threading.Thread(target=self._heartbeats, args=(heartbeat_s,), name="probex-score-heartbeat",
-                             daemon=True).start()
-
-    def publish(self, message: dict) -> None:
-        pause = pause_of(message)
-        if pause is not None:
-            self._pause = pause
-        with self._lock:
-            message[SEQUENCE] = self.sequence + 1
-            frame = self._encoder.encode(message)  # a message that cannot be encoded takes no number
-            self.sequence += 1
-            self._socket.send(frame, flags=zmq.NOBLOCK)
-            self._last_send = time.monotonic()
-
-    def close(self) -> None:
-        self._closed.set()
-        with self._lock:
-            self._socket.close(linger=0)
-
-    def _heartbeats(self, every_s: float) -> None:
-        # a ZMQError: the socket was closed under it, the publisher is gone
-        send_heartbeats(self.publish, self._closed, every_s, lambda: self._last_send, lambda: self._pause,
-                        (zmq.ZMQError,))
-
-
-def owner_tag() -> str:
-    """A random tag for one API server process: the first 8 hex digits of each request id it gives out."""
-    return uuid.uuid4().hex[:8]
-
-
-@dataclass
-class ProbeInfo:
-    name: str
-    read: str
-    slope: float
-    intercept: float
-    layer: int
-
-
-class ProbeColumns(list):
-    """One probe-table version's probes in the order of their columns in a step's scores, and
-    the JSON a stream chunk's scores are written into: `generated_json_parts` holds the bytes
-    around each probe's offset and scores, `{"<name>":{"generated":{"offset":` OFFSET
-    `,"scores":[` SCORES `]}},"<name>"...`, with the offsets at [1::4] and the scores at
-    [3::4] (responses.generated_scores_json)."""
-
-    def __init__(self, probes: list[ProbeInfo]) -> None:
-        super().__init__(probes)
-        parts: list[bytes | None] = []
-        for column, probe in enumerate(probes):
-            parts += [(b"{" if column == 0 else b"]}},") + msgspec.json.encode(probe.name) + b':{"generated":{"offset":',
-                      None, b',"scores":[', None]
-        self.generated_json_parts = parts + [b"]}}}"] if parts else [b"{}"]
-
-
-@dataclass
-class RequestScores:
-    """Everything that arrived for one request (one prompt of one API call)."""
-
-    prompt: dict | None = None  # the summary of the prompt's raw scores (bookkeeping._prompt_summary)
-    prompt_fields: dict[str, dict] | None = None  # and each probe's calibrated part (responses.prompt_fields)
-    prompt_probes: ProbeColumns | None = None  # the probe set `prompt_fields` were laid out for
-    prompt_json_parts: list[bytes | None] | None = None  # and as the first chunk writes them (responses.prompt_json_parts)
-    # (token 0's scores, the prompt_json_parts, the first chunk's scores JSON written from them):
-    # responses.write_first_chunk_ahead, as the prompt's step comes in
-    first_chunk_json: tuple[tuple[float, ...], list, bytes] | None = None
-    # A spliced stream's tokens' scores as their one-token chunks carry them, written as each
-    # token comes in (responses.token_scores_json) and taken by the chunk: the hub takes in a
-    # step's scores well ahead of the step's chunks, which come in a burst, one per stream,
-    # where a first token can wait behind the others. None: not written (not a stream, or its
-    # chunk with the prompt's scores has not gone out). Only tokens from `token_json_from` on,
-    # the first whose chunk has not gone out, are written: one that came in late stays out.
-    token_json: dict[int, bytes] | None = None
-    token_json_from: int = 0
-    # Each generated token's calibrated scores, a tuple of floats: the garbage collector stops
-    # tracking such a tuple the first time it sees it, so a long stream's tokens do not add to
-    # what every later collection of the API server scans (a list, or a tuple holding the
-    # probe set, would stay tracked until the request ends).
-    tokens: dict[int, tuple[float, ...]] = field(default_factory=dict)
-    token_probes: ProbeColumns | None = None  # the probe set that scored the request's first token in
-    other_probes: dict[int, ProbeColumns] = field(default_factory=dict)  # tokens a different set scored
-    contiguous: int = 0  # tokens 0..contiguous-1 are all in: O(1) answers for every stream chunk
-    finished: bool = False
-    touched: float = field(default_factory=time.monotonic)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    latest: int = -1  # the highest token index in
-    lost: bool = False  # the worker could not send a step of this request's: waits end at once
-    # time.perf_counter() when the hub began and finished taking in the step that completed
-    # the prompt (0.0 until then): how soon after it the first chunk came (`ScoreHub.first_chunk_gaps`)
-    prompt_step_in: float = 0.0
-    prompt_step_done: float = 0.0
-
-    def add_token(self, index: int, scores: tuple[float, ...], probes: ProbeColumns) -> None:
-        """`scores`: calibrated, one per probe of `probes` (the set that scored this token)."""
-        self.tokens[index] = scores
-        if self.token_probes is None:
-            self.token_probes = probes
-        elif probes is not self.token_probes:
-            self.other_probes[index] = probes  # a probe swap while the request ran
-        elif self.other_probes:
-            self.other_probes.pop(index, None)  # the token came again, scored by the first set
-        while self.contiguous in self.tokens:
-            self.contiguous += 1
-        if index > self.latest:
-            self.latest = index
-
-    def probes_of(self, index: int) -> ProbeColumns | None:
-        """The probe set that scored token `index` (None if it has not come in)."""
-        if index not in self.tokens:
-            return None
-        return self.other_probes.get(index, self.token_probes) if self.other_probes else self.token_probes
-
-    def has(self, *, prompt: bool, tokens: int) -> bool:
-        """The prompt summary (if asked) and tokens [0, tokens) are all in, or as far in as they
-        will ever be. Steps arrive in order and a prompt's summary comes with its first token,
-        so once a later token is in, an earlier one missing (and a summary missing) was lost
-        on the way or fell in a pause: waiting for it would only hold the chunk."""
-        if self.lost:
-            return True
-        if prompt and self.prompt is None and self.latest < 0:
-            return False
-        return self.contiguous >= tokens or self.latest >= tokens - 1
-
-
-class _ProbeSet:
-    """One probe-table version as the hub sees it: names and calibration, vectorised."""
-
-    def __init__(self, probes: list[ProbeInfo]) -> None:
-        self.probes = ProbeColumns(probes)
-        self._slope = np.array([p.slope for p in probes], dtype=np.float64)
-        self._intercept = np.array([p.intercept for p in probes], dtype=np.float64)
-
-    @classmethod
-    def from_described(cls, described) -> "_ProbeSet":
-        """From a step's `probes` (ProbeTable.describe: name, read, slope, intercept, layer each)."""
-        return cls([ProbeInfo(*p) for p in described])
-
-    def calibrate(self, raw: np.ndarray) -> np.ndarray:
-        """[n, k] raw -> calibrated, each column with its own probe's slope and intercept."""
-        return calibrate_array(raw, self._slope, self._intercept)
-
-
-def laid_out_prompt(summary: dict, probes: ProbeColumns) -> tuple[dict[str, dict], list[bytes | None] | None]:
-    """A complete prompt's calibrated part per probe (`responses.prompt_fields`) and its first
-    chunk's JSON around the tokens' scores (`responses.prompt_json_parts`; None where it could
-    not be written: the first chunk then writes it itself). A bad summary gives no fields
-    rather than costing the step's other scores."""
-    try:
-        fields = responses.prompt_fields(summary, probes)
-    except Exception:
-        log.exception("probex: could not lay out a prompt's scores")
-        fields = {}
-    try:
-        return fields, responses.prompt_json_parts(fields)
-    except Exception:
-        log.exception("probex: could not write a prompt's scores as JSON")
-        return fields, None
-
-
 class ScoreHub:
     """API-server side: receives score messages and answers "are request X's scores here yet?"."""
 
-    def __init__(self, address: str, retention_s: float = 300.0, owner: str | None = None,
-                 formatted: bool = False) -> None:
-        """`owner`: where several API server processes share the worker, this process's tag
-        (`owner_tag`); the hub then books only rows whose request id carries it (with the
-        formatter, it is the topic the formatter sends this process's rows on). None: every row.
-        `formatted`: `address` is the score formatter's (score_formatter.py), which sends this
-        process its own rows already booked, calibrated and written as JSON; otherwise the
-        worker's, which sends every step whole."""
+    def __init__(self, address: str, retention_s: float = 300.0, owner: str | None = None) -> None:
+        """`address`: the score formatter's. `owner`: where several API server processes share
+        the worker, this process's tag (`owner_tag`), the topic the formatter sends this
+        process's rows on. None: the one API server process."""
         self.address = address
         self.retention_s = retention_s
         self.owner = owner
-        self._owner_marker = f"{OWNER_MARKER}{owner}"
-        self.formatted = formatted
         # The formatter's topic for this process, its numbering of each topic heard (this
         # process's and BROADCAST), which formatter that was (`publisher`, new every start) and
         # when this hub last heard from it (`silent` once that is SILENT_AFTER_S ago).
@@ -311,12 +59,10 @@ class ScoreHub:
         # Bumped by each swap control message: the middleware's cached listings are older than it.
         self.swaps = 0
         self._requests: dict[str, RequestScores] = {}
-        self._tables: dict[int, _ProbeSet] = {}
+        self._tables: dict[int, ProbeSet] = {}
         self._task: asyncio.Task | None = None
         self._socket = None
         self.messages_received = 0
-        self._external_ids: dict[str, str] = {}  # engine request id -> ours, saves a regex per token
-        self._steps = StepReader()  # the books of every request's prompt, fed by the worker's steps
         # How long responses were held back waiting for scores (the cost the tap adds to
         # latency, if any), split by first chunk (prompt summary) and later tokens.
         self.waits = {"prompt": WaitStats(), "tokens": WaitStats()}
@@ -388,23 +134,17 @@ class ScoreHub:
         self._socket = ctx.socket(zmq.SUB)
         self._socket.setsockopt(zmq.RCVHWM, 0)
         loop = asyncio.get_running_loop()
-        if self.formatted:
-            self._socket.setsockopt(zmq.SUBSCRIBE, self._topic)
-            self._socket.setsockopt(zmq.SUBSCRIBE, BROADCAST)
-            self._heard = time.monotonic()
-            self._silence_task = loop.create_task(self._watch_for_silence())
-        else:
-            self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        # The worker (or the formatter) binds: one address for every API server process.
+        self._socket.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self._socket.setsockopt(zmq.SUBSCRIBE, BROADCAST)
+        self._heard = time.monotonic()
+        self._silence_task = loop.create_task(self._watch_for_silence())
+        # The formatter binds: one address for every API server process.
         self._socket.connect(self.address)
         self._task = loop.create_task(self._receive_forever())
 
     async def _receive_forever(self) -> None:
-        """The worker's messages (one frame each), or the formatter's ([topic, frame])."""
-        if self.formatted:
-            receive, take = self._socket.recv_multipart, lambda frames: self.take_formatted(*frames)
-        else:
-            receive, take = self._socket.recv, lambda frame: self.ingest(self._decoder.decode(frame))
+        """The formatter's messages ([topic, frame])."""
+        receive, take = self._socket.recv_multipart, lambda frames: self.take_formatted(*frames)
         last_sweep = time.monotonic()
         while True:
             received = await receive()
@@ -529,57 +269,7 @@ class ScoreHub:
         if pause is not None:
             self.set_paused(bool(pause[1]), int(pause[0]))
 
-    def ingest(self, message: dict) -> None:
-        """One worker step (`bookkeeping.step_message`: layout + raw block), read through the
-        books here into prompt summaries, sampled-token scores and request ends."""
-        started = time.perf_counter()
-        if message.get(CONTROL) != "heartbeat":  # the count is of what the worker had to say
-            self.messages_received += 1
-        sequence = message.get(SEQUENCE)
-        if sequence is not None:
-            # The first message heard sets the count's start (a process that joins late was
-            # not sent the earlier ones); a count lower than the last is a new publisher.
-            last, self._last_sequence = self._last_sequence, sequence
-            if last is not None and sequence > last + 1:
-                self._messages_missing(sequence - last - 1)
-        if CONTROL in message:
-            return self._control(message)
-        self._apply_pause(pause_of(message))  # each step carries it: a lost pause message is made good here
-        table = self._probe_set(message["v"], message["probes"])
-        events = self._steps.read(message, self._owner_marker if self.owner is not None else None)
-        probes = table.probes
-        if len(self._external_ids) > 100_000:  # ids are never reused: forgetting them all is safe
-            self._external_ids.clear()
-        prompted = []
-        for event in events.prompt:
-            state = self._state(self._external_id(event["req"]))
-            state.prompt_step_in = started
-            prompted.append(state)
-            # Calibrated and laid out now, not when the first chunk is decorated: that runs on
-            # the way to the client's first token, this usually while the engine is still
-            # sending that token out.
-            fields, state.prompt_json_parts = laid_out_prompt(event, probes)
-            state.prompt, state.prompt_fields, state.prompt_probes = event, fields, probes
-            state.changed.set()
-        if events.token_req_ids:
-            # One vectorised calibration per step instead of one math.exp per token and
-            # probe later, on the event loop that also relays every chunk; one clock read per
-            # step, not per token; the usual lookups inline (every token of every stream).
-            scores = map(tuple, table.calibrate(events.token_raw).tolist())
-            now = time.monotonic()
-            requests, external_ids = self._requests, self._external_ids
-            for req, index, values in zip(events.token_req_ids, events.token_indexes, scores):
-                key = external_ids.get(req) or self._external_id(req)
-                state = requests.get(key) or self._state(key, now)
-                state.touched = now
-                state.add_token(index, values, probes)
-                if state.token_json is not None and index >= state.token_json_from:
-                    state.token_json[index] = responses.token_scores_json(index, values, probes)
-                state.changed.set()
-        self._mark_finished(events.finished)
-        self._intake_done(started, prompted)
-
-    def _probe_set(self, version: int, described: list | msgspec.Raw) -> _ProbeSet:
+    def _probe_set(self, version: int, described: list | msgspec.Raw) -> ProbeSet:
         """The probe set a step was scored by (`described` as ProbeTable.describe wrote it)."""
         if version > self._probe_version:
             self._probe_version = version
@@ -590,7 +280,7 @@ class ScoreHub:
         if table is None:
             if isinstance(described, msgspec.Raw):
                 described = msgspec.msgpack.decode(described)
-            table = self._tables[version] = _ProbeSet.from_described(described)
+            table = self._tables[version] = ProbeSet.from_described(described)
         return table
 
     def _intake_done(self, started: float, prompted: list[RequestScores]) -> None:
@@ -615,9 +305,6 @@ class ScoreHub:
         if gap < SOON_AFTER_INTAKE_S:
             self.first_chunk_gaps["soon_after_intake"].add(gap)
 
-    def _mark_finished(self, engine_request_ids: list[str]) -> None:
-        self._finished_keys([self._external_id(req) for req in engine_request_ids])
-
     def _finished_keys(self, keys) -> None:
         for key in keys:
             state = self._requests.get(key)
@@ -634,11 +321,6 @@ class ScoreHub:
         if self.losses in (1, 10, 100) or self.losses % 1000 == 0:
             log.warning("probex: %s (%d times so far)", what, self.losses)
 
-    def _owned(self, engine_request_id: str) -> bool:
-        """Was this request given its id by this process (several API server processes)?
-        Its ids read "<chatcmpl|cmpl>-probex-<owner><24 hex>..." (middleware.inspect_request)."""
-        return self._owner_marker in engine_request_id
-
     def _control(self, message: dict) -> None:
         """The tap paused or running again, or a swap, announced to every API server process:
         the process that took the request knew already, the others learn it here."""
@@ -651,24 +333,8 @@ class ScoreHub:
                 self._probe_version = max(self._probe_version, int(message["version"]))
                 if self.on_probes_swapped is not None:
                     self.on_probes_swapped(int(message["version"]), list(message.get("dirs") or []))
-        elif kind == "heartbeat":  # its number was the news (a gap in the count is handled above)
-            self._apply_pause(pause_of(message))  # and the worker's pause state
-        elif kind == "lost":
-            self.steps_lost += 1
-            mine = [req for req in message.get("requests", ()) if self.owner is None or self._owned(req)]
-            for req in mine:  # each waits no more for scores (a step of theirs never comes)
-                self._state(self._external_id(req)).lost = True
-            finished = [req for req in message.get("finished", ()) if self.owner is None or self._owned(req)]
-            self._mark_finished(self._steps.book.finish(finished))
-            self._scores_lost("the worker could not send a step's scores")
         else:
             log.warning("probex: unknown control message %r", kind)
-
-    def _external_id(self, engine_request_id: str) -> str:
-        key = self._external_ids.get(engine_request_id)
-        if key is None:
-            key = self._external_ids[engine_request_id] = external_request_id(engine_request_id)
-        return key
 
     def _state(self, key: str, now: float | None = None) -> RequestScores:
         state = self._requests.get(key)
@@ -689,15 +355,6 @@ class ScoreHub:
         stale = [k for k, s in self._requests.items() if now - s.touched > self.retention_s]
         for key in stale:
             del self._requests[key]
-        # A prompt still being prefilled is written every step it runs; one untouched for the
-        # whole retention window lost its end (a dropped message).
-        self._steps.book.forget_stale(self.retention_s, now)
-
-    @property
-    def open_prompt_books(self) -> int:
-        """Requests whose books are still open (prompt accumulators kept until they end; none
-        here where the score formatter keeps the books)."""
-        return len(self._steps.book)
 
     def __len__(self) -> int:
         return len(self._requests)

@@ -37,7 +37,9 @@ from urllib.parse import parse_qs
 import msgspec
 
 from engine_worker.scores import render as responses
-from engine_worker.api_server.hub import RequestScores, ScoreHub, owner_tag
+from engine_worker.api_server.hub import ScoreHub
+from engine_worker.scores.columns import RequestScores
+from engine_worker.scores.wire import owner_tag
 from engine_worker.steering import STEERING_XARGS, SteeringError, SteerRequest, cache_salt, steering_from_xargs
 from engine_worker.tap.config import ENV_ADMIN_TOKEN, ENV_API_SERVER_COUNT, ENV_TAP_CONFIG, TapConfig, scores_delivered
 from engine_worker.vllm.openai import PROMPT_TOKEN_IDS_UNWANTED, leave_out_unwanted_prompt_token_ids

@@ -1,8 +1,8 @@
 """Which rows of a step belong to which request, and what each request has been scored.
 
-Engine-agnostic: the runner adapter describes a step as a `StepLayout` (requests in
-row order, how many rows each got, how many of its tokens were computed before the
-step, its prompt length) and hands over the raw probe values of the step's rows;
+Engine-agnostic: the engine adapter describes a step as a `StepView` (engine_worker/step.py:
+requests in row order, how many rows each got, how many of its tokens were computed before
+the step, its prompt length) and hands over the raw probe values of the step's rows;
 everything else lives here and is unit-tested without an engine.
 
 Conventions
@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine_worker.step import StepView
+
 
 @dataclass(frozen=True)
 class ProbeSlot:
@@ -34,51 +36,6 @@ class ProbeSlot:
     read: str
     slope: float
     intercept: float
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    req_ids: list[str]
-    num_scheduled: np.ndarray
-    num_computed: np.ndarray
-    num_prompt: np.ndarray
-
-    def __post_init__(self) -> None:
-        n = len(self.req_ids)
-        if not (len(self.num_scheduled) == len(self.num_computed) == len(self.num_prompt) == n):
-            raise ValueError("StepLayout: per-request arrays must have one entry per request")
-
-    @classmethod
-    def empty(cls) -> "StepLayout":
-        none = np.zeros(0, dtype=np.int64)
-        return cls(req_ids=[], num_scheduled=none, num_computed=none, num_prompt=none)
-
-    @property
-    def row_starts(self) -> np.ndarray:
-        cached = self.__dict__.get("_row_starts")
-        if cached is None:  # computed once: per-request lookups would otherwise redo the cumsum
-            cached = np.zeros(len(self.req_ids), dtype=np.int64)
-            if len(self.req_ids) > 1:
-                np.cumsum(self.num_scheduled[:-1], out=cached[1:])
-            object.__setattr__(self, "_row_starts", cached)
-        return cached
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.num_scheduled.sum())
-
-    def prompt_rows(self, i: int) -> tuple[int, int, int]:
-        """(first row, last row exclusive, first position) of request i's prompt rows in this step."""
-        start, c, n, p = int(self.row_starts[i]), int(self.num_computed[i]), int(self.num_scheduled[i]), int(self.num_prompt[i])
-        count = max(0, min(c + n, p) - c)
-        return start, start + count, c
-
-    def sampling_row(self, i: int) -> tuple[int, int] | None:
-        """(row, generated-token index) if this step samples a new token for request i."""
-        c, n, p = int(self.num_computed[i]), int(self.num_scheduled[i]), int(self.num_prompt[i])
-        if c + n < p:
-            return None  # a chunk of a longer prefill: nothing is sampled yet
-        return int(self.row_starts[i]) + n - 1, c + n - p
 
 
 @dataclass(frozen=True)
@@ -191,7 +148,7 @@ class ScoreBook:
     def __len__(self) -> int:
         return len(self._prompts)
 
-    def record_step(self, layout: StepLayout, table: ProbeTable, raw: np.ndarray) -> StepEvents:
+    def record_step(self, layout: StepView, table: ProbeTable, raw: np.ndarray) -> StepEvents:
         # Runs with an empty probe set too: capture mode still needs to know when prompts end.
         # Vectorised over requests: this runs every step for the whole batch, on the API
         # server's event loop (and in capture mode on the worker's transfer thread too).
@@ -331,7 +288,7 @@ def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
 # the tap paused or running again, a probe set or steering vectors swapped in (so each
 # process's cached listings are dropped, whichever process took the swap).
 CONTROL = "control"
-# The publisher's running count, stamped on every message it sends (delivery.ScorePublisher):
+# The publisher's running count, stamped on every message it sends (the ring's publisher, ring.RingPublisher):
 # a receiver that finds one missing knows some scores will never come.
 SEQUENCE = "seq"
 
@@ -391,7 +348,7 @@ def lost_message(requests: list[str], finished: list[str]) -> dict:
     return {CONTROL: "lost", "requests": list(requests), "finished": list(finished)}
 
 
-def step_message(table: ProbeTable, layout: StepLayout, raw: np.ndarray | None, finished: list[str],
+def step_message(table: ProbeTable, layout: StepView, raw: np.ndarray | None, finished: list[str],
                  pause: tuple[int, bool] | None = None) -> dict:
     """One step for the wire: ids as a list, the per-request counts and the scores as raw bytes;
     `pause`, the worker's (pause changes, paused) as it sends, so a receiver that lost a pause
@@ -428,7 +385,7 @@ class StepReader:
         touched. None: every request."""
         table = self._table(message["v"], message["probes"])
         step = message["step"]
-        layout = StepLayout(
+        layout = StepView(
             req_ids=list(step["req"]),
             num_scheduled=np.frombuffer(step["scheduled"], dtype=np.int64),
             num_computed=np.frombuffer(step["computed"], dtype=np.int64),
@@ -454,7 +411,7 @@ class StepReader:
         return table
 
 
-def _owned_rows(layout: StepLayout, raw: np.ndarray, owner_marker: str) -> tuple[StepLayout, np.ndarray]:
+def _owned_rows(layout: StepView, raw: np.ndarray, owner_marker: str) -> tuple[StepView, np.ndarray]:
     """The step's requests whose ids hold `owner_marker`, and their rows (each request's rows
     are contiguous, `num_scheduled` of them, in request order). Runs on the API server's
     event loop for every step, in every process: a comprehension with `in`, no call per id."""
@@ -462,7 +419,7 @@ def _owned_rows(layout: StepLayout, raw: np.ndarray, owner_marker: str) -> tuple
     if all(flags):
         return layout, raw
     mine = np.array(flags, dtype=bool)
-    kept = StepLayout(req_ids=[req for req, keep in zip(layout.req_ids, flags) if keep],
+    kept = StepView(req_ids=[req for req, keep in zip(layout.req_ids, flags) if keep],
                       num_scheduled=layout.num_scheduled[mine], num_computed=layout.num_computed[mine],
                       num_prompt=layout.num_prompt[mine])
     return kept, raw[np.repeat(mine, layout.num_scheduled)]

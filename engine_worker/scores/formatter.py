@@ -1,20 +1,14 @@
 """The score formatter: a process beside the worker that turns each step's raw scores into what
 every API server process needs of it, rendered, so their event loops only file it.
 
-Without it (delivery.py) every API server process takes in every step whole: decodes it, books
-the rows of its own requests (prompt accumulators, which row is which token), calibrates them
-and writes each token's JSON, on the event loop that also relays every stream chunk of that
-process. With `--api-server-count 4` at 64 streams that intake is most of ProbeX's work on
-those loops. Here it is done once, in a process of its own (`probex worker` starts it unless
-told `--no-score-formatter`):
-
-    worker --steps (PUB)--> formatter --scores (PUB, one topic per API server process)--> hubs
+    engine thread --score ring (shared memory)--> formatter --scores (ZMQ PUB, one topic per
+    API server process)--> the hub in each API server process
 
 The formatter keeps the books (`bookkeeping.StepReader`), calibrates, lays out each prompt's
 scores as the first chunk writes them, writes each token's one-token chunk JSON, and sends
 each API server process (`owner_tag` in its requests' ids) a `FormattedStep` with its rows
 alone, on its own topic. Control messages (pause, swap, a lost step) go to every process on
-`BROADCAST`. The ids are already the middleware's own (`external_request_id`).
+`BROADCAST`. The ids are the middleware's own once the engine's suffix is cut (`external_request_id`).
 
 Failure is never silent: each topic's messages are numbered and every message names the
 formatter that sent it (`publisher`, random per start), so a hub finds messages lost on the
@@ -53,15 +47,15 @@ import zmq
 
 from engine_worker.scores import render as responses
 from engine_worker.scores.bookkeeping import CONTROL, SEQUENCE, ProbeSlot, ProbeTable, StepReader, gather_scores, pause_of
-from engine_worker.api_server.hub import (BROADCAST, OWNER_MARKER, PUBLISHER, UNTAGGED, FormattedPrompt, FormattedStep,
-                                    _ProbeSet, external_request_id, laid_out_prompt)
+from engine_worker.scores.wire import (BROADCAST, OWNER_MARKER, PUBLISHER, UNTAGGED, FormattedPrompt, FormattedStep,
+                                       ProbeSet, external_request_id, laid_out_prompt)
 from engine_worker.scores.ring import RingReader, ScoreRing
 
 log = logging.getLogger("probex.score_formatter")
 
 HEARTBEAT_S = 1.0  # every process hears from the formatter at least this often
 WORKER_SILENT_AFTER_S = 3.0  # the worker heartbeats every second when idle
-_OWNER_TAG = re.compile(r"[0-9a-f]{8}")  # delivery.owner_tag's
+_OWNER_TAG = re.compile(r"[0-9a-f]{8}")  # wire.owner_tag's
 
 
 class ScoreFormatter:
@@ -71,7 +65,7 @@ class ScoreFormatter:
         self.publisher = publisher if publisher is not None else random.getrandbits(31)
         self._tagged = api_server_count > 1
         self._reader = StepReader()
-        self._tables: dict[int, _ProbeSet] = {}
+        self._tables: dict[int, ProbeSet] = {}
         self._described: dict[int, msgspec.Raw] = {}
         self._routes: dict[str, tuple[bytes, str]] = {}  # engine request id -> (topic, our id)
         self.sequences: dict[bytes, int] = {}
@@ -135,7 +129,7 @@ class ScoreFormatter:
         version = message["v"]
         table = self._tables.get(version)
         if table is None:
-            table = self._tables[version] = _ProbeSet.from_described(message["probes"])
+            table = self._tables[version] = ProbeSet.from_described(message["probes"])
         probes = table.probes
         by_topic: dict[bytes, FormattedStep] = {}
         pause = pause_of(message)
@@ -279,30 +273,6 @@ class _RingSource:
             time.sleep(self.BUSY_POLL_S if busy else self.IDLE_POLL_S)
 
 
-class _SocketSource:
-    """The worker's messages from its ZMQ step socket (PROBEX_SCORE_RING=0, or no ring)."""
-
-    def __init__(self, ctx: zmq.Context, step_address: str) -> None:
-        self.socket = ctx.socket(zmq.SUB)
-        # Bounded: a formatter minutes of steps behind drops there, and the gap in the worker's
-        # count goes on to every process as a loss, rather than its queue and every score's delay
-        # growing without end and unseen.
-        self.socket.setsockopt(zmq.RCVHWM, 10_000)
-        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self.socket.connect(step_address)
-        self._decoder = msgspec.msgpack.Decoder()
-
-    def next(self, timeout_s: float) -> dict | None:
-        if not self.socket.poll(timeout_s * 1000):
-            return None
-        frame = self.socket.recv()
-        try:
-            return self._decoder.decode(frame)
-        except Exception:
-            log.exception("probex: could not decode a score message")
-            return {}
-
-
 def _fine_timer_slack() -> None:
     """Sleeps of tens of microseconds as asked (Linux's default slack adds 50 µs to each)."""
     try:
@@ -313,15 +283,13 @@ def _fine_timer_slack() -> None:
         pass
 
 
-def serve(step_address: str | None, score_address: str, api_server_count: int, parent_pid: int | None = None,
-          ready_fd: int | None = None, high_water_mark: int = 100_000, ring_fd: int | None = None) -> None:
+def serve(ring_fd: int, score_address: str, api_server_count: int, parent_pid: int | None = None,
+          ready_fd: int | None = None, high_water_mark: int = 100_000) -> None:
     """The formatter's loop: until the worker (`parent_pid`) is gone. `ready_fd`: written to
-    once the sockets are bound and connected (`FormatterProcess` waits for it). The worker's
-    messages come from its score ring (`ring_fd`, inherited) or its step socket."""
-    if (step_address is None) == (ring_fd is None):
-        raise ValueError("the score formatter reads either a step address or a score ring")
+    once the socket is bound (`FormatterProcess` waits for it). The worker's messages come
+    from its score ring (`ring_fd`, inherited)."""
     ctx = zmq.Context()
-    steps = _RingSource(ring_fd) if ring_fd is not None else _SocketSource(ctx, step_address)
+    steps = _RingSource(ring_fd)
     scores = ctx.socket(zmq.PUB)
     # A process so far behind that its queue is full loses messages there alone, and finds the gap.
     scores.setsockopt(zmq.SNDHWM, high_water_mark)
@@ -333,8 +301,7 @@ def serve(step_address: str | None, score_address: str, api_server_count: int, p
     formatter = ScoreFormatter(api_server_count)
     last_sweep = last_parent_check = time.monotonic()
     worker_silent = False
-    log.info("probex: score formatter %d: %s -> %s", formatter.publisher,
-             step_address or "the worker's score ring", score_address)
+    log.info("probex: score formatter %d: the worker's score ring -> %s", formatter.publisher, score_address)
     while True:
         message = steps.next(HEARTBEAT_S / 4)
         if message is not None:
@@ -381,12 +348,10 @@ class FormatterProcess:
 
     STARTUP_S = 30.0
 
-    def __init__(self, step_address: str | None, score_address: str, api_server_count: int,
-                 ring_fd: int | None = None) -> None:
-        """The worker's messages come from `step_address` (ZMQ) or the score ring `ring_fd`."""
-        source = ["--ring-fd", str(ring_fd)] if ring_fd is not None else ["--steps", step_address]
-        self._inherited = (ring_fd,) if ring_fd is not None else ()
-        self.command = [sys.executable, "-m", "engine_worker.scores.formatter", *source,
+    def __init__(self, score_address: str, api_server_count: int, ring_fd: int) -> None:
+        """The worker's messages come from the score ring `ring_fd` (inherited by the child)."""
+        self._inherited = (ring_fd,)
+        self.command = [sys.executable, "-m", "engine_worker.scores.formatter", "--ring-fd", str(ring_fd),
                         "--scores", score_address, "--api-server-count", str(api_server_count),
                         "--parent", str(os.getpid())]
         cpus = launcher_cpus()
@@ -505,9 +470,7 @@ def _run_on(cpus: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="ProbeX score formatter (started by the worker)")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--steps", help="the worker's step address (ZMQ, it binds)")
-    source.add_argument("--ring-fd", type=int, help="the worker's score ring (an inherited memfd; score_ring.py)")
+    parser.add_argument("--ring-fd", type=int, required=True, help="the worker's score ring (an inherited memfd; ring.py)")
     parser.add_argument("--scores", required=True, help="the address the API server processes connect to")
     parser.add_argument("--api-server-count", type=int, default=1)
     parser.add_argument("--parent", type=int, default=None, help="end when this process is gone")
@@ -522,7 +485,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # Ctrl-C reaches the whole process group: the worker ends it (with SIGTERM, or by exiting).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(args.steps, args.scores, args.api_server_count, args.parent, args.ready_fd, ring_fd=args.ring_fd)
+    serve(args.ring_fd, args.scores, args.api_server_count, args.parent, args.ready_fd)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,10 @@ chunk that can carry it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
+from engine_worker.scores.columns import ProbeColumns, RequestScores
 from probes.scoring import calibrate
-
-if TYPE_CHECKING:  # the hub imports this module to lay out a prompt's part when it comes in
-    from engine_worker.api_server.hub import ProbeColumns, RequestScores
 
 _json_encoder = msgspec.json.Encoder()
 _HEADLINE = {"last_prompt_token": "last", "prompt_mean": "mean", "prompt_max": "max"}

@@ -1,10 +1,9 @@
 """A shared-memory ring from the worker's engine thread to the score formatter's process.
 
-Why: at 8 streams on a slow-CPU host the engine thread runs behind the device, and every
-microsecond of ProbeX work on it lands on the next first token. Handing a step's scores over
-through ZMQ meant the engine process itself had to wait for the step's copies to land, then
-gather the probe columns, encode the step and send it (0.13 ms a step on the H100 host,
-docs/benchmarks.md session 41). Through this ring the engine thread only stages the step:
+Why: when the engine thread runs behind the device, every microsecond of ProbeX work on it
+lands on the next first token. So the engine process never waits for a step's copies, gathers
+probe columns, encodes or sends anything; through this ring the engine thread only stages
+the step:
 
 1. it takes the ring's next entry (`RingPublisher.reserve`), which fixes the step's place in
    the order of everything the worker sends and its message number;
@@ -210,7 +209,7 @@ class RingEntry:
 
 
 class RingPublisher:
-    """The worker's side of the ring: what `delivery.ScorePublisher` is over ZMQ — every message
+    """The worker's side of the ring: every message
     numbered (`SEQUENCE`), a heartbeat each `heartbeat_s` while nothing else is sent, the last
     pause state repeated in it — with a step's entry reserved before its copies are enqueued.
 

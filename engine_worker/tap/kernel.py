@@ -13,20 +13,18 @@ scores. Steps of many rows (prefill) give each program all the slots, so the row
 once and the weights (slots x hidden, fp32) stay in L2 across rows. Decode steps of few rows
 give each program one slot: in the served model the weights come back from HBM every step
 (the model's own GEMMs evict them from L2), and one program per row fetched a layer's
-128 KB of them from one SM, 10 µs per layer and step in session 11's profile of the H200
-(`probex bench engine --profile-requests`); one program per slot fetches them from `slots`
-SMs at once. (That split is not yet measured on the GPU.)
+128 KB of them from one SM (about 10 µs per layer and step on an H200); one program per slot
+fetches them from `slots` SMs at once.
 
-`PROBEX_TAP_KERNEL=torch` turns it off (the torch version runs everywhere, e.g. to compare).
+`use_kernel = False` (a module attribute, for comparisons in tests and benchmarks) turns it
+off: the torch version runs everywhere.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-ENV_TAP_KERNEL = "PROBEX_TAP_KERNEL"
+use_kernel = True  # False: the torch version everywhere (a seam for tests and benchmarks)
 MAX_BLOCK = 1024  # hidden elements per iteration at one slot per program; 512 at 8 slots
 # Steps of fewer rows than this get one program per (row, slot) instead of one per row.
 ONE_SLOT_PER_PROGRAM_BELOW_ROWS = 128
@@ -62,7 +60,7 @@ if triton is not None:
 
 
 def enabled() -> bool:
-    return triton is not None and os.environ.get(ENV_TAP_KERNEL, "triton") != "torch"
+    return triton is not None and use_kernel
 
 
 def applies(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

@@ -7,10 +7,8 @@ lets compiled graphs and CUDA graphs keep running unchanged.
 
 Inside vLLM the buffers are built on the meta device (shapes only) and given storage by
 `materialize` once the weights are loaded: allocated while the model was built, they sat
-between one layer's weights and the next one's, so the model's weights were not allocated
-as in plain vLLM (session 11's profile saw three of the model's GEMMs run 1.3-2.5% slower
-with the tap and one 2.9% faster, the same kernels; whether the placement is why is for the
-next GPU run).
+between one layer's weights and the next one's, so the model's weights would not be
+allocated as in plain vLLM.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import torch
 from torch import nn
 
 import engine_worker.tap.ops  # noqa: F401  (registers torch.ops.probex.tap)
-from engine_worker.tap.layer import kernel as fused_tap
+from engine_worker.tap import kernel as fused_tap
 from engine_worker.scores.bookkeeping import ProbeSlot  # noqa: F401  (the host-side record of a slot, torch-free)
 
 

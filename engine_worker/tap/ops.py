@@ -19,8 +19,8 @@ version, a diagnostic, computes the scores anyway). Capture rows are still gathe
 The op mutates only its declared buffers, never reads a value back to the host and
 allocates nothing that outlives the call, so torch.compile keeps it inside the
 compiled graph and CUDA graphs can replay it. On CUDA the scores come from one Triton
-kernel (`fused_tap.py`; capture rows, if any, are gathered with torch next to it); on CPU
-and with PROBEX_TAP_KERNEL=torch everything comes from plain torch (`tap_torch`), the same
+kernel (`kernel.py`; capture rows, if any, are gathered with torch next to it); on CPU
+(and with `kernel.use_kernel` off) everything comes from plain torch (`tap_torch`), the same
 arithmetic.
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_worker.tap.layer import kernel as fused_tap
+from engine_worker.tap import kernel as fused_tap
 
 _LIBRARY = "probex"
 
@@ -60,7 +60,7 @@ def tap(
 
 def tap_torch(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
               scores_out: torch.Tensor, capture_index: torch.Tensor, capture_out: torch.Tensor) -> None:
-    """The tap in plain torch: CPU, layouts the kernel does not take, PROBEX_TAP_KERNEL=torch,
+    """The tap in plain torch: CPU, layouts the kernel does not take, `kernel.use_kernel` off,
     and the reference for the fused kernel."""
     rows = hidden.shape[0]
     if hidden.dtype == torch.float32:

