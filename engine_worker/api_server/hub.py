@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
-import zmq
 
 from engine_worker.scores import render as responses
 from engine_worker.scores.bookkeeping import CONTROL, SEQUENCE, pause_of
 from engine_worker.scores.columns import RequestScores
-from engine_worker.scores.wire import (BROADCAST, PUBLISHER, SILENT_AFTER_S, UNTAGGED, FormattedStep, ProbeSet,
-                                       owner_tag)
+from engine_worker.scores.wire import (BROADCAST, PUBLISHER, SILENT_AFTER_S, UNTAGGED, FormattedStep, ProbeSet)
 
 log = logging.getLogger("probex.delivery")
 

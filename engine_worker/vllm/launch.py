@@ -15,7 +15,7 @@ from probes.steering import check_vector_set, load_vector
 from engine_worker.settings import ADMIN_TOKEN, PREFIX, TAP_CONFIG, refuse_removed_settings
 from engine_worker.tap.config import TapConfig
 
-MIDDLEWARE = "engine_worker.api_server.middleware.ProbexMiddleware"
+MIDDLEWARE = "engine_worker.vllm.api_server.VllmMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm.worker.ProbexWorkerExtension"
 # vLLM's Ray executor copies environment variables with these prefixes to its workers.
 RAY_ENV_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
