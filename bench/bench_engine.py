@@ -84,7 +84,7 @@ plain on the same GPU: two GPUs of one host can differ by more than the tap cost
 ``--profile-requests N`` ends every set-up with N requests one at a time under vLLM's torch
 profiler (its ``--profiler-config``, engine worker only); the trace's device timeline says
 how busy the device was per CUDA-graph step, how long it sat waiting for work (host work
-not hidden behind it) and what ProbeX's kernels and copies took (``probex.profile_trace``).
+not hidden behind it) and what ProbeX's kernels and copies took (``bench.profile_trace``).
 ``--server-cpus 0-7`` and ``--client-cpus 8-15`` keep the servers' processes and this
 client on CPUs of their own (by default both run anywhere, as the OS places them); the run
 records the host's logical CPUs grouped by the core they share (``cpus`` in the JSON), and a
@@ -100,7 +100,7 @@ model's 128256: ids the tokenizer lacks detokenize to empty text, and the stream
 carries one chunk per step with its ``token_ids``, so nothing else is needed).
 
     # GPU machine (kit installed, SmolLM2's tokenizer files carried in .gpukit/tok):
-    python3 -m probex.bench_engine --tokenizer-dir .gpukit/tok --out "$OUT" --runner v1 \\
+    python3 -m bench.bench_engine --tokenizer-dir .gpukit/tok --out "$OUT" --runner v1 \\
         --extra-arg="--attention-backend FLASH_ATTN"
     # the steering rows: --setups plain,tap,steer-idle,steer-active
     # here: the CPU smoke mode (what `make test` runs), and re-rendering a saved run
@@ -2423,10 +2423,10 @@ def profile_phase(url: str, model: str, requests: int, input_len: int, seed: int
                   trace_dir: Path | None) -> dict[str, Any]:
     """`requests` requests of PROFILE_TOKENS tokens, one at a time, between vLLM's
     /start_profile and /stop_profile (the worker writes its trace when stopped); the newest
-    trace under `trace_dir`, summarised (`probex.profile_trace`)."""
+    trace under `trace_dir`, summarised (`bench.profile_trace`)."""
     import httpx
 
-    from probex.profile_trace import find_traces, summarize_trace
+    from bench.profile_trace import find_traces, summarize_trace
 
     prompts = random_prompts(requests, input_len, seed * 1_000_003 + PROFILE_SEED)
     before = set(find_traces(trace_dir)) if trace_dir is not None and trace_dir.exists() else set()
@@ -3789,7 +3789,7 @@ def markdown_tables(result: dict[str, Any]) -> str:
                              f"{per['waiting_idle']:.1f} | {per['probex_kernels']:.2f} | {per['copies']:.2f} |")
             else:
                 lines.append(f"| {s['label']} | {profile_line(s['profile'])} | | | | |")
-        from probex.profile_trace import kernel_differences
+        from bench.profile_trace import kernel_differences
 
         base = next((s for s in profiled if s["kind"] == "plain"), None)
         for s in profiled:

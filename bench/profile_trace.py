@@ -1,9 +1,8 @@
 """What a device did during a few profiled requests: a summary of one torch-profiler trace.
 
-`probex bench engine --profile-requests N` has each server record N requests with vLLM's
+`python -m bench.engine --profile-requests N` has each server record N requests with vLLM's
 torch profiler (`--profiler-config`, `/start_profile`, `/stop_profile`), one at a time. The
-TPOT difference left between plain vLLM and the tap at one stream (~72 µs a step on the
-H200, session 11) is either device time (the op's kernels, the score copies queued between
+TPOT difference between plain vLLM and the tap at one stream is either device time (the op's kernels, the score copies queued between
 the forward and the sampling) or device idle time (the host launching the next step late).
 Client timings cannot tell those apart; the trace can:
 
