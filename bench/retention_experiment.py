@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from probes.retention import compute_retention
-from probex.models import fetch_model
+from probes.models import fetch_model
 from probex.quantize import quantize_model
 
 # (label, method, group size, compute dtype)

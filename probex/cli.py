@@ -115,7 +115,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "model":
-        from probex.models import fetch_model
+        from probes.models import fetch_model
 
         print(fetch_model(args.name, force=args.force))
     elif args.command == "worker":

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from probes.artifact import ProbeArtifact, ReadPoint, save_probe
-from probex.models import fetch_model
+from probes.models import fetch_model
 from probex.processes import WorkerExited, free_port, wait_until_healthy
 
 MODEL_NAME = "smollm2-135m-instruct"
