@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROBEX := $(VENV)/bin/probex
 
-.PHONY: setup run worker test test-unit test-engine probes bench bench-engine clean
+.PHONY: setup run worker test test-unit test-engine probes bench bench-engine serve-compare clean
 
 setup:
 	@bash scripts/setup.sh
@@ -35,17 +35,21 @@ test-engine: setup
 probes: setup
 	$(PY) -m probes.demo
 
-# Benchmarks write JSON under out/. The engine benchmark needs a GPU (see docs/gpu.md).
+# Benchmarks live in bench/ (not installed; run from the repository root) and write JSON under out/.
 bench: setup
-	$(PY) -m probex.bench_gateway --out out/bench-gateway.json
-	$(PY) -m probex.bench_handoff --out out/bench-handoff.json
+	$(PY) -m bench.gateway --out out/bench-gateway.json
 
 # Engine benchmark: plain vLLM vs ProbeX tap (8 probes) vs enforce_eager at concurrency 1, 8, 64, Llama-3.1-8B
-# architecture with dummy weights. Needs an NVIDIA GPU (on the GPU machine: python3 -m probex.bench_engine ...,
-# see the module docstring). Extra options: make bench-engine BENCH_ENGINE_ARGS="--runner v1 --setups plain,tap".
+# architecture with dummy weights. Needs an NVIDIA GPU (on the GPU machine: python3 -m bench.engine ...,
+# see bench/engine/__init__.py). Extra options: make bench-engine BENCH_ENGINE_ARGS="--runner v1 --setups plain,tap".
 # Its CPU smoke mode (--smoke) runs in `make test` (tests/test_bench_engine.py).
 bench-engine: setup
-	$(PY) -m probex.bench_engine --out out/bench-engine $(BENCH_ENGINE_ARGS)
+	$(PY) -m bench.engine --out out/bench-engine $(BENCH_ENGINE_ARGS)
+
+# `probex worker` against `vllm serve`, separate starts alternated, loaded by `vllm bench serve` (GPU;
+# SERVE_COMPARE_ARGS="--model DIR --probe DIR"; --smoke runs it on the CPU).
+serve-compare: setup
+	$(PY) -m bench.serve_compare --out out/serve-compare.json $(SERVE_COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

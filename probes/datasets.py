@@ -24,7 +24,6 @@ import csv
 import hashlib
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from typing import Any, Iterable, Sequence
 import yaml
 
 from probes.atomic_files import replacing
+from probes.models import cache_root  # noqa: F401  (probes.extract_hf reads it from here too)
 
 HARMFUL, BENIGN = 1, 0
 
@@ -131,10 +131,6 @@ def drop_overlap(examples: Sequence[LabelledPrompt], seen: Iterable[LabelledProm
 # --------------------------------------------------------------------------- cache and wheels
 
 
-def cache_root() -> Path:
-    # Same convention as probex.models.cache_root, repeated here so that probes/ keeps
-    # importing nothing from the other ProbeX packages.
-    return Path(os.environ.get("PROBEX_CACHE", Path.home() / ".cache" / "probex"))
 
 
 def datasets_dir() -> Path:

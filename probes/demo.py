@@ -273,7 +273,7 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         "",
         "## What it is",
         "",
-        "A linear probe on **SmolLM2-135M-Instruct** (HF directory from `probex.models.fetch_model`, float32 here) that",
+        "A linear probe on **SmolLM2-135M-Instruct** (HF directory from `probes.models.fetch_model`, float32 here) that",
         "scores whether a chat request asks for help doing harm (1) or is benign (0). Prompts are rendered exactly as",
         "vLLM's chat endpoint renders them: one user message, the tokenizer's chat template, `add_generation_prompt=True`",
         "(SmolLM2's template then adds its default system prompt).",
@@ -414,7 +414,7 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         "## Reproduce",
         "",
         "```bash",
-        ".venv/bin/python -c \"from probex.models import fetch_model; fetch_model('smollm2-135m-instruct')\"",
+        ".venv/bin/python -c \"from probes.models import fetch_model; fetch_model('smollm2-135m-instruct')\"",
         ".venv/bin/python -m probes.demo",
         "```",
         "",
@@ -493,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.time()
     if args.model_dir is None:
-        from probex.models import fetch_model  # the one ProbeX import outside probes/, only for the demo
+        from probes.models import fetch_model
 
         args.model_dir = fetch_model(MODEL_NAME)
     layers = list(LAYERS)

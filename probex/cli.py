@@ -77,16 +77,6 @@ def main(argv: list[str] | None = None) -> int | None:
 
     add_calibrate_arguments(calibrate)
 
-    bench = sub.add_parser("bench", help="benchmarks (JSON under out/)")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bench_engine = bench_sub.add_parser(
-        "engine", help="tap cost in the served engine: plain vLLM vs ProbeX tap vs enforce_eager (GPU; --smoke on CPU)")
-    from probex.bench_engine import add_bench_engine_arguments
-
-    add_bench_engine_arguments(bench_engine)
-    bench_sub.add_parser("gateway", add_help=False,
-                         help="gateway overhead against the mock worker (options: probex bench gateway --help)")
-
     schema = sub.add_parser("policy-schema", help="write the policy JSON Schema")
     schema.add_argument("--out", default="config/policy.schema.json")
 
@@ -121,16 +111,11 @@ def _user_errors() -> tuple[type[ValueError], ...]:
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int | None:
-    if args.command == "bench" and args.bench_command == "gateway":
-        from probex import bench_gateway
-
-        sys.argv = ["probex bench gateway", *extra]  # its own parser reads sys.argv
-        return bench_gateway.main()
     if args.command not in ("worker", "serve") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "model":
-        from probex.models import fetch_model
+        from probes.models import fetch_model
 
         print(fetch_model(args.name, force=args.force))
     elif args.command == "worker":
@@ -180,10 +165,6 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         from probex.calibrate import run_calibrate
 
         run_calibrate(args)
-    elif args.command == "bench":
-        from probex.bench_engine import run_bench_engine
-
-        return run_bench_engine(args)
     elif args.command == "policy-schema":
         from gateway.policy import policy_json_schema
 

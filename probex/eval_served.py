@@ -151,7 +151,7 @@ def plot(report: dict, probe_dir: Path, out_dir: Path) -> list[Path]:
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    from probex.models import fetch_model
+    from probes.models import fetch_model
     from probex.train_cli import served_model
 
     model_dir = args.model_dir or fetch_model("smollm2-135m-instruct")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from probes.artifact import ProbeArtifact, ReadPoint, save_probe
-from probex.models import fetch_model
+from probes.models import fetch_model
 from probex.processes import WorkerExited, free_port, wait_until_healthy
 
 MODEL_NAME = "smollm2-135m-instruct"
@@ -133,3 +133,18 @@ class HFReference:
         with self.torch.no_grad():
             out = self.model(self.torch.tensor([token_ids]), output_hidden_states=True)
         return [h[0].float().numpy() for h in out.hidden_states]
+
+
+def health_by_process(url: str, tries_per_process: int = 20) -> dict[object, dict]:
+    """/probex/health of each API server process, by pid: requests on new connections until
+    every process (the count the first answer gives) has answered or the tries run out."""
+    import httpx
+
+    seen: dict[object, dict] = {}
+    processes, tries = 1, 0
+    while len(seen) < processes and tries <= tries_per_process * processes:
+        health = httpx.get(url + "/probex/health", timeout=30).json()
+        server = health.get("api_server") or {}
+        seen[server.get("pid")] = health
+        processes, tries = int(server.get("count", 1)), tries + 1
+    return seen

@@ -777,7 +777,7 @@ def test_smoke_mode_runs_plain_tap_and_eager(tmp_path):
     their plans and analysis are tested above, the steering op on the engine in
     test_engine_steering."""
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "probex.bench_engine", "--smoke", "--setups",
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_engine", "--smoke", "--setups",
                            "plain,tap-toggle,eager", "--profile-requests", "1", "--idle-ttft-pairs", "3",
                            "--toggle-first", "paused", "--toggle-pairs", "1,2:2",
                            "--arrivals", "paced", "--interleave-one-stream",
@@ -1804,7 +1804,7 @@ def test_a_toggled_bar_on_the_chart_also_carries_its_reading_within_its_start():
 
 
 def test_the_gpu_scripts_cpu_split_gives_the_bench_two_disjoint_lists_of_whole_cores():
-    """scripts/gpu/split_cpus.py, which the GPU session runs before pinning: two CPU lists the
+    """bench/gpu/split_cpus.py, which the GPU session runs before pinning: two CPU lists the
     bench's --server-cpus / --client-cpus accept, disjoint, covering this process's CPUs, each
     core's SMT siblings on one side."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "split_cpus.py"

@@ -365,42 +365,6 @@ def test_the_consume_is_split_into_its_parts_for_published_steps(tmp_path, monke
     assert all(parts[f"large_{part}_s"] <= parts[f"{part}_s"] for part in ("layout", "gather", "message", "publish"))
     # the prefill's thread CPU time: its send's 20 ms asleep count in its wall time, not there
     assert 0 < parts["large_cpu_s"] < parts["large_publish_s"] - 0.015
-    # the benchmark reads them per step over a phase, from two snapshots
-    import probex.bench_engine as be
-
-    before = dict.fromkeys(parts, 0)
-    split = be.consume_parts_delta(before, parts)
-    assert split["all"]["steps"] == 2 and split["large"]["steps"] == 1
-    assert split["all"]["publish_mean_ms"] == pytest.approx(parts["publish_s"] / 2 * 1e3)
-    assert split["large"]["cpu_mean_ms"] == pytest.approx(parts["large_cpu_s"] * 1e3) and "cpu_mean_ms" not in split["all"]
-    older = {k: v for k, v in parts.items() if k != "large_cpu_s"}  # a worker from before the CPU time
-    assert "cpu_mean_ms" not in be.consume_parts_delta(dict.fromkeys(older, 0), older)["large"]
-    assert be.consume_parts_delta(None, parts) == {}
-    line = be.delivery_line({"transfer": {"landed_mean_ms": 0.1, "consume_mean_ms": 1.0, "consume_parts": split}})
-    assert "consume per published step: layout" in line and "consume per prefill-sized step:" in line
-    assert line.count("on the thread's CPU") == 1
-    # the re-render's table pools each set-up's running phases by their steps; paused phases are left out
-    running = {"paused": False, "delivery": {"transfer": {"consume_parts": split}}}
-    twice = {"all": dict(split["all"], steps=6, publish_mean_ms=4.0)}
-    # the set-up's results phase is its first running phase: counted once
-    setups = [{"label": "tap-toggle#1", "results": {"64": running}, "toggle": {"64": [
-        running, {"paused": True, "delivery": {"transfer": {"consume_parts": twice}}},
-        dict(running, delivery={"transfer": {"consume_parts": twice}})]}},
-        {"label": "tap#1", "results": {"8": running}, "idle_ttft": running}]
-    rows = {(label, phase, which): values for label, phase, which, values in be.consume_split_rows(setups)}
-    assert rows[("tap-toggle#1", "64", "all")]["steps"] == 8 and rows[("tap-toggle#1", "64", "large")]["steps"] == 1
-    assert rows[("tap-toggle#1", "64", "all")]["publish"] == pytest.approx(
-        (split["all"]["publish_mean_ms"] * 2 + 24.0) / 8)
-    assert rows[("tap#1", "8", "all")]["steps"] == 2 and rows[("tap#1", "idle", "all")]["steps"] == 2
-    assert rows[("tap#1", "8", "large")]["cpu"] == pytest.approx(split["large"]["cpu_mean_ms"])
-    assert "cpu" not in rows[("tap#1", "8", "all")]
-    # the table gets an "on CPU" column where any row has it, a dash where a row has not
-    table = "\n".join(be.consume_table_lines(setups[1:]))
-    header = next(line for line in table.splitlines() if line.startswith("| set-up | phase | steps | layout"))
-    assert header.endswith("| sum | on CPU |")
-    assert any(line.startswith("| tap#1 | c=8 | all (2) |") and line.endswith(" — |") for line in table.splitlines())
-    assert any(line.startswith("| tap#1 | c=8 | prefill-sized (1) |")
-               and line.endswith(f" {split['large']['cpu_mean_ms']:.3f} |") for line in table.splitlines())
     controller.transfer.close()
 
 

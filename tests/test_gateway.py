@@ -796,7 +796,7 @@ def test_bench_load_generator_reads_streams_and_mock_timestamps(tmp_path):
 
     from gateway.mock_upstream import MockState, create_mock_app
     from gateway.serving import ServerThread
-    from probex.bench_gateway import _one_stream, _request_bytes, _Stream
+    from bench.gateway import _one_stream, _request_bytes, _Stream
 
     mock = ServerThread(create_mock_app(MockState(["harmful-request"], 0, timestamps=True))).start()
     port = int(mock.url.rsplit(":", 1)[1])

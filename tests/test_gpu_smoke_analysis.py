@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from probex.gpu_tp_smoke import compare_tp, gate_row_flips
+from bench.gpu_tp_smoke import compare_tp, gate_row_flips
 
 
 def run(tokens, a10_generated, gate_rows=None, gap=None):
@@ -50,7 +50,7 @@ def test_a_generated_token_gate_decision_counts_up_to_and_including_the_parting_
 
 
 def test_the_gate_threshold_sits_in_the_widest_gap_of_the_middle_half_of_the_prompt_rows():
-    from probex.gpu_steer_smoke import gate_bias_with_margin
+    from bench.gpu_steer_smoke import gate_bias_with_margin
 
     # middle half (rows 2..5 of 8 sorted): 1.0, 1.1, 2.0, 2.05 -> widest gap 1.1..2.0
     raw = np.array([2.05, -5.0, 1.1, 9.0, 1.0, 8.5, -4.0, 2.0])
@@ -78,7 +78,7 @@ def _smoke_response(tokens: list[int], generated: list[float], last_raw: float) 
 
 
 def test_a_reanalyzed_smoke_recomputes_score_differences_and_keeps_the_saved_residual_cosines():
-    from probex.gpu_smoke import reanalyzed_comparisons
+    from bench.gpu_smoke import reanalyzed_comparisons
 
     saved = {
         # the sequences part at their third token: its score is compared (it depends on the two

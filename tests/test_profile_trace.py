@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from probex.profile_trace import find_traces, merged_intervals, summarize_events, summarize_trace
+from bench.profile_trace import find_traces, merged_intervals, summarize_events, summarize_trace
 
 
 def kernel(name, ts, dur, cat="kernel"):
@@ -88,7 +88,7 @@ def test_kernels_whose_long_names_share_a_prefix_are_kept_apart():
 
 
 def test_kernel_differences_rank_what_a_set_up_adds_or_slows_per_graph_launch():
-    from probex.profile_trace import kernel_differences
+    from bench.profile_trace import kernel_differences
 
     base = summarize_events(made_up_trace())
     slower = [dict(e, dur=e["dur"] + 40) if e.get("name") == "gemm_b" else e for e in made_up_trace()]

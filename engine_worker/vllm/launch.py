@@ -201,7 +201,7 @@ def resolve_model(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
-    from probex.models import KNOWN_MODELS, model_dir
+    from probes.models import KNOWN_MODELS, model_dir
 
     if model in KNOWN_MODELS:
         cached = model_dir(model)

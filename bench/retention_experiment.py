@@ -5,7 +5,7 @@ computes relative calibration retention on each (`probex calibrate`) and, for co
 the probe's AUROC (with a bootstrap 95% CI) on its held-out-source set — the labelled
 measurement the retention scalar is meant to stand in for.
 
-    .venv/bin/python -m probex.retention_experiment --out docs/results/retention.json
+    .venv/bin/python -m bench.retention_experiment --out docs/results/retention.json
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from probes.retention import compute_retention
-from probex.models import fetch_model
+from probes.models import fetch_model
 from probex.quantize import quantize_model
 
 # (label, method, group size, compute dtype)

@@ -1,7 +1,7 @@
 """GPU smoke test of steering: the in-graph write and gate under CUDA graphs, vs piecewise and eager.
 
 Runs on the GPU machine (docs/gpu.md for the set-up; same random-weight SmolLM2-architecture
-model as `probex.gpu_smoke`). For each model runner and mode (`graphs` = vLLM's default
+model as `bench.gpu_smoke`). For each model runner and mode (`graphs` = vLLM's default
 FULL_AND_PIECEWISE, `piecewise`, `eager`) it starts `probex worker` with probes at layers
 10 and 20, steering at layer 10 (a fixed random unit vector), and sends 8 prompts in five
 variants at once — one batch, so steered, gated and unsteered rows share every step:
@@ -19,7 +19,7 @@ live with PUT /probex/probes in every engine), so the write changes what a rando
 says and the gate opens at some tokens and not at others.
 It then times 8 requests x 128 tokens with no steered row (idle op) vs all rows steered.
 
-    python3 -m probex.gpu_steer_smoke --skeleton .gpukit/model --out "$OUT" [--runners v1,v2]
+    python3 -m bench.gpu_steer_smoke --skeleton .gpukit/model --out "$OUT" [--runners v1,v2]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from probex.gpu_smoke import (GRAPH_LOG_PATTERNS, MODES, PROMPTS, RUNNERS, build_model, max_tokens_for, run_jobs,
+from bench.gpu_smoke import (GRAPH_LOG_PATTERNS, MODES, PROMPTS, RUNNERS, build_model, max_tokens_for, run_jobs,
                               side_by_side)
 from engine_worker.steering import raw_threshold  # torch-free
 from probex.processes import logged_worker

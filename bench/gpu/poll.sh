@@ -3,7 +3,7 @@
 # hand back what the runs wrote so far under $OUT/runs: each run's bench_engine.json
 # gzipped, its charts, and the tails of its output and server logs (logs.tar.gz).
 #
-#   bash scripts/gpu/poll.sh SECONDS NAME
+#   bash bench/gpu/poll.sh SECONDS NAME
 #
 # Call it again at once when it returns before NAME is done: a machine left idle for 30 s
 # between two calls is given back, and the runs on it are lost.

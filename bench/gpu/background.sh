@@ -2,7 +2,7 @@
 # On the GPU machine: run one long command in the background, so that it outlives the device
 # call that started it (one call may last at most 10 minutes; a bench run takes longer).
 #
-#   bash scripts/gpu/background.sh NAME COMMAND [ARGS...]
+#   bash bench/gpu/background.sh NAME COMMAND [ARGS...]
 #
 # The command runs from /root (so Python imports the checkout installed into /tmp/site by
 # the kit, not the call's copy of the working tree, which is gone after the call), with the

@@ -11,7 +11,7 @@ Engines, all with CUDA graphs (vLLM's default FULL_AND_PIECEWISE), started toget
   in `--compilation-config`. ProbeX must turn both off before vLLM plans around them (log line),
   so vLLM keeps its default runner and the scores still match TP=1.
 
-Each engine answers the steering smoke's batch (`probex.gpu_steer_smoke`: 8 prompts x plain,
+Each engine answers the steering smoke's batch (`bench.gpu_steer_smoke`: 8 prompts x plain,
 alpha 0, steered, gated, generation-only, one batch) with probes at layers 10 and 20 and the
 steering vector at layer 10; the steering strength and gate bias are measured once, by `v2-tp1`.
 TP=2 is then compared with TP=1 per runner: tokens, prompt scores, generated scores up to the
@@ -22,7 +22,7 @@ the gate's layer, and the gate probe's score on every prompt row, recomputed fro
 compared across the two runs (rows within ~1e-4 of the threshold may have gone the other way
 on the device).
 
-    python3 -m probex.gpu_tp_smoke --skeleton .gpukit/model --out "$OUT"
+    python3 -m bench.gpu_tp_smoke --skeleton .gpukit/model --out "$OUT"
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from probex.gpu_smoke import run_jobs
-from probex.gpu_steer_smoke import GATE_THRESHOLD, VARIANTS, SharedSettings, analyse, build_artifacts, run_engine
+from bench.gpu_smoke import run_jobs
+from bench.gpu_steer_smoke import GATE_THRESHOLD, VARIANTS, SharedSettings, analyse, build_artifacts, run_engine
 
 # label -> (tensor-parallel size, VLLM_USE_V2_MODEL_RUNNER or None for vLLM's choice, extra worker args)
 SEQUENCE_PARALLEL_ASKED = ["--compilation-config", json.dumps({"pass_config": {"enable_sp": True,
@@ -62,7 +62,7 @@ def build_checkpoint(skeleton: Path, dest: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from probex.bench_engine import LLAMA_3_1_8B, write_model_dir
+    from bench.bench_engine import LLAMA_3_1_8B, write_model_dir
 
     write_model_dir(LLAMA_3_1_8B, skeleton, dest)
     config = LlamaConfig.from_pretrained(dest)

@@ -3,7 +3,7 @@ variant of the tap's kernel that serving launches? After it, a decode-sized and 
 prefill-sized step must launch without compiling (no new entry in Triton's kernel cache,
 milliseconds not hundreds of them) and compute what the torch version does.
 
-    python3 scripts/gpu/warm_check.py OUT.json [HIDDEN] [SLOTS]   # Llama-3.1-8B's 4096, 8 slots
+    python3 bench/gpu/warm_check.py OUT.json [HIDDEN] [SLOTS]   # Llama-3.1-8B's 4096, 8 slots
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ sys.path.insert(0, ".")
 
 import torch  # noqa: E402
 
-from engine_worker.tap.layer import kernel as fused_tap
-from engine_worker.tap.layer import ops  # noqa: E402
+from engine_worker.tap import kernel as fused_tap
+from engine_worker.tap import ops  # noqa: E402
 
 
 def compiled_variants() -> int | None:

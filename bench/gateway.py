@@ -36,7 +36,7 @@ block-everything rule and the normal policy) and the time from save to the first
 decided under the new version is recorded. CPU time of each process, of everything else on
 the machine, and the load generator's busy fraction are recorded per scenario and run.
 
-    .venv/bin/python -m probex.bench_gateway --out out/bench-gateway.json
+    .venv/bin/python -m bench.gateway --out out/bench-gateway.json
 """
 
 from __future__ import annotations

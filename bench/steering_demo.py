@@ -15,7 +15,7 @@ and loaded through `PUT /probex/steering`. Two constructions (`--method`):
 generated greedily under every configuration, and each answer is classified as a refusal
 by phrase matching (the phrases are listed below; crude, and reported as such).
 
-    python -m probex.steering_demo --out out/steering-demo.json
+    python -m bench.steering_demo --out out/steering-demo.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """What a device did during a few profiled requests: a summary of one torch-profiler trace.
 
-`probex bench engine --profile-requests N` has each server record N requests with vLLM's
+`python -m bench.engine --profile-requests N` has each server record N requests with vLLM's
 torch profiler (`--profiler-config`, `/start_profile`, `/stop_profile`), one at a time. The
-TPOT difference left between plain vLLM and the tap at one stream (~72 µs a step on the
-H200, session 11) is either device time (the op's kernels, the score copies queued between
+TPOT difference between plain vLLM and the tap at one stream is either device time (the op's kernels, the score copies queued between
 the forward and the sampling) or device idle time (the host launching the next step late).
 Client timings cannot tell those apart; the trace can:
 
@@ -38,7 +37,7 @@ HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "
 # LONG_GAP_US, the device waiting for work; longer still, between requests.
 WAITING_GAP_US = 10.0
 LONG_GAP_US = 1000.0
-# ProbeX's device kernels by name: the fused Triton tap kernel (engine_worker/fused_tap.py).
+# ProbeX's device kernels by name: the fused Triton tap kernel (engine_worker/tap/kernel.py).
 # The torch fallback's matmuls cannot be told from the model's own.
 PROBEX_KERNEL_MARKS = ("_tap_rows", "probex")
 TOP_KERNELS = 12

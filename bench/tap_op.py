@@ -11,16 +11,14 @@ tapped layers of 8 probe slots):
   with its largest difference from the torch version; ``fused_paused``: the same launches
   with the tap paused (its flag set: each program returns at once), what a switched-off tap
   still costs;
-- ``copies_issue``: the hand-off's calls after the forward (one device-to-host copy per layer
-  into pinned memory, plus an event record) issued back to back: per step, whichever is slower
-  of the host issuing them and the stream running them (the host, for these sizes);
-- ``copies_device`` / ``one_copy_device``: the copies alone inside a CUDA graph, so device
-  time only: one per layer as served, and one copy of both layers' rows side by side.
+- ``copies_device`` / ``one_copy_device``: device-to-host copies of the score rows into pinned
+  memory inside a CUDA graph, so device time only: one per layer, and one copy of both layers'
+  rows side by side.
 
-The engine benchmark (`probex bench engine`) shows the whole tap's cost in TPOT; this one
+The engine benchmark (`python -m bench.engine`) shows the whole tap's cost in TPOT; this one
 says which part of the device time is the op's arithmetic and which the copies.
 
-    python3 -m probex.bench_tap_op --out out/bench-tap-op.json     # needs a CUDA GPU
+    python3 -m bench.tap_op --out out/bench-tap-op.json     # needs a CUDA GPU, from the repository root
 """
 
 from __future__ import annotations
@@ -63,24 +61,8 @@ def _graph_us(fn, steps: int = STEPS, repeats: int = 5) -> float:
     return best
 
 
-def _stream_us(fn, steps: int = 500) -> float:
-    """Stream time per call of `fn` (µs) when called back to back from the host."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / steps
-
-
 def measure(rows_list: list[int]) -> dict:
-    from engine_worker.tap.layer import kernel as fused_tap
-    from engine_worker.tap.layer import ops
-    from engine_worker.tap.cuda_driver import ScoreTransfer
+    from engine_worker.tap import kernel as fused_tap, ops
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -118,26 +100,9 @@ def measure(rows_list: list[int]) -> dict:
             entry["fused_max_abs_diff"] = max(float((a[:rows] - b[:rows]).abs().max())
                                               for a, b in zip(scores, fused_scores))
             entry["score_scale"] = float(scores[0][:rows].abs().max())
-        transfer = ScoreTransfer({l: scores[l] for l in range(LAYERS)}, lambda step: None, threaded=False)
-        marker = torch.zeros(1, device=device)
-
-        def tiny():
-            marker.add_(1.0)
-
-        def tiny_and_copies():
-            marker.add_(1.0)
-            slot = transfer._free.get_nowait()
-            driver = transfer._driver
-            stream = driver.current_stream()
-            for copy in slot.copies:
-                driver.copy_rows(copy, rows, stream)
-            driver.record(slot.ready.handle, stream)
-            transfer._free.put(slot)
-
-        entry["copies_issue_us"] = _stream_us(tiny_and_copies) - _stream_us(tiny)
         # The copies' own device time: captured in a CUDA graph (device-to-host copies into
         # pinned memory are capturable), so no host issue time is in it. One copy per layer,
-        # as served, and one copy of both layers' rows laid side by side, the alternative.
+        # and one copy of both layers' rows laid side by side.
         pinned = [torch.empty(max_rows, SLOTS, pin_memory=True) for _ in range(LAYERS)]
         side_by_side = torch.zeros(max_rows, SLOTS * LAYERS, device=device)
         pinned_wide = torch.empty(max_rows, SLOTS * LAYERS, pin_memory=True)
@@ -159,7 +124,7 @@ def measure(rows_list: list[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m probex.bench_tap_op", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tap_op", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8,64,1024")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)

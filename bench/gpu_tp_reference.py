@@ -1,9 +1,9 @@
 """HF transformers in fp32 on the TP smoke's checkpoint: how far each engine's bf16 scores are from exact.
 
 TP=1 and TP=2 in bf16 differ from each other; the question is whether TP=2 is further from the
-exact computation than TP=1. Run on the GPU machine after `probex.gpu_tp_smoke` (same --work):
+exact computation than TP=1. Run on the GPU machine after `bench.gpu_tp_smoke` (same --work):
 
-    python3 -m probex.gpu_tp_reference --smoke-json gpu_tp_smoke.json --out reference.json
+    python3 -m bench.gpu_tp_reference --smoke-json gpu_tp_smoke.json --out reference.json
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from probex.gpu_smoke import PROMPTS
+from bench.gpu_smoke import PROMPTS
 
 
 def main() -> None:

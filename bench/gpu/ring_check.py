@@ -4,7 +4,7 @@ the entry's ticket behind them; a reader polling the ring must find every landed
 complete (never the ticket before the rows), for whole-step copies and for the mid-forward
 ones, while the device is kept busy ahead of them. Also times the engine thread's submit.
 
-    python3 scripts/gpu/ring_check.py OUT.json [DEVICE]   # cuda by default
+    python3 bench/gpu/ring_check.py OUT.json [DEVICE]   # cuda by default
 
 msgspec may be missing there: a stand-in encoder (pickle) is used, which is all the check needs.
 """

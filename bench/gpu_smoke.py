@@ -17,7 +17,7 @@ comparisons between modes cannot see.
 
 Writes `gpu_smoke.json` and the worker logs to --out and prints a short table.
 
-    python3 -m probex.gpu_smoke --skeleton .gpukit/model --out "$OUT"
+    python3 -m bench.gpu_smoke --skeleton .gpukit/model --out "$OUT"
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
         response["_captured"] = load_file(str(path))
     info = {"ready_s": round(ready_s, 1), "graph_log_lines": graph_lines[:8], "runner_log_lines": runner_lines[:4],
             "score_consumer": score_consumer,
-            # prompt steps whose scores were copied out during their forward (session 35 on), of all steps
+            # prompt steps whose scores were copied out during their forward, of all steps
             "mid_forward_steps": transfer.get("mid_forward_steps"), "steps": transfer.get("submitted_steps", transfer.get("steps"))}
     if forced is not None:
         info["teacher_forced"] = forced

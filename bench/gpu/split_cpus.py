@@ -1,10 +1,10 @@
-"""Print two CPU lists for `probex bench engine --server-cpus A --client-cpus B`.
+"""Print two CPU lists for `python -m bench.engine --server-cpus A --client-cpus B`.
 
 The CPUs this process may run on, grouped by the physical core they share (SMT siblings stay
 together): the last quarter of the cores (at least one) for the benchmark's client, the rest
 for the servers. Usage on the GPU machine:
 
-    read SERVER CLIENT < <(python3 scripts/gpu/split_cpus.py)
+    read SERVER CLIENT < <(python3 bench/gpu/split_cpus.py)
 """
 
 import os
