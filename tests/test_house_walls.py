@@ -14,6 +14,8 @@ import pytest
         ("probes.steering", ("torch", "vllm", "fastapi", "gateway", "engine_worker")),
         ("engine_worker.steering", ("torch", "vllm", "fastapi", "gateway")),
         ("gateway.app", ("torch", "vllm", "engine_worker")),
+        ("gateway.completions", ("torch", "vllm", "engine_worker")),
+        ("gateway.streaming", ("torch", "vllm", "engine_worker")),
         ("gateway.serving", ("torch", "vllm", "engine_worker")),
         ("engine_worker.middleware", ("gateway", "fastapi")),
     ],
@@ -42,3 +44,12 @@ def test_only_the_vllm_modules_of_engine_worker_touch_vllm():
                 names = [node.module]
             offenders += [f"{path.name}: {n}" for n in names if n == "vllm" or n.startswith("vllm.")]
     assert not offenders, offenders
+
+
+def test_gateway_modules_stay_under_600_lines_and_ship_no_test_doubles():
+    from pathlib import Path
+
+    gateway = Path(__file__).resolve().parents[1] / "gateway"
+    sizes = {path.name: len(path.read_text().splitlines()) for path in gateway.glob("*.py")}
+    assert sizes and not {name: n for name, n in sizes.items() if n > 600}
+    assert "mock_upstream.py" not in sizes  # the mock worker lives in tests/fixtures
