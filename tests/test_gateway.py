@@ -15,9 +15,8 @@ from gateway.policy import PolicyError, parse_policy, policy_json_schema
 from probes.artifact import ReadPoint
 from tests.gateway_fixtures import base_policy, start_stack
 
-# A Redis database of this module's own: `make test` runs modules in parallel, and tests/test_stack.py
-# reads the audit stream of database 0.
-REDIS_URL = "redis://127.0.0.1:6379/1"
+# A Redis database of this module's own in the test process's Redis (tests/conftest.py).
+REDIS_DB = 1
 
 
 @pytest.fixture
@@ -205,12 +204,12 @@ def test_policy_validation_messages(tmp_path):
     assert policy_json_schema()["title"] == "ProbeX gateway policy"
 
 
-def test_flags_and_blocks_land_in_the_redis_stream(tmp_path):
+def test_flags_and_blocks_land_in_the_redis_stream(tmp_path, redis_server):
     import redis
 
-    r = redis.Redis.from_url(REDIS_URL)
+    r = redis.Redis.from_url(redis_server.url(REDIS_DB))
     r.delete("probex:audit")
-    s = start_stack(tmp_path, redis_url=REDIS_URL)
+    s = start_stack(tmp_path, redis_url=redis_server.url(REDIS_DB))
     try:
         with pytest.raises(openai.BadRequestError):
             chat(client(s), "bomb")
