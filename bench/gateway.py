@@ -1,6 +1,6 @@
 """Gateway overhead benchmark: the same streams sent directly to a mock worker and through the gateway.
 
-Three processes on this machine: the in-repo mock worker (`gateway.mock_upstream`, streaming
+Three processes on this machine: the in-repo mock worker (`tests.fixtures.mock_upstream`, streaming
 at a fixed token rate), the gateway (`probex gateway`, with a policy that judges every
 chunk), and this load generator. Scenarios:
 
@@ -404,7 +404,7 @@ def run(out: Path, args) -> dict:
     # timers tick in whole milliseconds, which would make the mock's time to first token depend on
     # where in a millisecond each request landed.
     procs = [
-        subprocess.Popen([sys.executable, "-m", "gateway.mock_upstream", "--port", str(mock_port),
+        subprocess.Popen([sys.executable, "-m", "tests.fixtures.mock_upstream", "--port", str(mock_port),
                           "--tokens-per-s", str(args.tokens_per_s), "--timestamps", "--loop", "asyncio"], env=env),
         subprocess.Popen([sys.executable, "-m", "probex.cli", "gateway", "--config", str(work / "policy.yaml"),
                           "--upstream", f"http://127.0.0.1:{mock_port}", "--port", str(gw_port)], env=env,

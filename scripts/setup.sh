@@ -32,28 +32,38 @@ fi
 
 "$VENV/bin/probex" model fetch smollm2-135m-instruct >/dev/null
 
-# Prometheus and promtool: tests/test_observability.py runs a real Prometheus against the stack
-# and checks the repo's rules and scrape config with promtool. Debian's package is enough.
-if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+# Debian packages the tests run for real: installed with apt-get as root or through passwordless
+# sudo; otherwise setup stops and says what to install.
+apt_install() {  # apt_install PACKAGE "what it is for"
+  local package=$1 why=$2
   if ! command -v apt-get >/dev/null 2>&1; then
-    echo "setup: prometheus/promtool not found and apt-get is unavailable; install Prometheus (>= 2.42) so that" \
-         "'prometheus' and 'promtool' are on PATH" >&2
+    echo "setup: $why not found and apt-get is unavailable; install $package" >&2
     exit 1
   fi
-  SUDO=""
+  local SUDO=""
   if [ "$(id -u)" != 0 ]; then
     if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; else
-      echo "setup: prometheus/promtool not found and apt-get needs root (no passwordless sudo);" \
-           "run: apt-get install --no-install-recommends prometheus" >&2
+      echo "setup: $why not found and apt-get needs root (no passwordless sudo);" \
+           "run: apt-get install --no-install-recommends $package" >&2
       exit 1
     fi
   fi
-  echo "setup: installing Debian's prometheus package (prometheus + promtool)"
+  echo "setup: installing Debian's $package package ($why)"
   # Stale package lists are the usual reason an install fails: update once and retry.
-  if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; then
+  if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$package" >/dev/null; then
     $SUDO apt-get update -qq
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
-      || { echo "setup: apt-get install prometheus failed" >&2; exit 1; }
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$package" >/dev/null \
+      || { echo "setup: apt-get install $package failed" >&2; exit 1; }
   fi
+}
+
+# Prometheus and promtool: tests/test_observability.py runs a real Prometheus against the stack
+# and checks the repo's rules and scrape config with promtool (Prometheus >= 2.42).
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  apt_install prometheus "prometheus + promtool"
+fi
+# redis-server: the tests start a Redis of their own on a free port (tests/redis_server.py).
+if ! command -v redis-server >/dev/null 2>&1; then
+  apt_install redis-server "redis-server"
 fi
 echo "setup: ok ($("$VENV/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'))"

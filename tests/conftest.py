@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 _BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
@@ -40,3 +42,13 @@ def pytest_collection_modifyitems(config, items) -> None:
     """
     engine_files = {_test_file(item) for item in items if item.get_closest_marker("engine")}
     items.sort(key=lambda item: _test_file(item) not in engine_files)  # stable: order kept within
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A Redis of this test process's own (tests/redis_server.py), started on first use."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer()
+    yield server
+    server.stop()

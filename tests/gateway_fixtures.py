@@ -12,7 +12,7 @@ import yaml
 
 from gateway.app import GatewayConfig, create_app
 from gateway.metrics import GatewayMetrics
-from gateway.mock_upstream import MockState, create_mock_app
+from tests.fixtures.mock_upstream import MockState, create_mock_app
 from gateway.serving import ServerThread
 from probes.artifact import ProbeArtifact, ReadPoint, save_probe
 

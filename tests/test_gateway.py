@@ -10,14 +10,13 @@ import openai
 import pytest
 import yaml
 
-from gateway.mock_upstream import MODEL
+from tests.fixtures.mock_upstream import MODEL
 from gateway.policy import PolicyError, parse_policy, policy_json_schema
 from probes.artifact import ReadPoint
 from tests.gateway_fixtures import base_policy, start_stack
 
-# A Redis database of this module's own: `make test` runs modules in parallel, and tests/test_stack.py
-# reads the audit stream of database 0.
-REDIS_URL = "redis://127.0.0.1:6379/1"
+# A Redis database of this module's own in the test process's Redis (tests/conftest.py).
+REDIS_DB = 1
 
 
 @pytest.fixture
@@ -205,12 +204,12 @@ def test_policy_validation_messages(tmp_path):
     assert policy_json_schema()["title"] == "ProbeX gateway policy"
 
 
-def test_flags_and_blocks_land_in_the_redis_stream(tmp_path):
+def test_flags_and_blocks_land_in_the_redis_stream(tmp_path, redis_server):
     import redis
 
-    r = redis.Redis.from_url(REDIS_URL)
+    r = redis.Redis.from_url(redis_server.url(REDIS_DB))
     r.delete("probex:audit")
-    s = start_stack(tmp_path, redis_url=REDIS_URL)
+    s = start_stack(tmp_path, redis_url=redis_server.url(REDIS_DB))
     try:
         with pytest.raises(openai.BadRequestError):
             chat(client(s), "bomb")
@@ -644,7 +643,7 @@ def test_a_hang_up_heard_after_the_answer_is_in_leaves_the_pooled_connection_alo
     receive completed in the same loop turn must not close it under the next request."""
     import asyncio
 
-    from gateway.app import _CallerWatch
+    from gateway.completions import CallerWatch
 
     class Conn:
         abandoned = 0
@@ -655,10 +654,10 @@ def test_a_hang_up_heard_after_the_answer_is_in_leaves_the_pooled_connection_alo
     async def scenario():
         hung_up, spoken = Conn(), Conn()
         heard = asyncio.get_running_loop().create_future()
-        watch = _CallerWatch(lambda: heard, spoken)
+        watch = CallerWatch(lambda: heard, spoken)
         heard.set_result({"type": "http.disconnect"})  # its callbacks are scheduled, not yet run
         watch.stop()
-        live = _CallerWatch(lambda: asyncio.sleep(0, {"type": "http.disconnect"}), hung_up)
+        live = CallerWatch(lambda: asyncio.sleep(0, {"type": "http.disconnect"}), hung_up)
         await asyncio.sleep(0.01)
         live.stop()
         return spoken.abandoned, hung_up.abandoned
@@ -685,13 +684,13 @@ def test_the_hang_up_watch_follows_a_request_sent_again_on_a_fresh_connection():
     after that must abandon the new connection, not the dead one."""
     import asyncio
 
-    from gateway.app import _CallerWatch
+    from gateway.completions import CallerWatch
     from gateway.upstream_http import UpstreamAbandoned
 
     async def scenario(client, url):
         conn = await _second_request_on_the_pooled_connection(client, url)  # which the server closes
         hang_up = asyncio.get_running_loop().create_future()
-        watch = _CallerWatch(lambda: hang_up, conn)
+        watch = CallerWatch(lambda: hang_up, conn)
         asyncio.get_running_loop().call_later(0.3, hang_up.set_result, {"type": "http.disconnect"})
         started = time.monotonic()
         with pytest.raises(UpstreamAbandoned):
@@ -794,7 +793,7 @@ def test_upstream_client_errors_timeouts_and_connection_close():
 def test_bench_load_generator_reads_streams_and_mock_timestamps(tmp_path):
     import asyncio
 
-    from gateway.mock_upstream import MockState, create_mock_app
+    from tests.fixtures.mock_upstream import MockState, create_mock_app
     from gateway.serving import ServerThread
     from bench.gateway import _one_stream, _request_bytes, _Stream
 

@@ -357,7 +357,7 @@ class Prometheus:
 
 
 BAD_REFERENCE_PROBE = "harmful-request-badref"
-REDIS_DB = 11  # each module its own database: `make test` runs modules in parallel
+REDIS_DB = 11  # each module its own database of the test process's Redis (tests/conftest.py)
 KEYS = {"k-default": "default", "k-audit": "audit-only", "k-polite": "polite"}
 ADMIN = "k-admin"
 
@@ -413,7 +413,7 @@ class Observed:
 
 
 @pytest.fixture(scope="module")
-def observed(tmp_path_factory) -> Iterator[Observed]:
+def observed(tmp_path_factory, redis_server) -> Iterator[Observed]:
     from gateway.app import GatewayConfig, create_app
     from gateway.serving import ServerThread
     from tests.engine_harness import Worker
@@ -443,7 +443,7 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
         worker.wait_ready()
         worker_proxy = FaultProxy(worker.port)
         stoppers.append(worker_proxy.stop)
-        redis_proxy = FaultProxy(6379)
+        redis_proxy = FaultProxy(redis_server.port)
         stoppers.append(redis_proxy.stop)
         redis_url = f"redis://127.0.0.1:{redis_proxy.port}/{REDIS_DB}"
         config = GatewayConfig(policy_path=policy_path, upstreams=[f"http://127.0.0.1:{worker_proxy.port}"],
@@ -463,7 +463,7 @@ def observed(tmp_path_factory) -> Iterator[Observed]:
             stop()
         import redis
 
-        redis.Redis.from_url(f"redis://127.0.0.1:6379/{REDIS_DB}").delete("probex:audit", "probex:policy_version")
+        redis.Redis.from_url(redis_server.url(REDIS_DB)).delete("probex:audit", "probex:policy_version")
 
 
 def run_workload(gateway: str, worker: str, policy_path: Path, probes: dict[str, Path], worker_proxy: FaultProxy,

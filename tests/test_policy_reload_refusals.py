@@ -15,10 +15,11 @@ import pytest
 import yaml
 from safetensors.numpy import save_file
 
-import gateway.app as gateway_app
-from gateway.app import GatewayConfig, PolicyManager
+import gateway.policy_manager as policy_manager_module
+from gateway.config import GatewayConfig
+from gateway.policy_manager import PolicyManager
 from gateway.metrics import GatewayMetrics
-from gateway.mock_upstream import MODEL
+from tests.fixtures.mock_upstream import MODEL
 from gateway.policy import PolicyError, load_policy, parse_policy
 from probes.artifact import WEIGHTS_FILE
 from tests.gateway_fixtures import base_policy, start_stack
@@ -225,7 +226,7 @@ def test_a_probe_with_an_out_of_range_calibration_is_refused(stack):
 
 
 def test_an_unexpected_crash_in_a_reload_neither_answers_500_nor_stops_the_watcher(stack, monkeypatch):
-    real_load_policy = gateway_app.load_policy
+    real_load_policy = policy_manager_module.load_policy
     armed = [True]
 
     def crash_once(path):
@@ -236,7 +237,7 @@ def test_an_unexpected_crash_in_a_reload_neither_answers_500_nor_stops_the_watch
 
     version = admin_policy(stack)["policy_version"]
     errors_before = reload_errors(stack)
-    monkeypatch.setattr(gateway_app, "load_policy", crash_once)
+    monkeypatch.setattr(policy_manager_module, "load_policy", crash_once)
     stack.write_policy(base_policy(on_block="refusal"))  # the watcher's reload meets the crash
     deadline = time.monotonic() + 10
     while admin_policy(stack)["last_reload_error"] is None and time.monotonic() < deadline:

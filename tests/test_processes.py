@@ -72,7 +72,7 @@ import sys
 from pathlib import Path
 from probex.serve import run_embedded
 port, worker_port, policy = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-stand_in = [sys.executable, "-m", "gateway.mock_upstream", "--port", str(worker_port)]
+stand_in = [sys.executable, "-m", "tests.fixtures.mock_upstream", "--port", str(worker_port)]
 run_embedded(policy, "mock-model", "127.0.0.1", port, worker_port, None, [], worker_command=stand_in)
 """
 
