@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.scores.bookkeeping import StepLayout
+from engine_worker.scores.bookkeeping import StepView
 from engine_worker.tap.controller import TapController, VectorSetRejected
 from engine_worker.api_server.middleware import RequestRefused, check_steering, inspect_request
 from engine_worker.tap.steer import ALPHA, GATE_COLUMN, GATE_ENABLED, THRESHOLD, VECTOR_SLOT, LayerSteer
@@ -127,7 +127,7 @@ def test_difference_of_means():
 def make_controller(tmp_path: Path) -> TapController:
     taps = {1: LayerTap(1, HIDDEN, capacity=2, max_rows=32), 3: LayerTap(3, HIDDEN, capacity=2, max_rows=32)}
     steers = {2: LayerSteer(2, HIDDEN, capacity=2, max_rows=32, gate_taps=[taps[1]])}
-    controller = TapController(taps, served(), threaded=False, steers=steers)
+    controller = TapController(taps, served(), steers=steers)
     weight = np.ones(HIDDEN, np.float32)
     probes = [save_probe(ProbeArtifact(name, layer, ReadPoint.LAST_PROMPT_TOKEN, weight, 0.0, slope=2.0,
                                        intercept=1.0), tmp_path / name) for name, layer in (("g", 1), ("late", 3))]
@@ -143,7 +143,7 @@ def test_controller_fills_rows_by_request_window_and_gate(tmp_path):
     steer = controller.steers[2]
     # x: prompt 4, 2 computed, 3 scheduled -> positions 2,3 (prompt) and 4 (generated): rows 0..2
     # y: decode, rows 3; z: unsteered prefill, rows 4..8; w: alpha 0 (rows 9)
-    layout = StepLayout(["x", "y", "z", "w"], np.array([3, 1, 5, 1]), np.array([2, 7, 0, 3]), np.array([4, 5, 5, 2]))
+    layout = StepView(["x", "y", "z", "w"], np.array([3, 1, 5, 1]), np.array([2, 7, 0, 3]), np.array([4, 5, 5, 2]))
     steering = {
         "x": SteerRequest("b", 2.0, window="generation"),
         "y": SteerRequest("a", -1.5, gate="g", threshold=0.75),
@@ -168,7 +168,7 @@ def test_controller_fills_rows_by_request_window_and_gate(tmp_path):
 
 def test_unknown_names_at_step_time_run_unsteered(tmp_path, caplog):
     controller = make_controller(tmp_path)
-    layout = StepLayout(["x"], np.array([2]), np.array([0]), np.array([2]))
+    layout = StepView(["x"], np.array([2]), np.array([0]), np.array([2]))
     for request in (SteerRequest("gone", 1.0), SteerRequest("a", 1.0, gate="late", threshold=0.5),
                     SteerRequest("a", 1.0, gate="nobody", threshold=0.5)):
         controller.before_forward(layout, steering={"x": request})
