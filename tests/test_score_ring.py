@@ -1,4 +1,4 @@
-"""The score ring (engine_worker/score_ring.py, ring_transfer.py): the engine thread stages each
+"""The score ring (engine_worker/scores/ring.py, engine_worker/tap/ring_copies.py): the engine thread stages each
 step into shared memory and the score formatter's process reads it. Without an engine: CPU taps,
 steps described by hand, and a recording stand-in for the CUDA driver's calls. The real engine
 path (vLLM on the CPU, the formatter reading the ring) is covered by tests/test_engine_api_servers.py
@@ -17,18 +17,34 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.api_server import hub as delivery
-from engine_worker.scores.bookkeeping import CONTROL, SEQUENCE, StepLayout, StepReader
-from engine_worker.tap.controller import TapController
-from engine_worker.api_server.hub import ScoreHub, owner_tag
-from engine_worker.tap.ring_copies import RingTransfer
+from engine_worker.api_server.hub import ScoreHub
+from engine_worker.api_server.requests import inspect_request
+from engine_worker.scores.bookkeeping import CONTROL, SEQUENCE, ProbeSlot, ProbeTable, StepReader, step_message
 from engine_worker.scores.formatter import FormatterProcess, ScoreFormatter, ring_message
 from engine_worker.scores.ring import MESSAGE, STEP, RingPublisher, RingReader, ScoreRing
+from engine_worker.scores.wire import external_request_id, owner_tag
+from engine_worker.step import StepView
+from engine_worker.tap.controller import TapController
 from engine_worker.tap.layer import LayerTap
+from engine_worker.tap.ring_copies import RingTransfer
 from probes.artifact import ReadPoint
 from probes.scoring import calibrate
 from tests.test_controller import HIDDEN, make_probe, run_step, served
-from tests.test_score_formatter import ONE_PROBE, engine_id, until
+
+ONE_PROBE = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 2.0, -0.5),))
+
+
+def engine_id(owner: str) -> str:
+    """A request id as vLLM's engine sees it: the middleware's, and vLLM's "-<8 hex>"."""
+    return inspect_request("/v1/chat/completions", {"messages": []}, owner=owner).key(0) + "-0123abcd"
+
+
+async def until(condition, timeout: float = 20.0) -> None:
+    """Wait (polling, in the event loop) until `condition()` holds; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
 
 
 def read_all(reader: RingReader) -> list[dict]:
@@ -57,13 +73,13 @@ def ring_for(taps, slots=8) -> ScoreRing:
 def test_the_formatter_reads_every_step_through_the_ring_in_order_with_its_scores(taps_and_probes):
     taps, probes = taps_and_probes
     ring = ring_for(taps)
-    controller = TapController(taps, served(), None, ring=RingPublisher(ring, heartbeat_s=0))
+    controller = TapController(taps, served(), RingPublisher(ring, heartbeat_s=0))
     controller.load([str(p) for p in probes])
-    assert controller.transfer.consumer == "formatter" and not controller.consumes_on_engine_thread
+    assert controller.transfer.consumer == "formatter" and controller.publish == controller.transfer.publisher.publish
     reader = RingReader(ScoreRing.attach(ring.fd))  # the formatter's own mapping of it
     rng = torch.Generator().manual_seed(7)
-    steps = [StepLayout(["a", "b"], np.array([5, 3]), np.array([0, 0]), np.array([5, 3])),
-             StepLayout(["b", "a"], np.array([1, 1]), np.array([3, 5]), np.array([3, 5]))]
+    steps = [StepView(["a", "b"], np.array([5, 3]), np.array([0, 0]), np.array([5, 3])),
+             StepView(["b", "a"], np.array([1, 1]), np.array([3, 5]), np.array([3, 5]))]
     streams = []
     for layout in steps:
         stream = {layer: torch.randn(layout.num_rows, HIDDEN, generator=rng) for layer in taps}
@@ -205,15 +221,15 @@ def test_capture_mode_books_the_steps_of_capture_requests_from_rows_copied_at_on
     taps, probes = taps_and_probes
     ring = ring_for(taps)
     driver = RecordingDriver()
-    controller = TapController(taps, served(), None, capture_dir=str(tmp_path / "capture"),
-                               ring=RingPublisher(ring, heartbeat_s=0))
+    controller = TapController(taps, served(), RingPublisher(ring, heartbeat_s=0),
+                               capture_dir=str(tmp_path / "capture"))
     controller.load([str(p) for p in probes])
     # the CPU's copies stand in for a device's here: the transfer is given a recording driver
     controller.transfer = RingTransfer({layer: tap.scores for layer, tap in taps.items()}, controller.transfer.publisher,
                                        controller._ring_message, driver=driver)
     for tap in taps.values():
         tap.capture_index = torch.zeros(8, dtype=torch.long)  # room for 8 captured rows a step
-    captured = StepLayout(["a"], np.array([4]), np.array([0]), np.array([4]))
+    captured = StepView(["a"], np.array([4]), np.array([0]), np.array([4]))
     controller.before_forward(captured, {"a"})
     controller.open_mid_forward_copies(4)
     assert not controller._mid_forward_open  # its rows are copied behind the forward, at once
@@ -221,17 +237,18 @@ def test_capture_mode_books_the_steps_of_capture_requests_from_rows_copied_at_on
     driver.calls.clear()
     controller.after_forward(captured)
     assert driver.calls == [] and controller.transfer.host_copied_steps == 1 and len(controller.book) == 1
-    plain = StepLayout(["b"], np.array([3]), np.array([0]), np.array([3]))
+    plain = StepView(["b"], np.array([3]), np.array([0]), np.array([3]))
     controller.before_forward(plain, set())
     controller.open_mid_forward_copies(3)
     assert controller._mid_forward_open
     run_step(taps, {layer: torch.randn(3, HIDDEN) for layer in taps})
-    controller.after_forward(plain, finished=["a"])
+    controller.after_forward(StepView(plain.req_ids, plain.num_scheduled, plain.num_computed, plain.num_prompt,
+                                      finished=("a",)))
     assert [call[0] for call in driver.calls] == ["copy", "copy", "write"] and len(controller.book) == 0
     assert controller.transfer.host_copied_steps == 1
     # on the CPU a step of capture requests is still copied layer by layer mid-forward
-    cpu = TapController(taps, served(), None, capture_dir=str(tmp_path / "capture-cpu"),
-                        ring=RingPublisher(ring_for(taps), heartbeat_s=0))
+    cpu = TapController(taps, served(), RingPublisher(ring_for(taps), heartbeat_s=0),
+                        capture_dir=str(tmp_path / "capture-cpu"))
     cpu.load([str(p) for p in probes])
     cpu.before_forward(captured, {"a"})
     cpu.open_mid_forward_copies(4)
@@ -253,17 +270,16 @@ def test_the_worker_runs_the_formatter_on_the_ring_and_a_restart_goes_on_where_i
         entry = publisher.reserve()
         ring.scores(entry.slot)[3][0, 0] = value
         ring.mark_landed(entry.slot, entry.ticket)
-        layout = StepLayout([req], np.array([1]), np.array([computed]), np.array([2]))
-        from engine_worker.scores.bookkeeping import step_message
+        layout = StepView([req], np.array([1]), np.array([computed]), np.array([2]))
         message = step_message(ONE_PROBE, layout, None, [])
         message.update(rows=1, slots=ONE_PROBE.buffer_slots())
         publisher.commit(entry, message, kind=STEP)
 
     async def scenario():
-        formatter = FormatterProcess(None, scores_at, api_server_count=2, ring_fd=ring.fd).start()
-        hub = ScoreHub(scores_at, owner=owner, formatted=True)
+        formatter = FormatterProcess(scores_at, api_server_count=2, ring_fd=ring.fd).start()
+        hub = ScoreHub(scores_at, owner=owner)
         hub.start()
-        key = delivery.external_request_id(req)
+        key = external_request_id(req)
         try:
             await until(lambda: hub._formatter is not None)
             stage(2, 0.5)
@@ -298,9 +314,9 @@ def test_on_the_cpu_a_prompt_steps_rows_are_copied_as_each_layer_finishes(taps_a
     run (`layer_scores_final`), so what the scores buffer holds afterwards is not what is sent."""
     taps, probes = taps_and_probes
     ring = ring_for(taps)
-    controller = TapController(taps, served(), None, ring=RingPublisher(ring, heartbeat_s=0))
+    controller = TapController(taps, served(), RingPublisher(ring, heartbeat_s=0))
     controller.load([str(p) for p in probes])
-    layout = StepLayout(["a"], np.array([4]), np.array([0]), np.array([4]))
+    layout = StepView(["a"], np.array([4]), np.array([0]), np.array([4]))
     stream = {layer: torch.randn(4, HIDDEN) for layer in taps}
     controller.open_mid_forward_copies(4)
     run_step(taps, stream)
