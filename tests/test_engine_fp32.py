@@ -102,8 +102,7 @@ def test_tapped_residuals_and_served_scores_match_hf(worker, hf, probes, capture
         assert scores["max18"]["score"] == pytest.approx(expected_max, abs=1e-4)
     print(f"fp32 worst per-token cosine over {len(PROMPTS)} prompts: {worst_cos:.7f}")
     # Each prompt's rows left the engine during its forward, copied where the next decoder
-    # layer's attention runs (PROBEX_PROMPT_SCORES_MID_FORWARD, on by default): the scores
-    # checked above against HF are those copies.
+    # layer's attention runs: the scores checked above against HF are those copies.
     assert mid_forward_steps(worker) - copied_mid_forward >= len(PROMPTS)
 
 
@@ -241,7 +240,7 @@ def test_token_ids_are_not_leaked_unless_asked(worker):
     assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c["choices"][0]
                for c in chunks[:-1] if c["choices"])
     assert sum(len(c["probex"]["scores"]["dir18"]["generated"]["scores"]) for c in chunks[:-1] if "probex" in c) == 4
-    # vLLM wrote no prompt ids for these clients (engine_worker/vllm_openai.py): none to cut out
+    # vLLM wrote no prompt ids for these clients (engine_worker/vllm/openai.py): none to cut out
     assert prompt_ids_cut(worker) == cut_before
     asked = stream_chunks(worker, dict(body, stream=True, return_token_ids=True), "/v1/completions")
     assert len(asked[0]["choices"][0]["prompt_token_ids"]) == len(whole_prompt_ids(worker, body))

@@ -1,8 +1,9 @@
-"""The score formatter (engine_worker/score_formatter.py): what each API server process files
-from it equals what it books itself from the worker's steps, and nothing it loses goes unseen.
+"""The score formatter (engine_worker/scores/formatter.py): what each API server process files
+from it equals what the worker's steps booked, each process gets its own requests' rows, and
+nothing lost on the way goes unseen.
 
 The engine path through it is covered by tests/test_engine_api_servers.py (real vLLM, two API
-server processes, the worker started with --score-formatter)."""
+server processes, the formatter reading the worker's score ring)."""
 
 import asyncio
 import json
@@ -17,11 +18,15 @@ import numpy as np
 import pytest
 
 from engine_worker.api_server import hub as delivery
-from engine_worker.scores.bookkeeping import (SEQUENCE, ProbeSlot, ProbeTable, StepLayout, heartbeat_message, lost_message,
-                                       paused_message, step_message, swapped_message)
-from engine_worker.api_server.hub import BROADCAST, ScoreHub, ScorePublisher, owner_tag
-from engine_worker.api_server.middleware import MonitoredCall, StreamRelay, inspect_request
-from engine_worker.scores.formatter import FormatterProcess, ScoreFormatter
+from engine_worker.api_server.hub import ScoreHub
+from engine_worker.api_server.relay import StreamRelay
+from engine_worker.api_server.requests import MonitoredCall, inspect_request
+from engine_worker.scores.bookkeeping import (CONTROL, SEQUENCE, ProbeSlot, ProbeTable, StepReader, StepView,
+                                              heartbeat_message, lost_message, paused_message, step_message,
+                                              swapped_message)
+from engine_worker.scores.formatter import FormatterNotStarted, FormatterProcess, ScoreFormatter
+from engine_worker.scores.ring import STEP, RingPublisher, ScoreRing
+from engine_worker.scores.wire import BROADCAST, external_request_id, owner_tag
 from probes.scoring import calibrate
 
 ONE_PROBE = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last_prompt_token", 2.0, -0.5),))
@@ -42,7 +47,7 @@ def worker_messages(ids: dict[str, str]) -> list[dict]:
     rng = np.random.default_rng(5)
 
     def step(table, req, scheduled, computed, prompt, finished=(), pause=None):
-        layout = StepLayout(req, np.array(scheduled), np.array(computed), np.array(prompt))
+        layout = StepView(req, np.array(scheduled), np.array(computed), np.array(prompt))
         raw = rng.normal(size=(int(sum(scheduled)), len(table.slots))).astype(np.float32)
         return step_message(table, layout, raw, list(finished), pause)
 
@@ -67,10 +72,39 @@ async def until(condition, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def formatted_hubs(owners: dict[str, str | None]) -> tuple[dict[str, ScoreHub], dict[str, ScoreHub]]:
-    direct = {name: ScoreHub("inproc://unused", owner=owner) for name, owner in owners.items()}
-    formatted = {name: ScoreHub("inproc://unused", owner=owner, formatted=True) for name, owner in owners.items()}
-    return direct, formatted
+def hubs_for(owners: dict[str, str | None]) -> dict[str, ScoreHub]:
+    return {name: ScoreHub("inproc://unused", owner=owner) for name, owner in owners.items()}
+
+
+def booked_by_the_worker(messages: list[dict]) -> dict[str, dict]:
+    """What each request was scored, read from the worker's messages with the books' own reader
+    (`StepReader`), by our id: its prompt summary, each token's calibrated scores and the names
+    of the probes that scored it, whether it ended and whether a step of it was lost."""
+    reader = StepReader()
+    books: dict[str, dict] = {}
+
+    def of(req: str) -> dict:
+        return books.setdefault(external_request_id(req), {"prompt": None, "tokens": {}, "finished": False,
+                                                           "lost": False})
+
+    for message in messages:
+        kind = message.get(CONTROL)
+        if kind == "lost":
+            for req in message["requests"]:
+                of(req)["lost"] = True
+            for req in reader.book.finish(message["finished"]):
+                of(req)["finished"] = True
+        elif kind is None:
+            events = reader.read(message)
+            for summary in events.prompt:
+                of(summary["req"])["prompt"] = summary
+            for token in events.tokens:
+                of(token["req"])["tokens"][token["index"]] = (
+                    [calibrate(raw, slot.slope, slot.intercept) for raw, slot in zip(token["raw"], events.table.slots)],
+                    events.table.names)
+            for req in events.finished:
+                of(req)["finished"] = True
+    return books
 
 
 def deliver(formatter: ScoreFormatter, hubs: dict[str, ScoreHub], message: dict) -> None:
@@ -81,40 +115,49 @@ def deliver(formatter: ScoreFormatter, hubs: dict[str, ScoreHub], message: dict)
                 hub.take_formatted(topic, frame)
 
 
-def request_view(state) -> dict:
-    return {"prompt": state.prompt, "prompt_fields": state.prompt_fields, "prompt_json_parts": state.prompt_json_parts,
-            "prompt_probes": [p.name for p in state.prompt_probes] if state.prompt_probes else None,
-            "tokens": state.tokens, "token_json": state.token_json, "contiguous": state.contiguous,
-            "latest": state.latest, "finished": state.finished, "lost": state.lost,
-            "probes": {index: [p.name for p in state.probes_of(index)] for index in state.tokens}}
-
-
 @pytest.mark.parametrize("processes", [1, 2])
-def test_what_a_process_files_from_the_formatter_equals_what_it_books_from_the_worker(processes):
+def test_what_a_process_files_from_the_formatter_equals_what_the_workers_steps_booked(processes):
     tags = [owner_tag() for _ in range(processes)] if processes > 1 else [""]
     owners = {f"process{i}": tag or None for i, tag in enumerate(tags)}
     ids = {"a": engine_id(tags[0]), "b": engine_id(tags[-1]), "c": engine_id(tags[0])}
-    direct, formatted = formatted_hubs(owners)
+    hubs = hubs_for(owners)
     formatter = ScoreFormatter(api_server_count=processes)
-    for hubs in (direct, formatted):  # a and b are streams whose first chunk went out: token JSON is written ahead
-        for key in ("a", "b"):
-            for hub in hubs.values():
-                if hub.owner is None or hub._owned(ids[key]):
-                    hub.get(delivery.external_request_id(ids[key])).token_json = {}
-    for message in worker_messages(ids):
-        for hub in direct.values():
-            hub.ingest(message)
-        deliver(formatter, formatted, message)
-    for name in owners:
-        assert set(formatted[name]._requests) == set(direct[name]._requests)
-        for key, state in direct[name]._requests.items():
-            assert request_view(formatted[name]._requests[key]) == request_view(state), key
-        for attribute in ("paused", "pauses", "steps_lost", "losses", "messages_lost", "_probe_version"):
-            assert getattr(formatted[name], attribute) == getattr(direct[name], attribute), attribute
-    # what the scenario covered, read from the direct books
-    every = {key: state for hub in direct.values() for key, state in hub._requests.items()}
-    a, b, c = (every[delivery.external_request_id(ids[k])] for k in "abc")
-    assert a.finished and a.token_json and b.finished and c.lost and formatted["process0"].paused
+    for key in ("a", "b"):  # streams whose first chunk went out: their tokens' JSON is written ahead
+        for hub in hubs.values():
+            if hub.owner is None or hub.owner in ids[key]:
+                hub.get(external_request_id(ids[key])).token_json = {}
+    messages = worker_messages(ids)
+    for message in messages:
+        deliver(formatter, hubs, message)
+    books = booked_by_the_worker(messages)
+    for name, hub in hubs.items():
+        mine = {external_request_id(req) for req in ids.values() if hub.owner is None or hub.owner in req}
+        assert set(hub._requests) == mine, name
+        for key in mine:
+            state, booked = hub._requests[key], books[key]
+            assert state.prompt == booked["prompt"] and state.finished == booked["finished"], key
+            assert state.lost == booked["lost"], key
+            assert set(state.tokens) == set(booked["tokens"]) and state.contiguous == len(booked["tokens"]), key
+            for index, (scores, names) in booked["tokens"].items():
+                assert state.tokens[index] == pytest.approx(tuple(scores)), (key, index)
+                assert [p.name for p in state.probes_of(index)] == names, (key, index)
+                if state.token_json is not None:  # the one-token chunk's scores, as the relay splices them
+                    written = json.loads(state.token_json[index])
+                    assert written == {name: {"generated": {"offset": index, "scores": [pytest.approx(score)]}}
+                                       for name, score in zip(names, scores)}, (key, index)
+            if booked["prompt"] is not None:
+                slots = ONE_PROBE.slots  # every prompt completed before the swap
+                assert [p.name for p in state.prompt_probes] == [slot.name for slot in slots]
+                for slot, last in zip(slots, booked["prompt"]["last_raw"]):
+                    assert state.prompt_fields[slot.name]["prompt"]["last"] == pytest.approx(
+                        calibrate(last, slot.slope, slot.intercept))
+                assert state.prompt_json_parts is not None
+        assert (hub.paused, hub.pauses, hub.steps_lost, hub.losses, hub.messages_lost, hub._probe_version) \
+            == (True, 1, 1, 1, 0, 2), name
+    # what the scenario covered
+    every = {key: state for hub in hubs.values() for key, state in hub._requests.items()}
+    a, b, c = (every[external_request_id(ids[k])] for k in "abc")
+    assert a.finished and a.token_json and b.finished and c.lost and not c.finished
     assert b.prompt["tokens_scored"] == 4 and c.prompt["tokens_scored"] == 2  # two chunks; half from the cache
     assert b.probes_of(2) is not b.token_probes and len(b.tokens[2]) == 2  # token 2 scored by the swapped-in set
     assert b.tokens[0] == (pytest.approx(calibrate(float(b.prompt["last_raw"][0]), 2.0, -0.5)),)
@@ -123,7 +166,7 @@ def test_what_a_process_files_from_the_formatter_equals_what_it_books_from_the_w
 def test_a_process_files_only_its_own_rows_and_every_process_hears_controls():
     ours, theirs = owner_tag(), owner_tag()
     ids = {"a": engine_id(ours), "b": engine_id(theirs), "c": engine_id(ours)}
-    _, hubs = formatted_hubs({"ours": ours, "theirs": theirs})
+    hubs = hubs_for({"ours": ours, "theirs": theirs})
     formatter = ScoreFormatter(api_server_count=2)
     sent: list[bytes] = []
     for message in worker_messages(ids)[:4]:
@@ -135,15 +178,15 @@ def test_a_process_files_only_its_own_rows_and_every_process_hears_controls():
                     hub.take_formatted(topic, frame)
     # "theirs" has nothing in the first step (its prompt's first chunk samples no token); the swap goes to everyone
     assert Counter(sent) == {ours.encode(): 3, theirs.encode(): 2, BROADCAST: 1}
-    assert {delivery.external_request_id(ids[k]) for k in "ac"} == set(hubs["ours"]._requests)
-    assert {delivery.external_request_id(ids["b"])} == set(hubs["theirs"]._requests)
+    assert {external_request_id(ids[k]) for k in "ac"} == set(hubs["ours"]._requests)
+    assert {external_request_id(ids["b"])} == set(hubs["theirs"]._requests)
     assert hubs["ours"].swaps == hubs["theirs"].swaps == 1
     assert hubs["ours"].messages_received == 4 and hubs["theirs"].messages_received == 3
 
 
 def test_losses_between_worker_formatter_and_process_are_all_seen():
     formatter = ScoreFormatter(api_server_count=1)
-    hub = ScoreHub("inproc://unused", formatted=True)
+    hub = ScoreHub("inproc://unused")
     ids = {k: engine_id("") for k in "abc"}
     messages = worker_messages(ids)
 
@@ -165,7 +208,7 @@ def test_losses_between_worker_formatter_and_process_are_all_seen():
     feed([restarted.heartbeat()])  # a formatter started again: what it had in flight is gone
     assert hub.formatter_restarts == 1 and hub.losses == 3
     feed([restarted.step_failed(messages[4])])  # a step it could not read: its requests wait no more
-    assert hub.steps_lost == 1 and hub._requests[delivery.external_request_id(ids["b"])].lost
+    assert hub.steps_lost == 1 and hub._requests[external_request_id(ids["b"])].lost
 
 
 def test_a_silent_formatter_ends_the_waits_for_scores(monkeypatch):
@@ -176,7 +219,7 @@ def test_a_silent_formatter_ends_the_waits_for_scores(monkeypatch):
     chunk = b'data: {"id":"x","choices":[{"index":0,"text":"a","token_ids":[5]}]}'
 
     async def scenario():
-        hub = ScoreHub(f"ipc://{tempfile.mkdtemp()}/nobody", formatted=True)
+        hub = ScoreHub(f"ipc://{tempfile.mkdtemp()}/nobody")
         hub.start()
         try:
             started = time.monotonic()
@@ -193,53 +236,63 @@ def test_a_silent_formatter_ends_the_waits_for_scores(monkeypatch):
     assert "scores" not in body.get("probex", {}) or body["probex"]["scores"] == {}
 
 
+def score_ring() -> ScoreRing:
+    """A worker's score ring for ONE_PROBE (layer 3, slot 0), eight rows a step."""
+    return ScoreRing.create({3: (8, 1)}, slots=16)
+
+
+def stage_step(ring: ScoreRing, publisher: RingPublisher, layout: StepView, values: list[float]) -> None:
+    """A step as the engine thread stages it: its rows' scores in the entry's slot, landed, then
+    the step's description committed (`RingPublisher`; the formatter gathers the columns)."""
+    entry = publisher.reserve()
+    ring.scores(entry.slot)[3][:len(values), 0] = values
+    ring.mark_landed(entry.slot, entry.ticket)
+    message = step_message(ONE_PROBE, layout, None, [])
+    message.update(rows=len(values), slots=ONE_PROBE.buffer_slots())
+    publisher.commit(entry, message, kind=STEP)
+
+
 def test_the_worker_runs_the_formatter_and_starts_it_again_when_it_dies():
     """The real processes and sockets: the worker's steps reach each API server process's hub
-    through a formatter process; killed, it is started again, every hub says scores were lost,
-    and scores flow again."""
+    through the score ring and a formatter process; killed, it is started again, every hub says
+    scores were lost, and scores flow again."""
     ours, theirs = owner_tag(), owner_tag()
     ids = {"a": engine_id(ours), "b": engine_id(theirs)}
-    root = tempfile.mkdtemp()
-    steps_at, scores_at = f"ipc://{root}/steps", f"ipc://{root}/scores"
+    scores_at = f"ipc://{tempfile.mkdtemp()}/scores"
+    ring = score_ring()
 
     def step(computed):
-        layout = StepLayout([ids["a"], ids["b"]], np.array([1, 1]), np.array([computed, computed]), np.array([2, 2]))
-        return step_message(ONE_PROBE, layout, np.array([[0.5], [-1.0]], np.float32), [])
+        return StepView([ids["a"], ids["b"]], np.array([1, 1]), np.array([computed, computed]), np.array([2, 2]))
 
     async def scenario():
-        publisher = ScorePublisher(steps_at, heartbeat_s=0.2)
-        formatter = FormatterProcess(steps_at, scores_at, api_server_count=2).start()
-        hubs = {"ours": ScoreHub(scores_at, owner=ours, formatted=True),
-                "theirs": ScoreHub(scores_at, owner=theirs, formatted=True)}
+        publisher = RingPublisher(ring, heartbeat_s=0.2)
+        formatter = FormatterProcess(scores_at, api_server_count=2, ring_fd=ring.fd).start()
+        hubs = {"ours": ScoreHub(scores_at, owner=ours), "theirs": ScoreHub(scores_at, owner=theirs)}
         for hub in hubs.values():
             hub.start()
         try:
             await until(lambda: all(hub._formatter is not None for hub in hubs.values()))  # heartbeats heard
-            publisher.publish(step(2))
+            stage_step(ring, publisher, step(2), [0.5, -1.0])
             await until(lambda: all(len(hub) == 1 for hub in hubs.values()))
             first_pid = formatter.process.pid
             os.kill(first_pid, signal.SIGKILL)
             await until(lambda: all(hub.formatter_restarts == 1 for hub in hubs.values()))
             assert formatter.starts == 2 and formatter.process.pid != first_pid
-            await asyncio.sleep(0.5)  # the new formatter's subscription reaches the worker
-            publisher.publish(step(3))
+            stage_step(ring, publisher, step(3), [0.5, -1.0])
             await until(lambda: all(2 in hub.get(hub_key(name)).tokens for name, hub in hubs.items()))
             return {name: (hub.get(hub_key(name)).tokens, hub.losses) for name, hub in hubs.items()}
         finally:
-            formatter.close()
-            publisher.close()
-            for hub in hubs.values():
-                hub._task.cancel()
-                hub._silence_task.cancel()
-                hub._socket.close()
-                hub.collections.detach()
+            _stop(hubs.values(), formatter, publisher)
 
     def hub_key(name):
-        return delivery.external_request_id(ids["a" if name == "ours" else "b"])
+        return external_request_id(ids["a" if name == "ours" else "b"])
 
-    seen = asyncio.run(scenario())
+    try:
+        seen = asyncio.run(scenario())
+    finally:
+        ring.close()
     assert seen["ours"][0] == {1: (pytest.approx(calibrate(0.5, 2.0, -0.5)),), 2: (pytest.approx(calibrate(0.5, 2.0, -0.5)),)}
-    assert seen["theirs"][0][2] == (pytest.approx(calibrate(-1.0, 2.0, -0.5)),)
+    assert seen["theirs"][0] == {1: (pytest.approx(calibrate(-1.0, 2.0, -0.5)),), 2: (pytest.approx(calibrate(-1.0, 2.0, -0.5)),)}
     assert seen["ours"][1] >= 1 and seen["theirs"][1] >= 1
 
 
@@ -250,11 +303,12 @@ def test_the_formatter_leaves_the_cores_a_cpu_engine_bound_its_worker_to():
     bound to one CPU starts the formatter)."""
     allowed = sorted(os.sched_getaffinity(os.getppid()))  # two CPUs on the dev machine and in CI
     root = tempfile.mkdtemp()
+    ring = score_ring()
     result = {}
 
     def bound_worker_thread():
         os.sched_setaffinity(0, allowed[-1:])  # this thread only, as vLLM binds its worker's
-        formatter = FormatterProcess(f"ipc://{root}/steps", f"ipc://{root}/scores", api_server_count=1).start()
+        formatter = FormatterProcess(f"ipc://{root}/scores", api_server_count=1, ring_fd=ring.fd).start()
         try:
             result["formatter"] = sorted(os.sched_getaffinity(formatter.process.pid))
         finally:
@@ -263,6 +317,7 @@ def test_the_formatter_leaves_the_cores_a_cpu_engine_bound_its_worker_to():
     thread = threading.Thread(target=bound_worker_thread)
     thread.start()
     thread.join(60)
+    ring.close()
     assert result["formatter"] == allowed
 
 
@@ -270,7 +325,7 @@ def test_a_process_that_missed_a_pause_is_set_right_by_the_next_heartbeat():
     """The worker's pause state rides on every heartbeat (the worker's, then the formatter's):
     a process that lost the pause message, or a formatter started after it, still learns it."""
     formatter = ScoreFormatter(api_server_count=1)
-    hub = ScoreHub("inproc://unused", formatted=True)
+    hub = ScoreHub("inproc://unused")
     formatter.take({**paused_message(True, 1), SEQUENCE: 1})  # its broadcast never reaches the hub
     assert not hub.paused
     hub.take_formatted(*formatter.heartbeat())
@@ -281,37 +336,10 @@ def test_a_process_that_missed_a_pause_is_set_right_by_the_next_heartbeat():
     assert restarted.take(publisher_heartbeat) == []
     hub.take_formatted(*restarted.heartbeat())
     assert not hub.paused
-    # without the formatter, the worker's heartbeat itself sets a process right
-    direct = ScoreHub("inproc://unused")
-    direct.ingest({**heartbeat_message(), "pause": [1, True], SEQUENCE: 1})
-    assert direct.paused
     # and an older state than the hub has is ignored
     hub.take_formatted(*ScoreFormatter(api_server_count=1, publisher=restarted.publisher).take(
         {**paused_message(True, 1), SEQUENCE: 10})[0])
     assert not hub.paused
-
-
-def test_the_worker_publishers_heartbeats_repeat_its_pause_state():
-    import msgspec
-    import zmq
-
-    address = f"ipc://{tempfile.mkdtemp()}/steps"
-    publisher = ScorePublisher(address, heartbeat_s=0.2)
-    listener = zmq.Context.instance().socket(zmq.SUB)
-    listener.setsockopt(zmq.SUBSCRIBE, b"")
-    listener.connect(address)
-    try:
-        time.sleep(0.3)  # the subscription reaches the publisher
-        publisher.publish(paused_message(True, 3))
-        heard = []  # from the pause message on (heartbeats may come before it)
-        while (len(heard) < 2) and listener.poll(5000):
-            message = msgspec.msgpack.decode(listener.recv())
-            if heard or message["control"] == "paused":
-                heard.append(message)
-    finally:
-        publisher.close()
-        listener.close(linger=0)
-    assert heard[1]["control"] == "heartbeat" and heard[1]["pause"] == [3, True]
 
 
 def test_ids_a_client_chose_reach_no_process_and_a_look_alike_topic_is_ignored():
@@ -323,7 +351,7 @@ def test_ids_a_client_chose_reach_no_process_and_a_look_alike_topic_is_ignored()
     formatter = ScoreFormatter(api_server_count=2)
     frames = formatter.take({**worker_messages(ids)[0], SEQUENCE: 1})
     assert [topic for topic, _ in frames] == [ours.encode()]
-    hub = ScoreHub("inproc://unused", owner=ours, formatted=True)
+    hub = ScoreHub("inproc://unused", owner=ours)
     for topic, frame in frames:
         hub.take_formatted(topic, frame)
     foreign = ScoreFormatter(api_server_count=2, publisher=formatter.publisher)
@@ -348,36 +376,42 @@ def test_a_process_with_no_rows_of_its_own_still_hears_the_formatter(monkeypatch
     monkeypatch.setattr(delivery, "SILENT_AFTER_S", 1.5)
     ours, theirs = owner_tag(), owner_tag()
     busy = engine_id(ours)
-    root = tempfile.mkdtemp()
-    steps_at, scores_at = f"ipc://{root}/steps", f"ipc://{root}/scores"
+    scores_at = f"ipc://{tempfile.mkdtemp()}/scores"
+    ring = score_ring()
 
     async def scenario():
-        publisher = ScorePublisher(steps_at, heartbeat_s=0.2)
-        formatter = FormatterProcess(steps_at, scores_at, api_server_count=2).start()
-        hubs = [ScoreHub(scores_at, owner=ours, formatted=True), ScoreHub(scores_at, owner=theirs, formatted=True)]
+        publisher = RingPublisher(ring, heartbeat_s=0.2)
+        formatter = FormatterProcess(scores_at, api_server_count=2, ring_fd=ring.fd).start()
+        hubs = [ScoreHub(scores_at, owner=ours), ScoreHub(scores_at, owner=theirs)]
         for hub in hubs:
             hub.start()
         try:
             await until(lambda: all(hub._formatter is not None for hub in hubs))
             for computed in range(2, 42):  # 4 s of steps for one process only
-                layout = StepLayout([busy], np.array([1]), np.array([computed]), np.array([2]))
-                publisher.publish(step_message(ONE_PROBE, layout, np.array([[0.5]], np.float32), []))
+                stage_step(ring, publisher, StepView([busy], np.array([1]), np.array([computed]), np.array([2])), [0.5])
                 await asyncio.sleep(0.1)
+            await until(lambda: 40 in hubs[0].get(external_request_id(busy)).tokens)
             return [(hub.silent, hub.losses, len(hub)) for hub in hubs]
         finally:
             _stop(hubs, formatter, publisher)
 
-    (busy_state, idle_state) = asyncio.run(scenario())
+    try:
+        (busy_state, idle_state) = asyncio.run(scenario())
+    finally:
+        ring.close()
     assert busy_state == (False, 0, 1) and idle_state == (False, 0, 0)
 
 
 def test_a_formatter_that_hears_no_worker_lets_the_processes_stop_waiting(monkeypatch):
+    """A ring nothing is written to (the worker hung): the formatter holds its heartbeats back
+    once it has heard nothing for WORKER_SILENT_AFTER_S, and the hub then takes it for gone."""
     monkeypatch.setattr(delivery, "SILENT_AFTER_S", 2.0)
-    root = tempfile.mkdtemp()
+    scores_at = f"ipc://{tempfile.mkdtemp()}/scores"
+    ring = score_ring()
 
     async def scenario():
-        formatter = FormatterProcess(f"ipc://{root}/steps", f"ipc://{root}/scores", api_server_count=1).start()
-        hub = ScoreHub(f"ipc://{root}/scores", formatted=True)
+        formatter = FormatterProcess(scores_at, api_server_count=1, ring_fd=ring.fd).start()
+        hub = ScoreHub(scores_at)
         hub.start()
         try:
             await until(lambda: hub._formatter is not None)  # heartbeats at first
@@ -386,12 +420,18 @@ def test_a_formatter_that_hears_no_worker_lets_the_processes_stop_waiting(monkey
         finally:
             _stop([hub], formatter)
 
-    assert asyncio.run(scenario()) == 1
+    try:
+        assert asyncio.run(scenario()) == 1
+    finally:
+        ring.close()
 
 
 def test_a_formatter_that_cannot_start_stops_the_worker_from_starting():
+    ring = score_ring()
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="score formatter did not start"):
-        FormatterProcess("ipc:///nonexistent-probex-dir/steps", "ipc:///nonexistent-probex-dir/scores",
-                         api_server_count=1).start()
+    try:
+        with pytest.raises(FormatterNotStarted, match="score formatter did not start"):
+            FormatterProcess("ipc:///nonexistent-probex-dir/scores", api_server_count=1, ring_fd=ring.fd).start()
+    finally:
+        ring.close()
     assert time.monotonic() - started < 20

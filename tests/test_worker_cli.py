@@ -1,5 +1,7 @@
-"""`probex worker` refuses bad probes before any engine starts, naming the file and the problem."""
+"""`probex worker` refuses bad probes, bad vLLM options and settings it no longer reads before any
+engine starts, naming the file, the option or the setting and the problem."""
 
+import os
 import subprocess
 import sys
 
@@ -79,19 +81,23 @@ def test_data_parallel_engines_are_refused(passthrough):
                                                 (["--api-server-count=4"], 4), (["-asc", "2"], 2),
                                                 (["--api_server_count", "3"], 3)])
 def test_several_api_server_processes_are_started_by_vllm_serve_and_told_their_count(passthrough, count):
-    """One API server process: vLLM's api_server module, as before. Several: vLLM's `serve`
-    (only it starts them), through engine_worker.vllm.serve; every process learns the count
-    from the environment and so tags its requests (middleware.py)."""
+    """One API server process: vLLM's api_server module. Several: vLLM's `serve` (only it
+    starts them), through engine_worker.vllm.serve; every process reads the count from the tap
+    configuration in PROBEX_TAP_CONFIG and so tags its requests (middleware.py). The count is a
+    run field: vLLM's compile-cache key does not change with it."""
     import argparse
+    import json
 
+    from engine_worker.settings import TAP_CONFIG
+    from engine_worker.tap.config import TapConfig
     from engine_worker.vllm.launch import add_worker_arguments, build_worker_command
-    from engine_worker.tap.config import ENV_API_SERVER_COUNT
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
     argv, env = build_worker_command(parser.parse_args(["--model", "smollm2-135m-instruct", "--layer", "3"]),
                                      passthrough)
-    assert env[ENV_API_SERVER_COUNT] == str(count)
+    assert TapConfig.from_json(env[TAP_CONFIG]).api_server_count == count
+    assert "api_server_count" not in json.loads(argv[argv.index("--additional-config") + 1])["probex"]
     module = argv[argv.index("-m") + 1]
     if count == 1:
         assert module == "vllm.entrypoints.openai.api_server"
@@ -126,8 +132,8 @@ def test_restarts_and_other_probe_files_keep_the_compile_cache_key(tmp_path):
     import argparse
     import json
 
-    from engine_worker.vllm.launch import add_worker_arguments, build_worker_command
     from engine_worker.tap.config import ENV_TAP_CONFIG, TapConfig
+    from engine_worker.vllm.launch import add_worker_arguments, build_worker_command
 
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
@@ -160,35 +166,80 @@ def test_restarts_and_other_probe_files_keep_the_compile_cache_key(tmp_path):
     assert TapConfig.from_json(first_env[ENV_TAP_CONFIG]) == engine_config  # the API server's reading
 
 
-@pytest.mark.parametrize("flag, environ, formatted", [([], {}, True), (["--no-score-formatter"], {}, False),
-                                                      ([], {"PROBEX_SCORE_FORMATTER": "0"}, False),
-                                                      ([], {"PROBEX_SCORE_FORMATTER": "off"}, False),
-                                                      (["--score-formatter"], {"PROBEX_SCORE_FORMATTER": "0"}, True),
-                                                      ([], {"PROBEX_SCORE_FORMATTER": "1"}, True),
-                                                      # nothing delivered (a diagnostic): nothing to format
-                                                      (["--score-formatter"], {"PROBEX_DELIVERY": "off"}, False)])
-def test_the_score_formatter_gets_the_workers_steps_on_an_address_of_its_own(monkeypatch, flag, environ, formatted):
-    """With the formatter (the default) the worker sends its steps to `step_address` and the API
-    server processes listen at `score_address`, where the formatter sends them their rows;
-    without it they listen to the worker there. The compile-cache key does not change with it
-    (a run field)."""
+def _worker_parser():
     import argparse
-    import json
 
-    from engine_worker.vllm.launch import add_worker_arguments, build_worker_command
-    from engine_worker.tap.config import ENV_TAP_CONFIG, TapConfig
+    from engine_worker.vllm.launch import add_worker_arguments
 
-    monkeypatch.delenv("PROBEX_SCORE_FORMATTER", raising=False)
-    monkeypatch.delenv("PROBEX_DELIVERY", raising=False)
-    for name, value in environ.items():
-        monkeypatch.setenv(name, value)
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser)
-    argv, env = build_worker_command(parser.parse_args(["--model", str(model_dir()), "--layer", "3", *flag]), [])
-    additional = json.loads(argv[argv.index("--additional-config") + 1])
-    assert "step_address" not in additional["probex"]
-    tap = TapConfig.from_json(env[ENV_TAP_CONFIG])
-    if formatted:
-        assert tap.step_address.startswith("ipc://") and tap.step_address != tap.score_address
-    else:
-        assert tap.step_address is None and tap.score_address.startswith("ipc://")
+    return parser
+
+
+@pytest.mark.parametrize("name, value, replacement", [
+    ("PROBEX_SCORE_RING", "0", "score ring -> score formatter -> API servers"),
+    ("PROBEX_SCORE_FORMATTER", "off", "score ring -> score formatter -> API servers"),
+    ("PROBEX_DELIVERY", "off", "PUT /probex/tap"),
+    ("PROBEX_TAP_KERNEL", "torch", "Triton on CUDA, torch elsewhere"),
+    ("PROBEX_TAP_BUFFERS", "in-model", "allocated after the weights"),
+    ("PROBEX_API_SERVER_COUNT", "2", "--api-server-count"),
+    ("PROBEX_MODEL_DIR", "/models/x", "model directory in the tap configuration"),
+])
+def test_a_setting_the_worker_no_longer_reads_stops_it_with_one_line_naming_the_replacement(monkeypatch, name, value,
+                                                                                             replacement):
+    from engine_worker.vllm.launch import build_worker_command
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as refused:
+        build_worker_command(_worker_parser().parse_args(["--model", str(model_dir()), "--layer", "3"]), [])
+    message = str(refused.value.code)
+    assert "\n" not in message and message.startswith("probex worker:")
+    assert name in message and replacement in message and "unset it" in message
+
+
+def test_each_removed_setting_still_set_is_named_on_a_line_of_its_own(monkeypatch):
+    from engine_worker.settings import refuse_removed_settings
+
+    refuse_removed_settings({"PROBEX_ADMIN_TOKEN": "t", "PROBEX_SCORE_WAIT_S": "3", "PROBEX_CACHE": "/c"})  # read ones pass
+    with pytest.raises(SystemExit) as refused:
+        refuse_removed_settings({"PROBEX_SCORE_RING": "1", "PROBEX_STEP_TIMING": "1", "PROBEX_SCORE_WAIT_S": "3"})
+    lines = str(refused.value.code).split("\n")
+    assert len(lines) == 2 and all(line.startswith("probex worker: ") for line in lines)
+    assert "PROBEX_SCORE_RING" in lines[0] and "PROBEX_STEP_TIMING" in lines[1]
+
+
+@pytest.mark.parametrize("flag", ["--score-formatter", "--no-score-formatter"])
+def test_the_score_formatter_flags_are_refused_with_one_line(flag):
+    from engine_worker.vllm.launch import build_worker_command
+
+    with pytest.raises(SystemExit) as refused:
+        build_worker_command(_worker_parser().parse_args(["--model", str(model_dir()), "--layer", "3", flag]), [])
+    message = str(refused.value.code)
+    assert "\n" not in message and message.startswith("probex worker:")
+    assert "--no-score-formatter" in message and "always runs" in message
+
+
+def test_probex_worker_refuses_a_removed_flag_and_setting_before_anything_starts():
+    """The command line end to end: exit status 1 and the one-line reason on stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBEX_")}
+    for args, extra_env, named in ((["--no-score-formatter"], {}, "--no-score-formatter"),
+                                   ([], {"PROBEX_SCORE_RING": "0"}, "PROBEX_SCORE_RING")):
+        result = subprocess.run([sys.executable, "-m", "probex.cli", "worker", "--model", str(model_dir()),
+                                 "--layer", "3", *args], env={**env, **extra_env}, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 1, result.stderr[-2000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and named in lines[0], result.stderr[-2000:]
+
+
+def test_the_served_model_directory_travels_in_the_tap_configuration(monkeypatch):
+    import json
+
+    from engine_worker.settings import TAP_CONFIG
+    from engine_worker.tap.config import TapConfig
+    from engine_worker.vllm.launch import build_worker_command
+
+    argv, env = build_worker_command(_worker_parser().parse_args(["--model", "smollm2-135m-instruct", "--layer", "3"]),
+                                     [])
+    assert TapConfig.from_json(env[TAP_CONFIG]).model_dir == str(model_dir())
+    assert "model_dir" not in json.loads(argv[argv.index("--additional-config") + 1])["probex"]  # a run field

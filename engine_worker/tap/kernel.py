@@ -67,7 +67,7 @@ def applies(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
             scores_out: torch.Tensor, paused: torch.Tensor) -> bool:
     """Whether the op should run `scores`: the kernel is on, the tensors are on a CUDA device
     and laid out as the kernel indexes them (`layout_fits`), the pause flag an int32 there."""
-    return (_ENABLED and hidden.is_cuda and layout_fits(hidden, residual, weight, bias, scores_out)
+    return (enabled() and hidden.is_cuda and layout_fits(hidden, residual, weight, bias, scores_out)
             and paused.dtype == torch.int32 and paused.device == hidden.device)
 
 
@@ -136,7 +136,7 @@ def warm_up(width: int, slots: int, max_rows: int, dtype: torch.dtype, device: t
     eager workers). These launches use tensors of their own, laid out as the served ones,
     with the pause flag set, so the kernel returns at once and the layer's buffers are never
     touched."""
-    if not _ENABLED:
+    if not enabled():
         return 0
     weight = torch.zeros(slots, width, dtype=torch.float32, device=device)
     bias = torch.zeros(slots, dtype=torch.float32, device=device)
@@ -151,4 +151,4 @@ def warm_up(width: int, slots: int, max_rows: int, dtype: torch.dtype, device: t
     return launches
 
 
-_ENABLED = enabled()
+
