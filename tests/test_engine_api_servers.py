@@ -16,8 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from probex.bench_engine import health_by_process
-from tests.engine_harness import PROMPTS, Worker, chat_body, make_test_probes
+from tests.engine_harness import PROMPTS, Worker, chat_body, health_by_process, make_test_probes
 
 pytestmark = pytest.mark.engine
 

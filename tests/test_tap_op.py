@@ -208,7 +208,7 @@ def test_the_fused_kernel_can_be_turned_off_for_comparisons(monkeypatch):
 
 
 def test_the_op_microbenchmark_says_it_needs_a_gpu_here(capsys):
-    from probex import bench_tap_op
+    from bench import tap_op as bench_tap_op
 
     assert not torch.cuda.is_available()  # the CPU machines that run this suite
     assert bench_tap_op.main(["--rows", "1"]) == 2

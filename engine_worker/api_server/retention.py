@@ -44,7 +44,7 @@ class RetentionTracker:
 
     def schedule(self, probe_dirs: list[str]) -> None:
         if not self.model_dir:
-            self.status = "unavailable: the worker was started without PROBEX_MODEL_DIR"
+            self.status = "unavailable: the worker's tap configuration names no model directory"
             return
         self._generation += 1
         generation = self._generation
