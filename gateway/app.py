@@ -30,7 +30,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.policy_manager import PolicyManager, periodic
-from gateway.upstreams import UpstreamPool
+from gateway.upstreams import UpstreamPool, WorkerAuth
 
 __all__ = ["GatewayApp", "GatewayConfig", "create_app"]
 
@@ -61,6 +61,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     client = httpx.AsyncClient(  # control plane: health checks, probe pushes, /v1/models
         timeout=httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s),
         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        auth=WorkerAuth(config.worker_admin_token, config.upstreams),  # the worker token goes to workers only
     )
     pool = UpstreamPool(config.upstreams, client, metrics)
     audit: AuditSink = RedisAudit(config.redis_url, metrics) if config.redis_url else JsonlAudit(config.audit_path, metrics)

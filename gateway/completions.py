@@ -16,6 +16,7 @@ from gateway.audit import AuditSink
 from gateway.auth import bearer_token, authenticate_token
 from gateway.calls import Call, account, judge_whole, observe_overhead
 from gateway.config import GatewayConfig
+from gateway.controls import XARGS_FIELD, check_request, with_policy_xargs
 from gateway.decisions import Verdict
 from gateway.errors import (UPSTREAM_ERRORS, ApiError, ClientGone, relay_upstream_error, respond,
                             upstream_failure)
@@ -39,7 +40,8 @@ class Completions:
     def __init__(self, config: GatewayConfig, manager: PolicyManager, pool: UpstreamPool, metrics: GatewayMetrics,
                  audit: AuditSink) -> None:
         self.config, self.manager, self.pool, self.metrics, self.audit = config, manager, pool, metrics, audit
-        self.client = UpstreamClient(connect_timeout=config.connect_timeout_s, read_timeout=config.upstream_timeout_s)
+        self.client = UpstreamClient(connect_timeout=config.connect_timeout_s, read_timeout=config.upstream_timeout_s,
+                                     token=config.worker_admin_token, upstream_urls=[u.url for u in pool.upstreams])
         self.stream = StreamResponder(metrics, audit)
 
     async def close(self) -> None:
@@ -81,9 +83,10 @@ class Completions:
         if known and model not in known:
             raise ApiError(404, f"model {model!r} does not exist; available: {sorted(known)}", code="model_not_found",
                            param="model")
+        tenant = policy.tenant(tenant_name)
+        check_request(path, body, tenant.granted, is_admin)
         # The body goes to the worker byte for byte unless the gateway has to add to it.
         payload = raw if plain else json.dumps(body).encode()
-        tenant = policy.tenant(tenant_name)
         added: dict = {}
         if policy.needs_recompute and policy.policy.rules:
             added["probex_recompute"] = True
@@ -91,11 +94,9 @@ class Completions:
             # The policy's steering replaces any the client asked for: one configuration per request.
             added.update(tenant.steering_xargs)
         if added:
-            xargs = body.get("vllm_xargs")
-            if xargs is None or isinstance(xargs, dict):
-                exact = json.loads(raw)  # the standard library keeps every number exactly as sent
-                exact["vllm_xargs"] = {**(exact.get("vllm_xargs") or {}), **added}
-                payload = json.dumps(exact).encode()
+            exact = json.loads(raw)  # the standard library keeps every number exactly as sent
+            exact[XARGS_FIELD] = with_policy_xargs(exact.get(XARGS_FIELD), added)
+            payload = json.dumps(exact).encode()
         try:
             upstream = self.pool.pick()
         except NoHealthyUpstream as exc:

@@ -144,12 +144,28 @@ class AuditSettings(_Strict):
     maxlen: int = Field(default=100_000, ge=100)
 
 
+# Engine controls a tenant may be granted (`gateway.controls` says which request fields each covers).
+Control = Literal[
+    # ProbeX's own, in vllm_xargs
+    "recompute",  # probex_recompute: bypass the prefix cache (engine work)
+    "steer",  # probex_steer and probex_steer_*: write a vector into the residual stream
+    "capture",  # probex_capture: save activations on the worker
+    # vLLM's: the rendered prompt (and so the token a probe reads), the KV cache, the inputs
+    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "cache_salt", "kv_transfer_params", "prompt_embeds",
+    # SGLang's: request ids, per-request hooks and hidden-state output
+    "custom_params", "rid", "return_hidden_states", "custom_logit_processor",
+]
+
+
 class TenantSettings(_Strict):
     """Per-tenant overrides of the policy's defaults."""
 
     rules: list[Rule] | None = None
     on_block: Literal["error", "refusal"] | None = None
     expose_scores: bool | None = None
+    allow: list[Control] = Field(default_factory=list, description="engine controls this tenant's requests may"
+                                 " carry (none by default; admin keys may use them all)")
 
 
 class Policy(_Strict):
@@ -190,6 +206,7 @@ class TenantView:
     rules: tuple[Rule, ...]
     on_block: str
     expose_scores: bool
+    granted: frozenset[str] = frozenset()
 
     @cached_property
     def steering_xargs(self) -> dict | None:
@@ -232,6 +249,7 @@ class LoadedPolicy:
             rules=tuple(overrides.rules if overrides.rules is not None else self.policy.rules),
             on_block=overrides.on_block or self.policy.on_block,
             expose_scores=overrides.expose_scores if overrides.expose_scores is not None else self.policy.expose_scores,
+            granted=frozenset(overrides.allow),
         )
 
 

@@ -16,6 +16,7 @@ import pytest
         ("gateway.app", ("torch", "vllm", "engine_worker")),
         ("gateway.completions", ("torch", "vllm", "engine_worker")),
         ("gateway.streaming", ("torch", "vllm", "engine_worker")),
+        ("gateway.controls", ("torch", "vllm", "engine_worker")),
         ("gateway.serving", ("torch", "vllm", "engine_worker")),
         ("engine_worker.middleware", ("gateway", "fastapi")),
     ],
