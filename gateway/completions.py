@@ -13,7 +13,7 @@ import time
 from random import getrandbits as _random_bits  # request ids need to be unique, not secret: no syscall
 
 from gateway.audit import AuditSink
-from gateway.auth import bearer_token, authenticate_token
+from gateway.auth import Authenticator, bearer_token
 from gateway.calls import Call, account, judge_whole, observe_overhead
 from gateway.config import GatewayConfig
 from gateway.controls import XARGS_FIELD, check_request, with_policy_xargs
@@ -38,8 +38,9 @@ class Completions:
     """POST /v1/chat/completions and /v1/completions: the hot path, in plain ASGI."""
 
     def __init__(self, config: GatewayConfig, manager: PolicyManager, pool: UpstreamPool, metrics: GatewayMetrics,
-                 audit: AuditSink) -> None:
+                 audit: AuditSink, auth: Authenticator) -> None:
         self.config, self.manager, self.pool, self.metrics, self.audit = config, manager, pool, metrics, audit
+        self.auth = auth
         self.client = UpstreamClient(connect_timeout=config.connect_timeout_s, read_timeout=config.upstream_timeout_s,
                                      token=config.worker_admin_token, upstream_urls=[u.url for u in pool.upstreams])
         self.stream = StreamResponder(metrics, audit)
@@ -68,7 +69,8 @@ class Completions:
             elif name == b"content-length" and declared is None:
                 declared = value
         policy = self.manager.current
-        tenant_name, is_admin = authenticate_token(bearer_token(auth), policy)
+        caller = self.auth.identify(bearer_token(auth), policy)
+        tenant_name, is_admin = caller.tenant, caller.is_admin
         raw = await read_body(receive, self.config.max_body_bytes, declared)
         body, plain = parse_body(raw)
         model = body.get("model")

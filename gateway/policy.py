@@ -179,7 +179,9 @@ class Policy(_Strict):
     audit: AuditSettings = AuditSettings()
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant name")
-    admin_keys: list[str] = Field(default_factory=list)
+    admin_keys: list[str] | dict[str, str] = Field(
+        default_factory=list, description="admin keys: a list, or name -> key (the audit records the name). Keys"
+        " can also come from PROBEX_ADMIN_KEYS / PROBEX_ADMIN_KEYS_FILE, which keeps them out of this file")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Policy":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import threading
@@ -10,6 +11,7 @@ import time
 import uvicorn
 
 from gateway.app import GatewayConfig, create_app
+from gateway.auth import AdminKeyError
 from gateway.policy import PolicyError
 
 log = logging.getLogger("probex.serve")
@@ -45,8 +47,8 @@ class ServerThread:
 
 def run_gateway(config: GatewayConfig, host: str, port: int) -> None:
     try:
-        app = create_app(config)
-    except PolicyError as exc:
+        app = create_app(dataclasses.replace(config, listen_host=host))
+    except (PolicyError, AdminKeyError) as exc:
         raise SystemExit(f"probex gateway: {exc}") from None
     # What start-up built (modules, schemas, the app) lives as long as the process: keep it out of the
     # cyclic collector's full passes, which otherwise take tens of milliseconds mid-stream.

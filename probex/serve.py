@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from gateway.app import GatewayConfig
+from gateway.auth import AdminKeyError, Authenticator, load_admin_keys
 from gateway.policy import PolicyError, load_policy
 from gateway.serving import run_gateway
 from probex.processes import WorkerExited, port_taken, unwind_on_sigterm, wait_until_healthy
@@ -22,11 +23,14 @@ def worker_command_line(model: str, worker_port: int, probe_dirs, worker_args: l
 
 
 def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_port: int, redis_url: str | None,
-                 worker_args: list[str], worker_command: list[str] | None = None) -> None:
+                 worker_args: list[str], worker_command: list[str] | None = None,
+                 admin_key_file: str | None = None) -> None:
     """`worker_command` replaces `probex worker` (tests start a stand-in)."""
     try:
         policy = load_policy(policy_path)
-    except PolicyError as exc:
+        admin_keys = load_admin_keys(admin_key_file)
+        Authenticator(admin_keys, host).check_startup(policy, host)
+    except (PolicyError, AdminKeyError) as exc:
         raise SystemExit(f"probex serve: {exc}") from None
     # The worker's live-swap endpoint needs a token; the gateway is the only one told it. It goes
     # to the worker in its environment, not its command line: there every local user's `ps`
@@ -59,7 +63,8 @@ def run_embedded(policy_path: Path, model: str, host: str, port: int, worker_por
         except WorkerExited as exc:
             raise SystemExit(f"probex serve: {exc}") from None
         print(f"probex serve: worker ready; gateway on http://{host}:{port}/v1 (OpenAI-compatible)", flush=True)
-        config = GatewayConfig(policy_path=policy_path, upstreams=[url], worker_admin_token=token, redis_url=redis_url)
+        config = GatewayConfig(policy_path=policy_path, upstreams=[url], worker_admin_token=token, redis_url=redis_url,
+                               listen_host=host, admin_keys=admin_keys)
         run_gateway(config, host, port)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the worker's stop short
