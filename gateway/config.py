@@ -20,6 +20,8 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     watch_policy: bool = True
     health_interval_s: float = 2.0
+    client_stall_timeout_s: float = 30.0  # a stream's caller that reads nothing this long is dropped
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long streams in flight may take to finish
     listen_host: str = "127.0.0.1"  # where the gateway listens: beyond loopback, admin keys are required
     admin_keys: dict[str, str] = field(default_factory=dict)  # name -> key, besides the policy's
 

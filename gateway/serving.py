@@ -20,8 +20,9 @@ log = logging.getLogger("probex.serve")
 class ServerThread:
     """uvicorn in a background thread (tests, benchmarks, `probex serve`)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float | None = None) -> None:
+        self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                     timeout_graceful_shutdown=drain_timeout_s)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -54,4 +55,6 @@ def run_gateway(config: GatewayConfig, host: str, port: int) -> None:
     # cyclic collector's full passes, which otherwise take tens of milliseconds mid-stream.
     gc.collect()
     gc.freeze()
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    # On SIGTERM uvicorn stops accepting, lets the requests in flight (streams too) finish for up
+    # to the drain timeout, then cancels what is left.
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=config.drain_timeout_s)

@@ -39,6 +39,10 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
     """Connecting, or waiting for the next bytes of a response, took longer than the configured limit."""
 
 
+class UpstreamUnreachable(UpstreamError):
+    """No connection to the worker could be made: the request reached nobody (safe to send elsewhere)."""
+
+
 class UpstreamAbandoned(UpstreamError):
     """The gateway's caller went away: the connection was closed on purpose, not to be retried."""
 
@@ -311,7 +315,7 @@ class _Origin:
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"connecting to {self.name} took longer than {self.connect_timeout:g} s") from None
         except (OSError, ssl.SSLError) as exc:
-            raise UpstreamError(f"cannot connect to {self.name}: {exc}") from None
+            raise UpstreamUnreachable(f"cannot connect to {self.name}: {exc}") from None
         return conn
 
 

@@ -53,10 +53,10 @@ class UpstreamPool:
         self.metrics = metrics
         self._task: asyncio.Task | None = None
 
-    def pick(self) -> Upstream:
+    def pick(self, avoid: list[Upstream] | tuple = ()) -> Upstream:
         best = None
         for u in self.upstreams:  # on every request: a loop, not a list and a key function
-            if u.healthy and (best is None or u.outstanding < best.outstanding):
+            if u.healthy and (best is None or u.outstanding < best.outstanding) and u not in avoid:
                 best = u
         if best is None:
             raise NoHealthyUpstream("no healthy upstream worker")

@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int | None:
     gateway.add_argument("--redis", default=None, metavar="URL", help="audit + shared state in Redis (default: JSONL)")
     gateway.add_argument("--worker-admin-token", default=None, help="the workers' token, sent as a bearer token on "
                          "every call to them (default: $PROBEX_ADMIN_TOKEN)")
+    gateway.add_argument("--client-stall-timeout", type=float, default=30.0, metavar="S",
+                         help="drop a stream whose caller reads nothing for S seconds (aborting its upstream request)")
+    gateway.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                         help="on SIGTERM, how long requests in flight may take to finish")
     gateway.add_argument("--admin-key-file", default=None, metavar="FILE", help="admin keys, one name:key a line "
                          "(default: $PROBEX_ADMIN_KEYS_FILE; also $PROBEX_ADMIN_KEYS=name:key,...); required "
                          "unless --host is loopback")
@@ -154,7 +158,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         try:
             config = GatewayConfig(policy_path=Path(args.config), upstreams=args.upstream, redis_url=args.redis,
                                    worker_admin_token=args.worker_admin_token or os.environ.get("PROBEX_ADMIN_TOKEN"),
-                                   listen_host=args.host, admin_keys=load_admin_keys(args.admin_key_file))
+                                   listen_host=args.host, admin_keys=load_admin_keys(args.admin_key_file),
+                                   client_stall_timeout_s=args.client_stall_timeout, drain_timeout_s=args.drain_timeout)
         except (AdminKeyError, ValueError) as exc:
             raise SystemExit(f"probex gateway: {exc}") from None
         run_gateway(config, args.host, args.port)
