@@ -91,7 +91,7 @@ class Completions:
             raise ApiError(404, f"model {model!r} does not exist; available: {sorted(known)}", code="model_not_found",
                            param="model")
         tenant = policy.tenant(tenant_name)
-        check_request(path, body, tenant.granted, is_admin)
+        check_request(path, body, tenant.granted, is_admin, policy.forward_fields)
         # The body goes to the worker byte for byte unless the gateway has to add to it.
         payload = raw if plain else json.dumps(body).encode()
         added: dict = {}

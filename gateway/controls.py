@@ -72,11 +72,12 @@ def xarg_control(key: str) -> str | None:
     return _XARG_CONTROLS.get(key, key)
 
 
-def check_request(path: str, body: dict, granted: frozenset[str], is_admin: bool) -> None:
-    """Raise a 400 for the first field this caller may not send."""
+def check_request(path: str, body: dict, granted: frozenset[str], is_admin: bool,
+                  extra: frozenset[str] = frozenset()) -> None:
+    """Raise a 400 for the first field this caller may not send (`extra`: the policy's forward_fields)."""
     allowed = FORWARDED[path]
     for name in body:
-        if name in allowed:
+        if name in allowed or name in extra:
             continue
         if name in TOP_LEVEL_CONTROLS:
             if not (is_admin or name in granted):

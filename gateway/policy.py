@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -178,6 +178,10 @@ class Policy(_Strict):
     calibration_alarm_below: float = Field(default=0.5, ge=0.0, le=1.0)
     audit: AuditSettings = AuditSettings()
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+    forward_fields: list[str] = Field(
+        default_factory=list, description="further top-level request fields to forward for every caller (fields"
+        " this deployment's workers understand and that leave monitoring intact); engine controls cannot be"
+        " listed here, they are granted per tenant with tenants.<name>.allow")
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant name")
     admin_keys: list[str] | dict[str, str] = Field(
         default_factory=list, description="admin keys: a list, or name -> key (the audit records the name). Keys"
@@ -194,6 +198,11 @@ class Policy(_Strict):
             if len(steering) > 1:
                 raise ValueError(f"{owner}: rules for {steering} all steer; a request carries one steering"
                                  " configuration, so at most one rule per rule set may steer")
+        controls = set(get_args(Control)) | {"vllm_xargs"}
+        for name in self.forward_fields:
+            if name in controls or name.startswith("probex"):
+                raise ValueError(f"forward_fields: {name!r} is an engine control; grant it per tenant with"
+                                 f" tenants.<name>.allow instead")
         for key, tenant in self.api_keys.items():
             if tenant != "default" and tenant not in self.tenants:
                 raise ValueError(f"api key {key[:4]}... maps to unknown tenant {tenant!r}")
@@ -232,6 +241,10 @@ class LoadedPolicy:
     def needs_recompute(self) -> bool:
         """Interior reads see only recomputed prompt rows; bypass the prefix cache for them."""
         return any(p.read.reads_interior_tokens for p in self.probes.values())
+
+    @cached_property
+    def forward_fields(self) -> frozenset[str]:
+        return frozenset(self.policy.forward_fields)
 
     @cached_property
     def _tenant_views(self) -> dict[str, TenantView]:

@@ -110,6 +110,17 @@ def test_granted_tenants_and_admins_may_use_controls_and_the_policy_still_decide
                                                            "probex_steer_alpha": 6.0, "probex_steer_window": "all"}
 
 
+def test_the_policy_can_forward_further_fields_but_not_controls(stack):
+    assert post(stack, "k-plain", my_field=1).status_code == 400
+    stack.write_policy(base_policy(api_keys=KEYS, admin_keys=["k-admin"], tenants={"plain": {}, "granted": {}},
+                                   forward_fields=["my_field"]))
+    assert httpx.post(stack.url + "/admin/reload", headers={"Authorization": "Bearer k-admin"}).status_code == 200
+    assert post(stack, "k-plain", my_field=1).status_code == 200 and stack.state.requests_seen[-1]["my_field"] == 1
+    for control in ("chat_template", "vllm_xargs", "probex_steer"):
+        with pytest.raises(PolicyError, match="engine control"):
+            parse_policy(yaml.safe_dump({"forward_fields": [control]}))
+
+
 def test_the_policy_names_only_known_controls():
     good = parse_policy(yaml.safe_dump({"tenants": {"t": {"allow": ["steer", "chat_template"]}}}))
     assert good.tenant("t").granted == {"steer", "chat_template"} and not good.tenant("other").granted
