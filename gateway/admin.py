@@ -7,7 +7,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.auth import authenticate, require_admin
+from gateway.audit import AuditSink, admin_event
+from gateway.auth import Authenticator
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.policy_manager import PolicyManager
@@ -15,7 +16,7 @@ from gateway.upstreams import NoHealthyUpstream, UpstreamPool
 
 
 def add_routes(app: FastAPI, manager: PolicyManager, pool: UpstreamPool, metrics: GatewayMetrics,
-               client: httpx.AsyncClient) -> None:
+               client: httpx.AsyncClient, auth: Authenticator, audit: AuditSink) -> None:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -38,7 +39,7 @@ def add_routes(app: FastAPI, manager: PolicyManager, pool: UpstreamPool, metrics
 
     @app.get("/v1/models")
     async def models(request: Request):
-        authenticate(request, manager.current)
+        auth.authenticate(request, manager.current)
         try:
             upstream = pool.pick()
             r = await client.get(upstream.url + "/v1/models")
@@ -50,14 +51,17 @@ def add_routes(app: FastAPI, manager: PolicyManager, pool: UpstreamPool, metrics
 
     @app.post("/admin/reload")
     async def admin_reload(request: Request):
-        require_admin(request, manager.current)
-        ok, message = await manager.reload("admin request")
+        caller = auth.require_admin(request, manager.current)
+        before = manager.current.version
+        ok, message = await manager.reload(f"admin request by {caller.key_name}")
+        await audit.record(admin_event(action="reload", actor=caller.key_name, ok=ok, message=message,
+                                       previous_version=before, policy_version=manager.current.version))
         if not ok:
             raise ApiError(400, message, code="policy_rejected")
         return {"status": "ok", "message": message, "policy_version": manager.current.version}
 
     @app.get("/admin/policy")
     async def admin_policy(request: Request):
-        require_admin(request, manager.current)
+        auth.require_admin(request, manager.current)
         return {"policy_version": manager.current.version, "probes": list(manager.current.probes),
                 "needs_recompute": manager.current.needs_recompute, "last_reload_error": manager.last_error}

@@ -25,12 +25,13 @@ from starlette.routing import Route
 
 from gateway.admin import add_routes
 from gateway.audit import AuditSink, JsonlAudit, RedisAudit
+from gateway.auth import Authenticator
 from gateway.completions import COMPLETION_PATHS, CompletionRoute, Completions
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.policy_manager import PolicyManager, periodic
-from gateway.upstreams import UpstreamPool
+from gateway.upstreams import UpstreamPool, WorkerAuth
 
 __all__ = ["GatewayApp", "GatewayConfig", "create_app"]
 
@@ -58,17 +59,20 @@ class GatewayApp(FastAPI):
 
 def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> FastAPI:
     metrics = metrics or GatewayMetrics()
+    auth = Authenticator(config.admin_keys, config.listen_host)
     client = httpx.AsyncClient(  # control plane: health checks, probe pushes, /v1/models
         timeout=httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s),
         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        auth=WorkerAuth(config.worker_admin_token, config.upstreams),  # the worker token goes to workers only
     )
     pool = UpstreamPool(config.upstreams, client, metrics)
     audit: AuditSink = RedisAudit(config.redis_url, metrics) if config.redis_url else JsonlAudit(config.audit_path, metrics)
     manager = PolicyManager(config, pool, metrics, audit)
+    auth.check_startup(manager.current, config.listen_host)  # AdminKeyError: open to the network without admin keys
     if isinstance(audit, RedisAudit):
         audit.maxlen = manager.current.policy.audit.maxlen
     metrics.set_policy_version(manager.current.version)
-    completions = Completions(config, manager, pool, metrics, audit)
+    completions = Completions(config, manager, pool, metrics, audit, auth)
     tasks: list[asyncio.Task] = []
 
     @asynccontextmanager
@@ -108,7 +112,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
         log.exception("probex gateway: unexpected error")
         return ApiError(500, "internal gateway error", kind="server_error").response()
 
-    add_routes(app, manager, pool, metrics, client)
+    add_routes(app, manager, pool, metrics, client, auth, audit)
     app.fast_routes = {path: CompletionRoute(completions, path) for path in COMPLETION_PATHS}
     for path, endpoint in app.fast_routes.items():  # an ASGI app as endpoint: Starlette hands it the raw scope
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))

@@ -98,6 +98,14 @@ class RedisAudit(AuditSink):
         await self.client.aclose()
 
 
+def admin_event(*, action: str, actor: str | None, ok: bool, message: str, previous_version: str,
+                policy_version: str) -> dict:
+    """An admin action: who (the admin key's name, never the key), what, and what came of it."""
+    return {"event": "admin", "action": action, "actor": actor or "", "result": "ok" if ok else "rejected",
+            "message": message[:500], "previous_version": previous_version, "policy_version": policy_version,
+            "time": time.time()}
+
+
 def audit_event(*, request_id: str, tenant: str, decision: str, probe: str | None, phase: str | None,
                 scores: dict, policy_version: str, prompt: str | None = None) -> dict:
     event = {

@@ -13,9 +13,10 @@ import time
 from random import getrandbits as _random_bits  # request ids need to be unique, not secret: no syscall
 
 from gateway.audit import AuditSink
-from gateway.auth import bearer_token, authenticate_token
+from gateway.auth import Authenticator, bearer_token
 from gateway.calls import Call, account, judge_whole, observe_overhead
 from gateway.config import GatewayConfig
+from gateway.controls import XARGS_FIELD, check_request, with_policy_xargs
 from gateway.decisions import Verdict
 from gateway.errors import (UPSTREAM_ERRORS, ApiError, ClientGone, relay_upstream_error, respond,
                             upstream_failure)
@@ -25,7 +26,8 @@ from gateway.policy import Decision
 from gateway.policy_manager import PolicyManager
 from gateway.request_body import parse_body, read_body
 from gateway.streaming import StreamResponder
-from gateway.upstream_http import UpstreamAbandoned, UpstreamClient, UpstreamError, UpstreamResponse
+from gateway.upstream_http import (UpstreamAbandoned, UpstreamClient, UpstreamError, UpstreamResponse,
+                                   UpstreamUnreachable)
 from gateway.upstreams import NoHealthyUpstream, Upstream, UpstreamPool
 
 log = logging.getLogger("probex.gateway")
@@ -37,15 +39,19 @@ class Completions:
     """POST /v1/chat/completions and /v1/completions: the hot path, in plain ASGI."""
 
     def __init__(self, config: GatewayConfig, manager: PolicyManager, pool: UpstreamPool, metrics: GatewayMetrics,
-                 audit: AuditSink) -> None:
+                 audit: AuditSink, auth: Authenticator) -> None:
         self.config, self.manager, self.pool, self.metrics, self.audit = config, manager, pool, metrics, audit
-        self.client = UpstreamClient(connect_timeout=config.connect_timeout_s, read_timeout=config.upstream_timeout_s)
-        self.stream = StreamResponder(metrics, audit)
+        self.auth = auth
+        self.client = UpstreamClient(connect_timeout=config.connect_timeout_s, read_timeout=config.upstream_timeout_s,
+                                     token=config.worker_admin_token, upstream_urls=[u.url for u in pool.upstreams])
+        self.stream = StreamResponder(metrics, audit, config.client_stall_timeout_s)
 
     async def close(self) -> None:
         self.client.close()
 
     async def __call__(self, path: str, scope, receive, send) -> None:
+        in_flight = self.metrics.in_flight
+        in_flight.inc()
         try:
             await self.handle(path, scope["headers"], receive, send)
         except ClientGone:
@@ -56,6 +62,8 @@ class Completions:
         except Exception:
             log.exception("probex gateway: unexpected error")
             await respond(send, 500, dumps(ApiError(500, "internal gateway error", kind="server_error").body()), [])
+        finally:
+            in_flight.dec()
 
     async def handle(self, path: str, raw_headers, receive, send) -> None:
         started = time.perf_counter()
@@ -66,7 +74,8 @@ class Completions:
             elif name == b"content-length" and declared is None:
                 declared = value
         policy = self.manager.current
-        tenant_name, is_admin = authenticate_token(bearer_token(auth), policy)
+        caller = self.auth.identify(bearer_token(auth), policy)
+        tenant_name, is_admin = caller.tenant, caller.is_admin
         raw = await read_body(receive, self.config.max_body_bytes, declared)
         body, plain = parse_body(raw)
         model = body.get("model")
@@ -81,9 +90,10 @@ class Completions:
         if known and model not in known:
             raise ApiError(404, f"model {model!r} does not exist; available: {sorted(known)}", code="model_not_found",
                            param="model")
+        tenant = policy.tenant(tenant_name)
+        check_request(path, body, tenant.granted, is_admin, policy.forward_fields)
         # The body goes to the worker byte for byte unless the gateway has to add to it.
         payload = raw if plain else json.dumps(body).encode()
-        tenant = policy.tenant(tenant_name)
         added: dict = {}
         if policy.needs_recompute and policy.policy.rules:
             added["probex_recompute"] = True
@@ -91,44 +101,52 @@ class Completions:
             # The policy's steering replaces any the client asked for: one configuration per request.
             added.update(tenant.steering_xargs)
         if added:
-            xargs = body.get("vllm_xargs")
-            if xargs is None or isinstance(xargs, dict):
-                exact = json.loads(raw)  # the standard library keeps every number exactly as sent
-                exact["vllm_xargs"] = {**(exact.get("vllm_xargs") or {}), **added}
-                payload = json.dumps(exact).encode()
-        try:
-            upstream = self.pool.pick()
-        except NoHealthyUpstream as exc:
-            raise ApiError(502, f"{exc}; see /ready", kind="server_error", code="upstream_unavailable") from None
-        upstream.outstanding += 1
-        watch = call = None  # the call exists once the request is sent (an abandoned one always has it)
-        try:
+            exact = json.loads(raw)  # the standard library keeps every number exactly as sent
+            exact[XARGS_FIELD] = with_policy_xargs(exact.get(XARGS_FIELD), added)
+            payload = json.dumps(exact).encode()
+        tried: list[Upstream] = []
+        while True:
             try:
-                waited = time.perf_counter()
-                conn = await self.client.send(upstream.url, path, payload)
-                upstream_s = time.perf_counter() - waited
-                # The request is on its way: the book-keeping is done while the worker works.
-                call = Call(f"probex-gw-{_random_bits(128):032x}", tenant, policy, is_admin,
-                             raw if policy.policy.audit.include_prompt else None, started, upstream_s)
-                # A whole response's head comes only with its body: a caller hanging up meanwhile
-                # must abort the worker's request (as vLLM does for its own callers), not leave it
-                # generating up to max_tokens for nobody. A stream's relay watches from its head on.
-                watch = None if streaming else CallerWatch(receive, conn)
-                waited = time.perf_counter()
+                upstream = self.pool.pick(tried)
+            except NoHealthyUpstream as exc:
+                raise ApiError(502, f"{exc}; see /ready", kind="server_error", code="upstream_unavailable") from None
+            upstream.outstanding += 1
+            watch = call = None  # the call exists once the request is sent (an abandoned one always has it)
+            try:
                 try:
-                    response = await self.client.response(conn, None if watch is None else watch.follow)
-                finally:
-                    call.upstream_s += time.perf_counter() - waited
-            except UPSTREAM_ERRORS as exc:
-                raise await self._whole_failed(exc, call, upstream) from None
-            if streaming:
-                await self.stream(path, response, call, upstream, receive, send)
-            else:
-                await self.whole(path, response, call, upstream, watch, send)
-        finally:
-            if watch is not None:
-                watch.stop()
-            upstream.outstanding -= 1
+                    waited = time.perf_counter()
+                    conn = await self.client.send(upstream.url, path, payload)
+                    upstream_s = time.perf_counter() - waited
+                    # The request is on its way: the book-keeping is done while the worker works.
+                    call = Call(f"probex-gw-{_random_bits(128):032x}", tenant, policy, is_admin,
+                                raw if policy.policy.audit.include_prompt else None, started, upstream_s)
+                    # A whole response's head comes only with its body: a caller hanging up meanwhile
+                    # must abort the worker's request (as vLLM does for its own callers), not leave it
+                    # generating up to max_tokens for nobody. A stream's relay watches from its head on.
+                    watch = None if streaming else CallerWatch(receive, conn)
+                    waited = time.perf_counter()
+                    try:
+                        response = await self.client.response(conn, None if watch is None else watch.follow)
+                    finally:
+                        call.upstream_s += time.perf_counter() - waited
+                except UpstreamUnreachable as exc:
+                    # Nothing reached that worker (it is down, or restarting): another one may serve.
+                    failure = upstream_failure(exc, upstream, self.metrics)
+                    tried.append(upstream)
+                    if len(tried) >= len(self.pool.upstreams):
+                        raise failure from None
+                    continue
+                except UPSTREAM_ERRORS as exc:
+                    raise await self._whole_failed(exc, call, upstream) from None
+                if streaming:
+                    await self.stream(path, response, call, upstream, receive, send)
+                else:
+                    await self.whole(path, response, call, upstream, watch, send)
+                return
+            finally:
+                if watch is not None:
+                    watch.stop()
+                upstream.outstanding -= 1
 
     # -- whole responses
 

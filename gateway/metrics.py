@@ -26,6 +26,7 @@ class GatewayMetrics:
         self.scores_missing = Counter("probex_scores_missing_total", "Responses that arrived without probe scores", ["tenant"], registry=r)
         self.audit_events = Counter("probex_audit_events_total", "Audit events by sink and result", ["sink", "result"], registry=r)
         self.audit_backlog = Gauge("probex_audit_backlog", "Audit events waiting for Redis", registry=r)
+        self.in_flight = Gauge("probex_requests_in_flight", "Completion requests the gateway is serving now", registry=r)
         self.upstream_healthy = Gauge("probex_upstream_healthy", "1 when the upstream answers its health check", ["upstream"], registry=r)
 
         # Labelled children, looked up once: `.labels()` validates and locks on every call.

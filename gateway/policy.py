@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -144,12 +144,28 @@ class AuditSettings(_Strict):
     maxlen: int = Field(default=100_000, ge=100)
 
 
+# Engine controls a tenant may be granted (`gateway.controls` says which request fields each covers).
+Control = Literal[
+    # ProbeX's own, in vllm_xargs
+    "recompute",  # probex_recompute: bypass the prefix cache (engine work)
+    "steer",  # probex_steer and probex_steer_*: write a vector into the residual stream
+    "capture",  # probex_capture: save activations on the worker
+    # vLLM's: the rendered prompt (and so the token a probe reads), the KV cache, the inputs
+    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "cache_salt", "kv_transfer_params", "prompt_embeds",
+    # SGLang's: request ids, per-request hooks and hidden-state output
+    "custom_params", "rid", "return_hidden_states", "custom_logit_processor",
+]
+
+
 class TenantSettings(_Strict):
     """Per-tenant overrides of the policy's defaults."""
 
     rules: list[Rule] | None = None
     on_block: Literal["error", "refusal"] | None = None
     expose_scores: bool | None = None
+    allow: list[Control] = Field(default_factory=list, description="engine controls this tenant's requests may"
+                                 " carry (none by default; admin keys may use them all)")
 
 
 class Policy(_Strict):
@@ -162,8 +178,14 @@ class Policy(_Strict):
     calibration_alarm_below: float = Field(default=0.5, ge=0.0, le=1.0)
     audit: AuditSettings = AuditSettings()
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+    forward_fields: list[str] = Field(
+        default_factory=list, description="further top-level request fields to forward for every caller (fields"
+        " this deployment's workers understand and that leave monitoring intact); engine controls cannot be"
+        " listed here, they are granted per tenant with tenants.<name>.allow")
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant name")
-    admin_keys: list[str] = Field(default_factory=list)
+    admin_keys: list[str] | dict[str, str] = Field(
+        default_factory=list, description="admin keys: a list, or name -> key (the audit records the name). Keys"
+        " can also come from PROBEX_ADMIN_KEYS / PROBEX_ADMIN_KEYS_FILE, which keeps them out of this file")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Policy":
@@ -176,6 +198,11 @@ class Policy(_Strict):
             if len(steering) > 1:
                 raise ValueError(f"{owner}: rules for {steering} all steer; a request carries one steering"
                                  " configuration, so at most one rule per rule set may steer")
+        controls = set(get_args(Control)) | {"vllm_xargs"}
+        for name in self.forward_fields:
+            if name in controls or name.startswith("probex"):
+                raise ValueError(f"forward_fields: {name!r} is an engine control; grant it per tenant with"
+                                 f" tenants.<name>.allow instead")
         for key, tenant in self.api_keys.items():
             if tenant != "default" and tenant not in self.tenants:
                 raise ValueError(f"api key {key[:4]}... maps to unknown tenant {tenant!r}")
@@ -190,6 +217,7 @@ class TenantView:
     rules: tuple[Rule, ...]
     on_block: str
     expose_scores: bool
+    granted: frozenset[str] = frozenset()
 
     @cached_property
     def steering_xargs(self) -> dict | None:
@@ -215,6 +243,10 @@ class LoadedPolicy:
         return any(p.read.reads_interior_tokens for p in self.probes.values())
 
     @cached_property
+    def forward_fields(self) -> frozenset[str]:
+        return frozenset(self.policy.forward_fields)
+
+    @cached_property
     def _tenant_views(self) -> dict[str, TenantView]:
         return {}
 
@@ -232,6 +264,7 @@ class LoadedPolicy:
             rules=tuple(overrides.rules if overrides.rules is not None else self.policy.rules),
             on_block=overrides.on_block or self.policy.on_block,
             expose_scores=overrides.expose_scores if overrides.expose_scores is not None else self.policy.expose_scores,
+            granted=frozenset(overrides.allow),
         )
 
 

@@ -29,11 +29,10 @@ class PolicyManager:
         self.retention: dict[str, float] = {}
 
     async def push_probes(self, probe_dirs: list[str]) -> None:
-        headers = {"Authorization": f"Bearer {self.config.worker_admin_token}"} if self.config.worker_admin_token else {}
         for upstream in self.pool.upstreams:
             try:
                 r = await self.pool.client.put(upstream.url + "/probex/probes", json={"probes": probe_dirs},
-                                               headers=headers, timeout=30)
+                                               timeout=30)
             except httpx.HTTPError as exc:
                 raise PolicyError(f"worker {upstream.url} unreachable while swapping probes: {exc}") from None
             if r.status_code != 200:

@@ -26,8 +26,8 @@ DONE = b"data: [DONE]\n\n"
 class StreamResponder:
     """Answers a streaming request once the worker's response head is in."""
 
-    def __init__(self, metrics: GatewayMetrics, audit: AuditSink) -> None:
-        self.metrics, self.audit = metrics, audit
+    def __init__(self, metrics: GatewayMetrics, audit: AuditSink, stall_s: float) -> None:
+        self.metrics, self.audit, self.stall_s = metrics, audit, stall_s
 
     async def __call__(self, path: str, response: UpstreamResponse, call: Call, upstream: Upstream, receive,
                      send) -> None:
@@ -103,10 +103,18 @@ class StreamResponder:
         except (ValueError, AttributeError, TypeError):
             raise ApiError(502, "upstream sent a malformed stream", kind="server_error") from None
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", SSE_TYPE), *headers]})
+        # A caller that reads nothing for `stall_s` is dropped (its upstream request aborted): the
+        # send below waits while the caller's socket is full, one timer per write.
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        failure: ApiError | None = None
         try:
             while not relay.finished:
                 if out:
-                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                    timer = loop.call_later(self.stall_s, relay.stalled, task)
+                    try:
+                        await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                    finally:
+                        timer.cancel()
                     out = []
                     if relay.unrecorded:
                         relay.record()
@@ -114,20 +122,41 @@ class StreamResponder:
                 if relay.gone:
                     return
                 if lines is None:  # the upstream ended without [DONE]
+                    failure = ApiError(502, f"upstream worker {upstream.url} ended the stream before it was complete",
+                                       kind="server_error", code="upstream_error")
                     break
                 relay.relay_lines(lines, out)
-        except (*UPSTREAM_ERRORS, ValueError, AttributeError, TypeError) as exc:
-            if not relay.gone:
-                # Returning without completing the response makes the server drop the connection,
-                # so the caller sees a broken stream rather than a clean end.
-                log.warning("probex: upstream %s failed mid-stream (%s: %s); dropping stream %s", upstream.url,
-                            type(exc).__name__, exc, call.request_id)
-            return
-        except Exception:  # the response has started: no error response is possible any more
-            log.exception("probex gateway: unexpected error mid-stream; dropping stream %s", call.request_id)
-            return
+        except asyncio.CancelledError:
+            if not relay.stalled_out:
+                raise
+            task.uncancel()
+            log.warning("probex: stream %s dropped: its caller read nothing for %g s", call.request_id, self.stall_s)
+            return  # the response is left incomplete: the server drops the connection
+        except UPSTREAM_ERRORS as exc:
+            if relay.gone:
+                return
+            failure = upstream_failure(exc, upstream, metrics)  # counted; a dropped worker is marked unhealthy
+            failure.message = f"{failure.message} mid-stream"
+            log.warning("probex: upstream %s failed mid-stream (%s: %s); ending stream %s with an error",
+                        upstream.url, type(exc).__name__, exc, call.request_id)
+        except (ValueError, AttributeError, TypeError):
+            if relay.gone:
+                return
+            failure = ApiError(502, "upstream sent a malformed stream", kind="server_error", code="upstream_error")
+        except Exception:
+            log.exception("probex gateway: unexpected error mid-stream; ending stream %s with an error",
+                          call.request_id)
+            failure = ApiError(500, "internal gateway error", kind="server_error")
+        if failure is not None:
+            # The response has started: the caller learns of the failure from a last event (the
+            # OpenAI SDK raises it as an APIError) and the stream still ends with [DONE].
+            out.append(sse(failure.body()))
+            out.append(DONE)
         relay.done_sending = True
-        await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+        try:
+            await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+        except OSError:  # the caller's connection broke while the last bytes went out
+            return
         if relay.blocked:
             relay.close()
         elif relay.finished:
@@ -138,7 +167,7 @@ class Relay:
     """One relayed stream: reads SSE lines from the worker, judges chunks, writes SSE bytes."""
 
     __slots__ = ("call", "response", "path", "metrics", "buffer", "head", "prompt_probex", "judge",
-                 "finished", "blocked", "gone", "done_sending", "released", "expose", "unrecorded")
+                 "finished", "blocked", "gone", "done_sending", "released", "expose", "unrecorded", "stalled_out")
 
     def __init__(self, call: Call, response: UpstreamResponse, path: str, metrics: GatewayMetrics) -> None:
         self.call, self.response = call, response
@@ -150,6 +179,7 @@ class Relay:
         self.finished = False  # [DONE] relayed, or the stream was cut by a block
         self.blocked = False
         self.gone = False  # the caller hung up
+        self.stalled_out = False  # the caller read nothing for too long and is being dropped
         self.done_sending = False
         self.released = False  # the upstream connection went back to the pool
         self.expose = call.expose_scores
@@ -171,6 +201,14 @@ class Relay:
             return
         self.gone = True
         self.close()
+
+    def stalled(self, task: asyncio.Task) -> None:
+        """The write to the caller has waited too long: abort the worker's request and stop waiting."""
+        if self.done_sending or self.gone:
+            return
+        self.gone = self.stalled_out = True
+        self.close()
+        task.cancel()
 
     def close(self) -> None:
         self.response.close()

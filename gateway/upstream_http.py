@@ -39,6 +39,10 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
     """Connecting, or waiting for the next bytes of a response, took longer than the configured limit."""
 
 
+class UpstreamUnreachable(UpstreamError):
+    """No connection to the worker could be made: the request reached nobody (safe to send elsewhere)."""
+
+
 class UpstreamAbandoned(UpstreamError):
     """The gateway's caller went away: the connection was closed on purpose, not to be retried."""
 
@@ -271,9 +275,10 @@ class _Origin:
     """Connections to one worker: idle ones are reused most-recent first."""
 
     __slots__ = ("name", "host", "port", "ssl", "base", "host_header", "idle", "loop", "connect_timeout",
-                 "read_timeout", "max_idle")
+                 "read_timeout", "max_idle", "auth_header")
 
-    def __init__(self, url: str, loop, connect_timeout: float, read_timeout: float, max_idle: int) -> None:
+    def __init__(self, url: str, loop, connect_timeout: float, read_timeout: float, max_idle: int,
+                 token: str | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"upstream URL {url!r} is not http(s)://host[:port][/path]")
@@ -286,6 +291,7 @@ class _Origin:
         self.idle: list[UpstreamResponse] = []
         self.loop = loop
         self.connect_timeout, self.read_timeout, self.max_idle = connect_timeout, read_timeout, max_idle
+        self.auth_header = b"authorization: Bearer %s\r\n" % token.encode("latin-1") if token else b""
 
     def take_idle(self) -> UpstreamResponse | None:
         idle = self.idle
@@ -309,22 +315,26 @@ class _Origin:
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"connecting to {self.name} took longer than {self.connect_timeout:g} s") from None
         except (OSError, ssl.SSLError) as exc:
-            raise UpstreamError(f"cannot connect to {self.name}: {exc}") from None
+            raise UpstreamUnreachable(f"cannot connect to {self.name}: {exc}") from None
         return conn
 
 
 class UpstreamClient:
     """POSTs JSON to workers and hands back the response as it arrives."""
 
-    def __init__(self, connect_timeout: float, read_timeout: float, max_idle_per_upstream: int = 256) -> None:
+    def __init__(self, connect_timeout: float, read_timeout: float, max_idle_per_upstream: int = 256,
+                 token: str | None = None, upstream_urls: list[str] = ()) -> None:
+        """`token` goes as `Authorization: Bearer <token>` to the URLs in `upstream_urls` (the
+        configured workers) and to no other."""
         self.connect_timeout, self.read_timeout, self.max_idle = connect_timeout, read_timeout, max_idle_per_upstream
         self.origins: dict[str, _Origin] = {}
+        self.tokens = {url.rstrip("/"): token for url in upstream_urls} if token else {}
 
     def _origin(self, url: str) -> _Origin:
         origin = self.origins.get(url)
         if origin is None:
             origin = self.origins[url] = _Origin(url, asyncio.get_running_loop(), self.connect_timeout,
-                                                 self.read_timeout, self.max_idle)
+                                                 self.read_timeout, self.max_idle, self.tokens.get(url.rstrip("/")))
         return origin
 
     async def send(self, url: str, path: str, body: bytes) -> UpstreamResponse:
@@ -333,8 +343,8 @@ class UpstreamClient:
         The caller can do its own book-keeping while the worker works, then `await response(conn)`.
         """
         origin = self.origins.get(url) or self._origin(url)
-        request = b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (
-            origin.base, path.encode(), origin.host_header, len(body))
+        request = b"POST %s%s HTTP/1.1\r\nhost: %s\r\n%scontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (
+            origin.base, path.encode(), origin.host_header, origin.auth_header, len(body))
         conn = origin.take_idle() or await origin.connect()
         conn.send_request(request + body)
         return conn

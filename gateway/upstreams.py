@@ -17,6 +17,24 @@ class NoHealthyUpstream(Exception):
     pass
 
 
+class WorkerAuth(httpx.Auth):
+    """`Authorization: Bearer <worker token>` on requests to the configured workers, and on no other URL."""
+
+    def __init__(self, token: str | None, upstream_urls: list[str]) -> None:
+        self.header = f"Bearer {token}" if token else None
+        self.prefixes = [u.rstrip("/") + "/" for u in upstream_urls]
+
+    def applies_to(self, url: str) -> bool:
+        return self.header is not None and any(url.startswith(prefix) for prefix in self.prefixes)
+
+    def auth_flow(self, request: httpx.Request):
+        if self.applies_to(str(request.url)):
+            request.headers["Authorization"] = self.header
+        else:
+            request.headers.pop("Authorization", None)
+        yield request
+
+
 @dataclass
 class Upstream:
     url: str
@@ -35,10 +53,10 @@ class UpstreamPool:
         self.metrics = metrics
         self._task: asyncio.Task | None = None
 
-    def pick(self) -> Upstream:
+    def pick(self, avoid: list[Upstream] | tuple = ()) -> Upstream:
         best = None
         for u in self.upstreams:  # on every request: a loop, not a list and a key function
-            if u.healthy and (best is None or u.outstanding < best.outstanding):
+            if u.healthy and (best is None or u.outstanding < best.outstanding) and u not in avoid:
                 best = u
         if best is None:
             raise NoHealthyUpstream("no healthy upstream worker")

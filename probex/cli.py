@@ -35,8 +35,15 @@ def main(argv: list[str] | None = None) -> int | None:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--redis", default=None, metavar="URL", help="audit + shared state in Redis (default: JSONL)")
-    gateway.add_argument("--worker-admin-token", default=None, help="token for the workers' PUT /probex/probes "
-                         "(default: $PROBEX_ADMIN_TOKEN)")
+    gateway.add_argument("--worker-admin-token", default=None, help="the workers' token, sent as a bearer token on "
+                         "every call to them (default: $PROBEX_ADMIN_TOKEN)")
+    gateway.add_argument("--client-stall-timeout", type=float, default=30.0, metavar="S",
+                         help="drop a stream whose caller reads nothing for S seconds (aborting its upstream request)")
+    gateway.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                         help="on SIGTERM, how long requests in flight may take to finish")
+    gateway.add_argument("--admin-key-file", default=None, metavar="FILE", help="admin keys, one name:key a line "
+                         "(default: $PROBEX_ADMIN_KEYS_FILE; also $PROBEX_ADMIN_KEYS=name:key,...); required "
+                         "unless --host is loopback")
 
     serve = sub.add_parser("serve", help="worker + gateway together (the embedded default behind `make run`)")
     serve.add_argument("--config", default=DEFAULT_POLICY)
@@ -45,6 +52,8 @@ def main(argv: list[str] | None = None) -> int | None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--worker-port", type=int, default=8100)
     serve.add_argument("--redis", default=None, metavar="URL")
+    serve.add_argument("--admin-key-file", default=None, metavar="FILE",
+                       help="admin keys, one name:key a line (as for `probex gateway`)")
 
     extract = sub.add_parser("extract", help="residual activations through the serving tap (capture mode)")
     from probex.extract import add_extract_arguments
@@ -126,12 +135,18 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         import os
 
         from gateway.app import GatewayConfig
+        from gateway.auth import AdminKeyError, load_admin_keys
         from gateway.serving import run_gateway
 
         if not args.upstream:
             parser.error("gateway: give at least one --upstream URL")
-        config = GatewayConfig(policy_path=Path(args.config), upstreams=args.upstream, redis_url=args.redis,
-                               worker_admin_token=args.worker_admin_token or os.environ.get("PROBEX_ADMIN_TOKEN"))
+        try:
+            config = GatewayConfig(policy_path=Path(args.config), upstreams=args.upstream, redis_url=args.redis,
+                                   worker_admin_token=args.worker_admin_token or os.environ.get("PROBEX_ADMIN_TOKEN"),
+                                   listen_host=args.host, admin_keys=load_admin_keys(args.admin_key_file),
+                                   client_stall_timeout_s=args.client_stall_timeout, drain_timeout_s=args.drain_timeout)
+        except (AdminKeyError, ValueError) as exc:
+            raise SystemExit(f"probex gateway: {exc}") from None
         run_gateway(config, args.host, args.port)
     elif args.command == "serve":
         from engine_worker.vllm.launch import resolve_model
@@ -140,7 +155,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         worker_args = extra or ["--max-model-len", "4096", "--gpu-memory-utilization", "0.25"]
         resolve_model(args.model)  # refuse now, not after the gateway's banner, if it is not fetched
         # The name, not the resolved path, goes to the worker: it then serves the model under that name.
-        run_embedded(Path(args.config), args.model, args.host, args.port, args.worker_port, args.redis, worker_args)
+        run_embedded(Path(args.config), args.model, args.host, args.port, args.worker_port, args.redis, worker_args,
+                     admin_key_file=args.admin_key_file)
     elif args.command == "extract":
         from probex.extract import run_extract
 

@@ -68,7 +68,8 @@ class Stack:
 
 
 def start_stack(tmp_path: Path, policy: dict | None = None, tokens_per_s: float = 500, redis_url: str | None = None,
-                extra_probes: tuple[tuple[str, ReadPoint], ...] = ()) -> Stack:
+                extra_probes: tuple[tuple[str, ReadPoint], ...] = (), **settings) -> Stack:
+    """`settings` override the GatewayConfig's."""
     write_probe(tmp_path / "probes", "harmful-request")
     for name, read in extra_probes:
         write_probe(tmp_path / "probes", name, read)
@@ -77,9 +78,9 @@ def start_stack(tmp_path: Path, policy: dict | None = None, tokens_per_s: float 
     state = MockState(["harmful-request"], tokens_per_s, max_tokens=8, admin_token="worker-token")
     mock = ServerThread(create_mock_app(state)).start()
     metrics = GatewayMetrics()
-    config = GatewayConfig(policy_path=policy_path, upstreams=[mock.url], worker_admin_token="worker-token",
-                           redis_url=redis_url, audit_path=tmp_path / "audit.jsonl", max_body_bytes=64 * 1024,
-                           upstream_timeout_s=5, connect_timeout_s=1, health_interval_s=0.5)
+    config = GatewayConfig(**{**dict(policy_path=policy_path, upstreams=[mock.url], worker_admin_token="worker-token",
+                                     redis_url=redis_url, audit_path=tmp_path / "audit.jsonl", max_body_bytes=64 * 1024,
+                                     upstream_timeout_s=5, connect_timeout_s=1, health_interval_s=0.5), **settings})
     app = create_app(config, metrics)
     gateway = ServerThread(app).start()
     wait_for_healthy_upstreams(gateway.url)

@@ -207,3 +207,32 @@ def test_grafana_provisioning_matches_prometheus_and_the_dashboards(services):
 def test_host_ports_are_distinct(services):
     published = [str(p).rsplit(":", 2)[-2] for s in services.values() for p in s.get("ports", [])]
     assert len(published) == len(set(published)), published
+
+
+SECRET_NAMES = re.compile(r"TOKEN|KEY|PASSWORD|SECRET", re.I)
+
+
+def test_no_fixed_secrets_anywhere_in_compose(services):
+    """Every secret is a required variable (`${VAR:?message}`): no default token, no admin/admin."""
+    text = "\n".join(path.read_text() for path in (COMPOSE, GPU_OVERRIDE))
+    defaults = re.findall(r"\$\{(\w+):?-[^}]*\}", text)
+    assert not [name for name in defaults if SECRET_NAMES.search(name)], defaults
+    assert "probex-compose-admin" not in text
+    for name, service in services.items():
+        environment = service.get("environment") or {}
+        for variable, value in environment.items():
+            if SECRET_NAMES.search(variable):
+                assert re.fullmatch(r"\$\{\w+:\?[^}]+\}", str(value)), f"{name}: {variable}={value!r} is fixed"
+    for name in ("gateway", "worker"):
+        assert "PROBEX_ADMIN_TOKEN" in services[name]["environment"]
+    assert "PROBEX_ADMIN_KEYS" in services["gateway"]["environment"]  # it listens on 0.0.0.0
+    grafana = services["grafana"]["environment"]
+    assert "GF_SECURITY_ADMIN_PASSWORD" in grafana and grafana.get("GF_SECURITY_ADMIN_USER", "admin") == "admin"
+    assert "GF_AUTH_ANONYMOUS_ORG_ROLE" not in grafana or grafana["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+
+
+def test_prometheus_is_not_published_with_its_admin_apis(services):
+    prometheus = services["prometheus"]
+    assert not any(arg.startswith(("--web.enable-lifecycle", "--web.enable-admin-api"))
+                   for arg in prometheus["command"])
+    assert all(str(port).startswith("127.0.0.1:") for port in prometheus.get("ports", []))

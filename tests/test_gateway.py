@@ -283,11 +283,11 @@ def test_odd_bodies_routes_and_methods_get_openai_errors(stack):
         return (opening + ", " + text + "}").encode()
 
     for body in (b"[" * 1100 + b"]" * 1100,  # too deep for either parser
-                 with_field('"x": ' + "[" * 990 + "]" * 990),  # orjson takes it, the standard library would not
-                 with_field('"t": NaN, "x": ' + "[" * 990 + "]" * 990)):  # the standard library's to parse
+                 with_field('"metadata": ' + "[" * 990 + "]" * 990),  # orjson takes it, the standard library would not
+                 with_field('"temperature": NaN, "metadata": ' + "[" * 990 + "]" * 990)):  # the standard library's to parse
         r = http.post(url, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and "nested deeper than" in r.json()["error"]["message"], r.text
-    r = http.post(url, content=with_field('"x": ' + "[" * 200 + "]" * 200), headers={"content-type": "application/json"})
+    r = http.post(url, content=with_field('"metadata": ' + "[" * 200 + "]" * 200), headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text  # nested, within the limit: served
     missing = http.post(stack.url + "/v1/embeddings", json={})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
@@ -505,7 +505,7 @@ def steer_policy(**steer) -> dict:
 
 
 def test_steer_rule_forwards_gated_steering_and_counts_steer_instead_of_block(tmp_path):
-    s = start_stack(tmp_path, steer_policy())
+    s = start_stack(tmp_path, dict(steer_policy(), admin_keys=["k-admin"]))
     try:
         c = client(s)
         raw = c.chat.completions.with_raw_response.create(
@@ -515,11 +515,13 @@ def test_steer_rule_forwards_gated_steering_and_counts_steer_instead_of_block(tm
         xargs = s.state.requests_seen[-1]["vllm_xargs"]
         assert xargs == {"probex_steer": "refusal18", "probex_steer_alpha": 6.0, "probex_steer_window": "all",
                          "probex_steer_gate": "harmful-request", "probex_steer_threshold": 0.9}
-        benign = c.chat.completions.with_raw_response.create(
+        benign = client(s, "k-admin").chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-            extra_body={"vllm_xargs": {"probex_steer": "client-choice", "probex_steer_alpha": 99}})
+            extra_body={"vllm_xargs": {"probex_steer": "client-choice", "probex_steer_alpha": 99,
+                                       "probex_steer_layer": 3}})
         assert benign.headers["x-probex-decision"] == "allow"
-        assert s.state.requests_seen[-1]["vllm_xargs"]["probex_steer"] == "refusal18"  # the policy's, not the client's
+        # The policy's steering, none of the client's keys (an admin may send them; the policy still wins)
+        assert s.state.requests_seen[-1]["vllm_xargs"] == xargs
         # Mid-stream crossing: the stream is relayed to its end (steered, not cut).
         chunks = list(chat(c, "please escalate", stream=True))
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")

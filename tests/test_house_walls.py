@@ -67,3 +67,7 @@ def test_module_does_not_pull_in(module, forbidden):
             "assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-500:]
+
+
+def test_the_product_ships_no_test_doubles():
+    assert not (ROOT / "gateway" / "mock_upstream.py").exists()  # the mock worker lives in tests/fixtures

@@ -232,3 +232,65 @@ def test_port_taken_reads_ipv6_hosts_and_tells_other_failures_apart():
                 assert port_taken("::1", port)
     with pytest.raises(OSError):  # not an address of this machine: not "in use"
         port_taken("192.0.2.1", port)
+
+
+def test_probex_serve_restarts_a_worker_that_dies_and_says_so(tmp_path):
+    """The embedded default supervises its worker: killed, it is started again (the real supervision
+    code, with the mock worker as the stand-in), the log says so, and the gateway serves again."""
+    import queue
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    import httpx
+
+    from probex.cli import DEFAULT_POLICY
+
+    port, worker_port = free_port(), free_port()
+    serve = subprocess.Popen([sys.executable, "-c", EMBEDDED, str(port), str(worker_port), str(DEFAULT_POLICY)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in serve.stdout], daemon=True).start()
+
+    def next_line(fragment: str, timeout_s: float = 60) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if fragment in line:
+                return line
+
+    def chat() -> int:
+        try:
+            return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=10,
+                              json={"model": "mock-model", "max_tokens": 2,
+                                    "messages": [{"role": "user", "content": "hi"}]}).status_code
+        except httpx.HTTPError:
+            return 0
+
+    try:
+        first_pid = int(next_line("worker started (pid").split("pid ")[1].rstrip(")\n"))
+        next_line("gateway on http://")
+        deadline = time.monotonic() + 60
+        while chat() != 200:
+            assert time.monotonic() < deadline, "the gateway did not serve"
+            time.sleep(0.2)
+        os.kill(first_pid, signal.SIGKILL)
+        assert "worker exited with code -9; restarting it in 1 s" in next_line("worker exited", 10)
+        second_pid = int(next_line("worker started (pid", 10).split("pid ")[1].rstrip(")\n"))
+        assert second_pid != first_pid
+        next_line("worker ready again", 30)
+        deadline = time.monotonic() + 10
+        while chat() != 200:  # the gateway routes to it again (its health check runs every 2 s)
+            assert time.monotonic() < deadline, "the restarted worker was not served"
+            time.sleep(0.2)
+        os.kill(second_pid, signal.SIGKILL)  # a second death in a row waits longer
+        assert "restarting it in 2 s" in next_line("worker exited", 10)
+        next_line("worker ready again", 30)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(40) == 128 + signal.SIGTERM
+        with pytest.raises(httpx.ConnectError):  # the supervisor did not start another one on the way out
+            httpx.get(f"http://127.0.0.1:{worker_port}/health", timeout=2)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
