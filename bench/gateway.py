@@ -396,7 +396,8 @@ def run(out: Path, args) -> dict:
                              weight=np.ones(8, np.float32), bias=0.0), work / "probes" / "harmful-request")
     policy = {"probes": {"harmful-request": {"path": "probes/harmful-request"}},
               "rules": [{"probe": "harmful-request", "prompt": {"flag": 0.5, "block": 0.9},
-                         "generated": {"flag": 0.5, "block": 0.99}}]}
+                         "generated": {"flag": 0.5, "block": 0.99}}],
+              "forward_fields": ["mock_tokens_per_s"]}  # the mock worker's pace, harmless to forward
     (work / "policy.yaml").write_text(yaml.safe_dump(policy))
     mock_port, gw_port = free_port(), free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
