@@ -12,6 +12,7 @@ back here into `summary`.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -83,7 +84,9 @@ def run_load(load: Load, result_dir: Path, result_name: str, log_path: Path | No
     cmd = load.command(result_dir, result_name)
     out = open(log_path, "w") if log_path is not None else subprocess.DEVNULL
     try:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+        # VLLM_PLUGINS names no plugin: the client needs none, ProbeX's included.
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s,
+                              env={**os.environ, "VLLM_PLUGINS": "probex-bench-client-none"})
     finally:
         if log_path is not None:
             out.close()

@@ -21,6 +21,11 @@ from probes.artifact import ServedModel, load_probe
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _env() -> dict[str, str]:
+    """This checkout first on the path (`python -m bench...` from the repository root)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def test_plans_start_workers_and_stock_vllm_with_the_same_arguments(tmp_path):
     plans = setups.plan_setups(cli.parse_setups("plain,tap,eager,tap-toggle,plain"), tmp_path, [tmp_path / "p1"],
                                ["--load-format", "dummy"], "v1")
@@ -305,7 +310,7 @@ def test_smoke_mode_runs_plain_and_the_tap_toggled_within_its_start(tmp_path):
                            "--profile-requests", "1", "--idle-pairs", "3", "--toggle-first", "paused",
                            "--toggle-pairs", "1,2:2", "--out", str(out)],
                           capture_output=True, text=True, timeout=1500, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env=_env())
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     result = json.loads((out / "bench_engine.json").read_text())
@@ -329,5 +334,5 @@ def test_smoke_mode_runs_plain_and_the_tap_toggled_within_its_start(tmp_path):
     assert "| tap-toggle | 1 |" in proc.stdout
     again = subprocess.run([sys.executable, "-m", "bench.engine", "--reanalyze", str(out / "bench_engine.json")],
                            capture_output=True, text=True, timeout=120, cwd=ROOT,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           env=_env())
     assert again.returncode == 0 and "| tap-toggle | 1 |" in again.stdout, again.stderr[-2000:]

@@ -17,6 +17,11 @@ from bench import serve_compare as sc
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _env() -> dict[str, str]:
+    """This checkout first on the path (`python -m bench...` from the repository root)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def test_starts_alternate_and_end_with_the_noise_pair():
     assert sc.start_order(2, True) == [("plain#1", "plain"), ("probex#1", "probex"), ("plain#2", "plain"),
                                        ("probex#2", "probex"), ("noise-a", "plain"), ("noise-b", "plain")]
@@ -63,7 +68,7 @@ def test_smoke_mode_compares_one_start_of_each_on_the_cpu(tmp_path):
     out = tmp_path / "compare.json"
     proc = subprocess.run([sys.executable, "-m", "bench.serve_compare", "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=1200, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env=_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads(out.read_text())
     assert [s["label"] for s in result["starts"]] == ["plain#1", "probex#1"]
