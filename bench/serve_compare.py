@@ -148,8 +148,11 @@ def run_start(label: str, side: str, args: argparse.Namespace, out_dir: Path, po
     port = free_port()
     argv = (probex_worker_argv(args.model, args.probe, args.vllm_args, port) if side == "probex"
             else plain_server_argv(args.model, args.vllm_args, port))
-    record: dict[str, Any] = {"label": label, "side": side, "command": argv, "results": {}}
-    server = Process(argv, out_dir / f"{label}.log")
+    # Stock vLLM loads no plugin: VLLM_PLUGINS is an allow-list, and a name no plugin has keeps
+    # ProbeX's entry point (installed in the same environment) out of every plain process.
+    env = {"VLLM_PLUGINS": "probex-compare-none"} if side == "plain" else {}
+    record: dict[str, Any] = {"label": label, "side": side, "command": argv, "env": env, "results": {}}
+    server = Process(argv, out_dir / f"{label}.log", env)
     gateway = None
     started = time.monotonic()
     try:
