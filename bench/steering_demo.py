@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     layers = args.layer or [12, 22]
     alphas = args.alpha or [1.0, 2.0, 4.0]
 
-    from engine_worker.vllm.launch import resolve_model
     from probes.datasets import load_temaq
+    from probes.models import fetch_model
     from probex.processes import wait_until_healthy
     from probex.steer_vector import build_vector
     from probes.steering import save_vector
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     test_pos = harmful[args.train : args.train + args.test]
     test_neg = harmless[args.train : args.train + args.test]
 
-    model = str(resolve_model("smollm2-135m-instruct"))
+    model = str(fetch_model("smollm2-135m-instruct"))
     probe = Path(__file__).resolve().parent.parent / "config" / "probes" / "harmful-request"
     work = Path(tempfile.mkdtemp(prefix="probex-steer-demo-"))
     capture = work / "capture"

@@ -1,0 +1,5 @@
+import sys
+
+from bench.engine.cli import main
+
+sys.exit(main())
