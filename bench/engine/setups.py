@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engine_worker.launch import api_server_count, vllm_server_entry  # torch-free
+from engine_worker.vllm.launch import api_server_count, vllm_server_entry  # torch-free
 from probex.processes import free_port
 
 # Every set-up kind, in the order the tables list them (--setups).

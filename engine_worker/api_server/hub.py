@@ -11,7 +11,6 @@ several API server processes each one's middleware starts its ids with its own t
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -25,11 +24,6 @@ from engine_worker.scores.columns import RequestScores
 from engine_worker.scores.wire import (BROADCAST, PUBLISHER, SILENT_AFTER_S, UNTAGGED, FormattedStep, ProbeSet)
 
 log = logging.getLogger("probex.delivery")
-
-# A first chunk that reaches the relay within this long after its prompt's step was taken in
-# most likely waited behind that intake (ScoreHub.first_chunk_gaps).
-SOON_AFTER_INTAKE_S = 250e-6
-
 
 class ScoreHub:
     """API-server side: receives score messages and answers "are request X's scores here yet?"."""
@@ -64,38 +58,6 @@ class ScoreHub:
         # How long responses were held back waiting for scores (the cost the tap adds to
         # latency, if any), split by first chunk (prompt summary) and later tokens.
         self.waits = {"prompt": WaitStats(), "tokens": WaitStats()}
-        # Event-loop time this hub and the middleware spend on a request's way to its first
-        # token: taking in the worker's step messages (those completing a prompt apart) and
-        # decorating first chunks (their wait for scores included).
-        self.intake = {"steps": TimeStats(), "prompt_steps": TimeStats()}
-        self.first_chunks = TimeStats()
-        # A streamed request's way through this process, the tap running or paused alike (the
-        # middleware times it): `request_way_in`, from the middleware's first look at the
-        # request to handing it to vLLM; `vllm_to_first_chunk`, from there to vLLM's first
-        # data chunk (a completion's first token; a chat stream's role chunk) reaching the
-        # middleware's send; `first_chunk_out`, that chunk's
-        # way on from there (decorated, where the tap runs) until the server took it. What
-        # the client's TTFT holds beyond these is HTTP both ways and the event loop's queue
-        # ahead of the middleware.
-        # Each is also kept for monitored requests alone (`*_running`, the tap running): where
-        # both states mix, as in the benchmark's idle pairs, the paused ones are the difference.
-        self.requests = {f"{part}{state}": TimeStats() for state in ("", "_running")
-                         for part in ("request_way_in", "vllm_to_first_chunk", "first_chunk_out")}
-        # How long after the step that completed a prompt vLLM's first chunk of that request
-        # reached the relay: from the step's arrival (`after_prompt_step`) and from the end of
-        # its intake (`after_intake`; `soon_after_intake` counts the gaps under
-        # SOON_AFTER_INTAKE_S alone). A chunk that comes right after the intake most likely
-        # waited behind it on this loop (the engine's output arrived meanwhile): the intake
-        # was then on the first token's way; a long gap says it was not. Chunks that came
-        # before their prompt's scores are not counted here (`waits` counts them).
-        self.first_chunk_gaps = {"after_prompt_step": TimeStats(), "after_intake": TimeStats(),
-                                 "soon_after_intake": TimeStats()}
-        # Every stream chunk the middleware decorated (its wait for scores included), by whether
-        # it spliced the scores into the chunk's bytes or decoded the chunk: the API server's
-        # time per chunk, which at high concurrency decides whether it keeps up with the engine.
-        # `prompt_ids_cut`: the cutting of a prompt's token ids out of a chunk for a client that
-        # did not ask for them, which vLLM is made to leave out (vllm_openai.py): none expected.
-        self.chunks = {"spliced": TimeStats(), "decoded": TimeStats(), "prompt_ids_cut": TimeStats()}
         # The tap switched off at run time (`set_paused`): no scores come while it is, and a
         # stream that lived through a pause has tokens that never will; `pauses` counts the
         # pauses, so a response can tell whether one happened since it began.
@@ -118,14 +80,10 @@ class ScoreHub:
         # probes those are, for their retention check.
         self.on_probes_unannounced: Callable[[int], None] | None = None
         self._probe_version = 1  # the newest probe set heard of (the worker loads its startup set as 1)
-        # The API server's garbage collections, which stop its event loop: the books keep
-        # objects per token until a request ends, so they add to what each collection scans.
-        self.collections = CollectionPauses()
 
     def start(self) -> None:
         if self._task is not None:
             return
-        self.collections.attach()
         import zmq.asyncio
 
         ctx = zmq.asyncio.Context.instance()
@@ -212,7 +170,6 @@ class ScoreHub:
     def ingest_formatted(self, step: FormattedStep) -> None:
         """This process's rows of one step as the score formatter sent them: filed, nothing
         more (the books, calibration and JSON were the formatter's)."""
-        started = time.perf_counter()
         self.messages_received += 1
         self._count_formatted(step.publisher, self._topic_name, step.sequence)
         self._apply_pause(step.pause)
@@ -221,7 +178,6 @@ class ScoreHub:
         prompted = []
         for prompt in step.prompts:
             state = self._state(prompt.request)
-            state.prompt_step_in = started
             prompted.append(state)
             state.prompt, state.prompt_fields, state.prompt_probes = prompt.summary, prompt.fields, probes
             state.prompt_json_parts = prompt.json_parts
@@ -238,7 +194,7 @@ class ScoreHub:
                     state.token_json[index] = text
                 state.changed.set()
         self._finished_keys(step.finished)
-        self._intake_done(started, prompted)
+        self._intake_done(prompted)
 
     def _count_formatted(self, publisher: int, stream: str, sequence: int) -> None:
         if publisher != self._formatter:
@@ -281,27 +237,9 @@ class ScoreHub:
             table = self._tables[version] = ProbeSet.from_described(described)
         return table
 
-    def _intake_done(self, started: float, prompted: list[RequestScores]) -> None:
+    def _intake_done(self, prompted: list[RequestScores]) -> None:
         for state in prompted:  # the step's tokens are in too: token 0 is among them
             responses.write_first_chunk_ahead(state)
-        done = time.perf_counter()
-        elapsed = done - started
-        self.intake["steps"].add(elapsed)
-        if prompted:
-            self.intake["prompt_steps"].add(elapsed)
-            for state in prompted:
-                state.prompt_step_done = done
-
-    def first_chunk_came(self, state: RequestScores, when: float) -> None:
-        """vLLM's first chunk with this request's prompt scores reached the relay at `when`
-        (time.perf_counter()): booked in `first_chunk_gaps` if its prompt's step was in by then."""
-        if not state.prompt_step_done or when < state.prompt_step_done:
-            return
-        self.first_chunk_gaps["after_prompt_step"].add(when - state.prompt_step_in)
-        gap = when - state.prompt_step_done
-        self.first_chunk_gaps["after_intake"].add(gap)
-        if gap < SOON_AFTER_INTAKE_S:
-            self.first_chunk_gaps["soon_after_intake"].add(gap)
 
     def _finished_keys(self, keys) -> None:
         for key in keys:
@@ -414,16 +352,6 @@ class ScoreHub:
     def wait_stats(self) -> dict[str, dict[str, float | int]]:
         return {kind: stats.as_dict() for kind, stats in self.waits.items()}
 
-    def loop_time_stats(self) -> dict[str, dict[str, float | int]]:
-        """The event-loop time of `intake`, `first_chunks` and `chunks` (see __init__), for /probex/health."""
-        return {**{f"intake_{kind}": stats.as_dict() for kind, stats in self.intake.items()},
-                "first_chunks": self.first_chunks.as_dict(),
-                **{kind: stats.as_dict() for kind, stats in self.requests.items()},
-                **{f"first_chunk_{kind}": stats.as_dict() for kind, stats in self.first_chunk_gaps.items()},
-                **{f"chunks_{kind}": stats.as_dict() for kind, stats in self.chunks.items()},
-                **{f"gc_generation_{generation}": stats.as_dict()
-                   for generation, stats in enumerate(self.collections.by_generation)}}
-
 
 @dataclass
 class TimeStats:
@@ -443,30 +371,6 @@ class TimeStats:
         return {"count": self.count, "total_s": self.total_s, "max_s": self.max_s}
 
 
-class CollectionPauses:
-    """The process's garbage collections by generation, timed through `gc.callbacks` (count,
-    total and longest pause; a collection holds the GIL, so it stops the event loop)."""
-
-    def __init__(self) -> None:
-        self.by_generation = [TimeStats(), TimeStats(), TimeStats()]
-        self._started = 0.0
-
-    def attach(self) -> None:
-        if self._record not in gc.callbacks:
-            gc.callbacks.append(self._record)
-
-    def detach(self) -> None:
-        if self._record in gc.callbacks:
-            gc.callbacks.remove(self._record)
-
-    def _record(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        elif 0 <= info.get("generation", -1) < len(self.by_generation):
-            self.by_generation[info["generation"]].add(time.perf_counter() - self._started)
-
-
-@dataclass
 class WaitStats(TimeStats):
     """The waits for scores (`count` of them had to wait, `total_s` in all), out of `calls`:
     every check (`ScoreHub.scores_in`), including those whose scores were already in."""

@@ -29,14 +29,13 @@ import hmac
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 
 from engine_worker.api_server.asgi import Receive, Scope, Send, _body_headers, _read_body, _replay, _send_json
 from engine_worker.api_server.hub import ScoreHub
-from engine_worker.api_server.relay import BodyRelay, FirstChunkTimer, StreamRelay
+from engine_worker.api_server.relay import BodyRelay, StreamRelay
 from engine_worker.api_server.requests import (MONITORED_PATHS, MonitoredCall, RequestRefused, UNMONITORED_GENERATION_PATHS, body_as_sent, check_steering, inspect_request, openai_error)
 from engine_worker.api_server.retention import RetentionTracker, _shared_dir
 from engine_worker.api_server.splice import _decode_request, _encode_json
@@ -121,15 +120,13 @@ class ProbexMiddleware:
     # -- monitored completions ------------------------------------------------------------
 
     async def _monitored(self, scope: Scope, receive: Receive, send: Send) -> None:
-        arrived = time.perf_counter()
         raw_body = await _read_body(receive)
         as_sent = body_as_sent(scope["path"], raw_body, self.owner) if raw_body else None
         if as_sent is not None:  # the usual request: nothing to check or rewrite beyond the token ids
             call, new_body = as_sent
             if self.hub.paused:  # passed on unmonitored, as the client sent it
-                timed = FirstChunkTimer(self.hub, arrived, send) if call.stream else None
-                return await self.app(scope, _replay(raw_body, receive), timed.send if timed else send)
-            return await self._relayed(scope, receive, send, call, new_body, arrived)
+                return await self.app(scope, _replay(raw_body, receive), send)
+            return await self._relayed(scope, receive, send, call, new_body)
         try:
             body, encode = _decode_request(raw_body) if raw_body else (None, _encode_json)
             call = inspect_request(scope["path"], body, self.owner)
@@ -156,20 +153,16 @@ class ProbexMiddleware:
             if not call.wants_token_ids:
                 call.body.pop("return_token_ids", None)
             new_body = encode(call.body)
-            timed = FirstChunkTimer(self.hub, arrived, send) if call.stream else None
             return await self.app(dict(scope, headers=_body_headers(scope, new_body)), _replay(new_body, receive),
-                                  timed.send if timed else send)
-        return await self._relayed(scope, receive, send, call, encode(call.body), arrived)
+                                  send)
+        return await self._relayed(scope, receive, send, call, encode(call.body))
 
-    async def _relayed(self, scope: Scope, receive: Receive, send: Send, call: MonitoredCall, new_body: bytes,
-                       arrived: float) -> None:
+    async def _relayed(self, scope: Scope, receive: Receive, send: Send, call: MonitoredCall, new_body: bytes) -> None:
         """Hand the request to vLLM under ProbeX's id and relay its response with scores attached."""
         request_id = call.key_prefix.split("-", 1)[1]
         inner_scope = dict(scope, headers=_body_headers(scope, new_body, request_id))
         if call.stream:
-            timed = FirstChunkTimer(self.hub, arrived, send, monitored=True)
-            relay = StreamRelay(self.hub, call, timed.send, self.score_wait_s)
-            timed.relay = relay
+            relay = StreamRelay(self.hub, call, send, self.score_wait_s)
         else:
             relay = BodyRelay(self.hub, call, send, self.score_wait_s)
         # A client that did not ask for token ids gets none: the engine then need not write the
@@ -317,7 +310,6 @@ class ProbexMiddleware:
         listing["score_messages_lost"] = self.hub.messages_lost
         listing["score_steps_lost"] = self.hub.steps_lost
         listing["score_waits"] = self.hub.wait_stats()
-        listing["score_loop_time"] = self.hub.loop_time_stats()
         listing["score_formatter"] = {"restarts_seen": self.hub.formatter_restarts, "silent": self.hub.silent}
         listing["retention"] = self.retention.values
         listing["retention_status"] = self.retention.status

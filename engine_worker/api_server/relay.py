@@ -4,8 +4,6 @@ each waiting (bounded) for the scores of the tokens it carries."""
 from __future__ import annotations
 
 import logging
-import time
-
 
 from engine_worker.api_server.asgi import Send
 from engine_worker.api_server.hub import ScoreHub
@@ -72,53 +70,20 @@ class BodyRelay:
                 choice["probex"] = scores
         return _encode_json(payload)
 
-class FirstChunkTimer:
-    """Times a streamed request's way through this process into the hub (`ScoreHub.requests`),
-    the tap running or paused: made as the request is handed to vLLM (`arrived`: when the
-    middleware first saw it), its `send` wraps the one vLLM's response goes out through —
-    the server's, or, where the tap runs, sits under the relay, which then tells it when
-    vLLM's first data chunk reached it (`relay` set; otherwise its own first look at that
-    chunk counts). Once the first chunk is out it only passes messages on."""
-
-    def __init__(self, hub: ScoreHub, arrived: float, send: Send, monitored: bool = False) -> None:
-        """`monitored`: the tap runs for this request (its times are also booked as `*_running`)."""
-        self.hub, self._send = hub, send
-        self.handed = time.perf_counter()
-        self._states = ("", "_running") if monitored else ("",)
-        for state in self._states:
-            hub.requests["request_way_in" + state].add(self.handed - arrived)
-        self.relay: "StreamRelay | None" = None
-        self._pending = True
-
-    async def send(self, message: dict) -> None:
-        if not self._pending or message["type"] != "http.response.body":
-            return await self._send(message)
-        relay = self.relay
-        reached = relay.first_content_at if relay is not None else (
-            time.perf_counter() if b"data: {" in message.get("body", b"") else 0.0)
-        await self._send(message)
-        if reached:
-            self._pending = False
-            out = time.perf_counter() - reached
-            for state in self._states:
-                self.hub.requests["vllm_to_first_chunk" + state].add(reached - self.handed)
-                self.hub.requests["first_chunk_out" + state].add(out)
-
 class StreamRelay:
     """Streaming: pass SSE events through one by one, each with the scores of its tokens.
 
-    `splice=False` decodes and re-encodes every chunk (the path chunks in any other form
-    take): the benchmarks' comparison for the splice."""
+    Chunks in vLLM's compact form have their scores spliced into their bytes; any other form
+    is decoded, decorated and encoded again."""
 
-    def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float, splice: bool = True) -> None:
-        self.hub, self.call, self._send, self._wait_s, self.splice = hub, call, send, wait_s, splice
+    def __init__(self, hub: ScoreHub, call: MonitoredCall, send: Send, wait_s: float) -> None:
+        self.hub, self.call, self._send, self._wait_s = hub, call, send, wait_s
         self._pauses_at_start = hub.pauses
         self._is_sse = False
         self._pending = b""
         self._generated: dict[int, int] = {}
         self._prompt_sent: set[int] = set()
         self._first_splice_waited = False  # the chunk being decorated waited for its scores in `_splice_first`
-        self.first_content_at = 0.0  # time.perf_counter() when vLLM's first data chunk reached `send`
 
     @property
     def wait_s(self) -> float:
@@ -133,12 +98,10 @@ class StreamRelay:
         if message["type"] != "http.response.body" or not self._is_sse:
             return await self._send(message)
         body = message.get("body", b"")
-        if not self.first_content_at and b"data: {" in body:
-            self.first_content_at = time.perf_counter()
         more = message.get("more_body", False)
         # One whole event with no line break inside, as vLLM sends them: a one-byte search for
         # the first break (memchr) says so, where splitting at "\n\n" scans a first chunk's
-        # 5 KB of prompt ids byte by byte (5 µs on the dev machine, on the way to the first token)
+        # kilobytes of prompt ids byte by byte, on the way to the first token
         if not self._pending and body.find(b"\n") == len(body) - 2 and body.endswith(b"\n\n"):
             decorated = await self._decorate_event(body[:-2])
             return await self._send({"type": "http.response.body", "body": decorated + b"\n\n", "more_body": more})
@@ -153,18 +116,14 @@ class StreamRelay:
     async def _decorate_event(self, event: bytes) -> bytes:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
             return event
-        started = time.perf_counter()
-        points = _splice_points(event, self.call.wants_token_ids) if self.splice else None
+        points = _splice_points(event, self.call.wants_token_ids)
         if points is None or points.index not in self._prompt_sent:
             self._first_splice_waited = False
-            first = await self._splice_first(event, points, started) if self.splice else None
+            first = await self._splice_first(event, points)
             if first is not None:
-                self.hub.chunks["spliced"].add(time.perf_counter() - started)
                 return first
             # (the first splice may have waited for the scores already: this path waits no more)
-            decorated = await self._decode_and_decorate(event, started, wait=not self._first_splice_waited)
-            self.hub.chunks["decoded"].add(time.perf_counter() - started)
-            return decorated
+            return await self._decode_and_decorate(event, wait=not self._first_splice_waited)
         # Chunks in vLLM's compact form once their choice's prompt scores have gone out, nearly
         # all of a stream's: the scores of their tokens are spliced into the bytes and the token
         # ids cut out, the chunk never decoded. The first chunk with tokens, which carries the
@@ -180,11 +139,9 @@ class StreamRelay:
         scores = _take_written(state, start, stop) or responses.generated_scores_json(state, start, stop)
         if not self.call.wants_token_ids:
             event = event[:cut_from] + event[cut_to:]
-        decorated = event[:-1] + b',"probex":{"scores":' + scores + b"}}"
-        self.hub.chunks["spliced"].add(time.perf_counter() - started)
-        return decorated
+        return event[:-1] + b',"probex":{"scores":' + scores + b"}}"
 
-    async def _splice_first(self, event: bytes, points: SplicePoints | None, started: float) -> bytes | None:
+    async def _splice_first(self, event: bytes, points: SplicePoints | None) -> bytes | None:
         """A choice's first chunk with tokens, its prompt's scores and its tokens' spliced into
         its bytes, or None for the decoded path: a chunk not in vLLM's compact form with one
         choice and tokens, or whose scores cannot be written directly (a probe swap between the
@@ -196,18 +153,14 @@ class StreamRelay:
         (`responses.write_first_chunk_ahead`). A completion's first chunk carries the prompt's
         token ids (1024 for a 1024-token prompt) only where the client asked for token ids:
         they stay, and the splice points are read around them; for other clients vLLM is made
-        to leave them out (vllm_openai.py). Where a vLLM still writes them for such a client
-        (one whose classes that patch does not find) they are cut out here first
-        (`chunks["prompt_ids_cut"]`)."""
-        cut_s = None
+        to leave them out (engine_worker/vllm/openai.py). Where an engine still writes them for
+        such a client they are cut out here first."""
         if points is None:
             if self.call.wants_token_ids:
                 return None
-            cutting = time.perf_counter()
             cut = event[:6] + _without_prompt_token_ids(event[6:])
             if len(cut) == len(event):
                 return None  # nothing to cut: not a chunk the splice can read
-            cut_s = time.perf_counter() - cutting
             points, event = _splice_points(cut), cut
             if points is None:
                 return None
@@ -227,24 +180,16 @@ class StreamRelay:
         self._generated[index] = stop
         self._prompt_sent.add(index)
         _write_tokens_ahead(state, stop)
-        self.hub.first_chunk_came(state, started)
         # The client's token ids stay as vLLM wrote them, or go
         base = event if self.call.wants_token_ids else event[:cut_from] + event[cut_to:]
-        decorated = base[:-1] + b',"probex":{"scores":' + scores + b"}}"
-        self.hub.first_chunks.add(time.perf_counter() - started)
-        if cut_s is not None:  # counted once the chunk is this path's (the decoded path counts its own)
-            self.hub.chunks["prompt_ids_cut"].add(cut_s)
-        return decorated
+        return base[:-1] + b',"probex":{"scores":' + scores + b"}}"
 
-    async def _decode_and_decorate(self, event: bytes, started: float, wait: bool = True) -> bytes:
+    async def _decode_and_decorate(self, event: bytes, wait: bool = True) -> bytes:
         """`wait`: False where this chunk already waited for its scores (`_splice_first`)."""
         include_prompt = False
         payload = event[6:]
         if not self.call.wants_token_ids:
-            cutting = time.perf_counter()
             payload = _without_prompt_token_ids(payload)
-            if len(payload) != len(event) - 6:
-                self.hub.chunks["prompt_ids_cut"].add(time.perf_counter() - cutting)
         try:
             chunk = _decode_json(payload)
         except ValueError:
@@ -267,7 +212,6 @@ class StreamRelay:
             if include_prompt:
                 _write_tokens_ahead(state, stop)  # a chat stream's role chunk comes this way
                 self._prompt_sent.add(index)
-                self.hub.first_chunk_came(state, started)
             if include_prompt or stop > start:
                 chunk["probex"] = responses.chunk_scores(state, start, stop, include_prompt)
             if not self.call.wants_token_ids:
@@ -275,10 +219,7 @@ class StreamRelay:
                 choice.pop("prompt_token_ids", None)
         if not self.call.wants_token_ids:
             chunk.pop("prompt_token_ids", None)
-        encoded = b"data: " + _encode_json(chunk)
-        if include_prompt:  # the request's first chunk with scores: on its way to the client's TTFT
-            self.hub.first_chunks.add(time.perf_counter() - started)
-        return encoded
+        return b"data: " + _encode_json(chunk)
 
 def _write_tokens_ahead(state: RequestScores, sent_through: int) -> None:
     """A stream's chunks up to token `sent_through` (exclusive) have gone out, its prompt's

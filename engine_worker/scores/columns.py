@@ -70,10 +70,6 @@ class RequestScores:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     latest: int = -1  # the highest token index in
     lost: bool = False  # the worker could not send a step of this request's: waits end at once
-    # time.perf_counter() when the hub began and finished taking in the step that completed
-    # the prompt (0.0 until then): how soon after it the first chunk came (`ScoreHub.first_chunk_gaps`)
-    prompt_step_in: float = 0.0
-    prompt_step_done: float = 0.0
 
     def add_token(self, index: int, scores: tuple[float, ...], probes: ProbeColumns) -> None:
         """`scores`: calibrated, one per probe of `probes` (the set that scored this token)."""
