@@ -229,7 +229,6 @@ def test_a_silent_formatter_ends_the_waits_for_scores(monkeypatch):
             hub._task.cancel()
             hub._silence_task.cancel()
             hub._socket.close()
-            hub.collections.detach()
 
     body, elapsed, silent, losses = asyncio.run(scenario())
     assert silent and losses == 1 and elapsed < 5  # the score wait was 30 s
@@ -367,7 +366,6 @@ def _stop(hubs, *closers):
         hub._task.cancel()
         hub._silence_task.cancel()
         hub._socket.close()
-        hub.collections.detach()
 
 
 def test_a_process_with_no_rows_of_its_own_still_hears_the_formatter(monkeypatch):

@@ -301,7 +301,6 @@ def test_the_worker_runs_the_formatter_on_the_ring_and_a_restart_goes_on_where_i
             hub._task.cancel()
             hub._silence_task.cancel()
             hub._socket.close()
-            hub.collections.detach()
 
     tokens, restarts = asyncio.run(scenario())
     assert tokens[1] == (pytest.approx(calibrate(0.5, 2.0, -0.5)),)
