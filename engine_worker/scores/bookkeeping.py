@@ -257,8 +257,8 @@ class ScoreBook:
 def _prompt_summary(req_id: str, acc: _PromptAccumulator) -> dict:
     # On the API server's event loop, on the way to the request's first chunk: numpy reduces
     # a [P, k] block down its long axis slowly (sum and max along axis 0 of a [1024, 8]
-    # array: ~40 µs on the dev machine). One transposed copy turns both into reductions
-    # along contiguous rows (~6 µs together); the sum is numpy's pairwise one in float32,
+    # array takes tens of microseconds). One transposed copy turns both into reductions
+    # along contiguous rows (a few microseconds together); the sum is numpy's pairwise one in float32,
     # accurate to float32 rounding times log2(P) (4e-7 relative seen), divided in float64.
     if acc.ran is None:
         scored, tokens_scored = acc.raw, len(acc.raw)

@@ -154,8 +154,8 @@ def first_chunk_scores_json(state: RequestScores, start: int, stop: int) -> byte
 def write_first_chunk_ahead(state: RequestScores) -> None:
     """Write a stream's usual first chunk's scores (the prompt's part and token 0's, offset 0)
     as the step that completed its prompt comes in: a completion's first chunk carries token
-    0, which that step sampled, and reaches the API server some milliseconds later (with the
-    prompt's score copies made mid-forward, session 35), so `first_chunk_scores_json` finds it
+    0, which that step sampled, and reaches the API server some milliseconds later (the
+    prompt's score copies are made mid-forward), so `first_chunk_scores_json` finds it
     written instead of writing it on the way to the client's first token. Kept with the
     objects it was written from: a token 0 or a prompt part that came again is written anew.
     Written for every prompt laid out (a few µs at intake): the hub does not know which

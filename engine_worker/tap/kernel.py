@@ -3,7 +3,7 @@
 `torch.ops.probex.tap` computes `(hidden + residual) @ weight.T + bias` in fp32 for every
 row of the step. Written in torch that is a cast, an add and a GEMM (three or four kernels),
 and cuBLAS picks a slow split kernel for the decode shapes (a few rows against 8 probes of
-4096): measured on the H200 (`python -m probex.bench_tap_op`, two layers, inside a CUDA
+4096): on an H200 (`python -m bench.tap_op`, two layers, inside a CUDA
 graph) 18 µs per step at 1 row and 54 µs at 8 rows, against 11 µs for this kernel at both.
 
 A program takes one row and a group of probe slots: it reads the row's hidden and residual

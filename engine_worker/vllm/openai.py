@@ -4,11 +4,9 @@ out: the only module that patches them (the API server processes only).
 The middleware asks vLLM for token ids on every monitored request (`return_token_ids`), to
 count each stream chunk's tokens, and strips them again for clients that did not ask. A
 chunk's generated ids are a few bytes; the prompt's are the whole prompt, written once, into
-the first chunk (or the response), on the way to the first token. For a 1024-token prompt
-vLLM's API server spends 37 µs building and writing that first chunk against 13 µs without
-them (dev machine, `python3 -m probex.bench_handoff`: `vllm_first_chunk_ids_us`,
-`vllm_first_chunk_us`), and the middleware then cuts them out of the bytes again, for
-nothing. While `PROMPT_TOKEN_IDS_UNWANTED` is set (the
+the first chunk (or the response), on the way to the first token: for a 1024-token prompt
+vLLM's API server takes about three times as long to build and write that first chunk with
+them, and the middleware then cuts them out of the bytes again, for nothing. While `PROMPT_TOKEN_IDS_UNWANTED` is set (the
 middleware sets it around the requests of clients that did not ask for token ids) the
 response classes that carry the prompt's ids are built with none, as vLLM builds them for a
 request that did not ask: the chunk's other members, and the generated tokens' ids the
