@@ -142,7 +142,7 @@ class TapController:
         """Switch the tap off (or on again) without a restart: its kernels return at once and no
         step's scores are copied, booked or sent (requests that end are still announced), so a
         paused worker serves as plain vLLM does but for the kernels' empty launches (what
-        `probex bench engine`'s `tap-toggle` set-up compares the tap against within one
+        `python -m bench.engine`'s `tap-toggle` set-up compares the tap against within one
         start). Steps already handed over are still consumed. Refused where steering is
         configured (its gates read the tap's scores in the graph) and while a capture is being
         written; capture requests made while paused are refused by the API server, and one
