@@ -181,14 +181,21 @@ class RecordingApp:
         await send({"type": "http.response.body", "body": b"{}"})
 
 
-def post_raw(raw: bytes):
+def post_raw(raw: bytes, headers=()):
+    """`raw` posted to /v1/completions of a worker (its admin token, if any, from the
+    environment): (the upstream, the status, the answer's body)."""
     async def go():
         app = RecordingApp()
         middleware = ProbexMiddleware(app, hub=idle_hub(), tap_config=TapConfig(layers=(3,)))
-        sent = await post_through(middleware, "/v1/completions", raw)
+        sent = await post_through(middleware, "/v1/completions", raw, headers=headers)
         return app, sent[0]["status"], response_body(sent)
 
     return asyncio.run(go())
+
+
+# The admin token the middleware tests start workers with, and the header that carries it.
+ADMIN_TOKEN = "secret"
+ADMIN = [(b"authorization", b"Bearer " + ADMIN_TOKEN.encode())]
 
 
 def post_raw_paused(raw: bytes):

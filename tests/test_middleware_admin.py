@@ -32,15 +32,15 @@ def test_the_tap_is_paused_and_resumed_by_an_admin_and_paused_requests_pass_unmo
         assert await call_route(middleware, "GET", "/probex/tap") == (200, {"paused": True})
         # paused: a request reaches vLLM as the client sent it (no token ids asked for, no id of ours)
         body = json.dumps({"prompt": "x", "max_tokens": 2, "vllm_xargs": {"probex_recompute": "true"}}).encode()
-        sent = await post_through(middleware, "/v1/completions", body)
+        sent = await post_through(middleware, "/v1/completions", body, headers=admin)
         forwarded = json.loads(app.bodies[-1])
         assert sent[0]["status"] == 200 and "return_token_ids" not in forwarded and app.request_ids[-1] is None
         assert forwarded["vllm_xargs"] == {"probex_recompute": 1}  # still checked and normalised
         capture = json.dumps({"prompt": "x", "vllm_xargs": {"probex_capture": True}}).encode()
-        refused = await post_through(middleware, "/v1/completions", capture)
+        refused = await post_through(middleware, "/v1/completions", capture, headers=admin)
         assert refused[0]["status"] == 409 and b"tap_paused" in response_body(refused) and len(app.bodies) == 1
         assert await put(b'{"paused": false}') == (200, {"ok": True, "paused": False})
-        await post_through(middleware, "/v1/completions", body)
+        await post_through(middleware, "/v1/completions", body, headers=admin)
         assert json.loads(app.bodies[-1])["return_token_ids"] is True and app.request_ids[-1] is not None
         # a worker that refuses (it steers) leaves the API server's state as it was
         engine.answer = {"ok": False, "error": "steering gates read its scores", "paused": False}

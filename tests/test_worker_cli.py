@@ -243,3 +243,52 @@ def test_the_served_model_directory_travels_in_the_tap_configuration(monkeypatch
                                      [])
     assert TapConfig.from_json(env[TAP_CONFIG]).model_dir == str(model_dir())
     assert "model_dir" not in json.loads(argv[argv.index("--additional-config") + 1])["probex"]  # a run field
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "[::]", "worker.example"])
+def test_a_worker_listening_beyond_loopback_without_an_admin_token_is_refused_with_one_line(monkeypatch, host):
+    from engine_worker.vllm.launch import build_worker_command
+
+    monkeypatch.delenv("PROBEX_ADMIN_TOKEN", raising=False)
+    # refused before the model is looked at: no such model directory is needed
+    args = _worker_parser().parse_args(["--model", "/nonexistent/model", "--layer", "3", "--host", host])
+    with pytest.raises(SystemExit) as refused:
+        build_worker_command(args, [])
+    message = str(refused.value.code)
+    assert "\n" not in message and message.startswith(f"probex worker: --host {host} is beyond loopback")
+    assert "--admin-token" in message and "PROBEX_ADMIN_TOKEN" in message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
+def test_a_loopback_worker_starts_without_an_admin_token(monkeypatch, host):
+    from engine_worker.settings import ADMIN_TOKEN
+    from engine_worker.vllm.launch import build_worker_command
+
+    monkeypatch.delenv("PROBEX_ADMIN_TOKEN", raising=False)
+    argv, env = build_worker_command(_worker_parser().parse_args(["--model", str(model_dir()), "--layer", "3",
+                                                                  "--host", host]), [])
+    assert argv[argv.index("--host") + 1] == host and ADMIN_TOKEN not in env
+
+
+@pytest.mark.parametrize("from_environment", [False, True])
+def test_a_worker_beyond_loopback_starts_with_an_admin_token(monkeypatch, from_environment):
+    from engine_worker.settings import ADMIN_TOKEN
+    from engine_worker.vllm.launch import build_worker_command
+
+    monkeypatch.delenv("PROBEX_ADMIN_TOKEN", raising=False)
+    given = ["--admin-token", "t0ken"]
+    if from_environment:
+        monkeypatch.setenv("PROBEX_ADMIN_TOKEN", "t0ken")
+        given = []
+    argv, env = build_worker_command(_worker_parser().parse_args(["--model", str(model_dir()), "--layer", "3",
+                                                                  "--host", "0.0.0.0", *given]), [])
+    assert argv[argv.index("--host") + 1] == "0.0.0.0" and env[ADMIN_TOKEN] == "t0ken"
+    assert "t0ken" not in argv  # the token reaches the API servers through the environment only
+
+
+def test_probex_worker_beyond_loopback_without_a_token_exits_with_one_line():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBEX_")}
+    result = subprocess.run([sys.executable, "-m", "probex.cli", "worker", "--model", str(model_dir()), "--layer", "3",
+                             "--host", "0.0.0.0"], env=env, capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "--admin-token" in lines[0], result.stderr[-2000:]

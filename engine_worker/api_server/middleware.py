@@ -7,6 +7,8 @@ engine_worker/vllm/api_server.py is vLLM's. This module only dispatches: request
 live in requests.py, the relays in relay.py, the score hub in hub.py. It does four things:
 
 1. checks `probex_*` keys in `vllm_xargs` and refuses what ProbeX cannot monitor (400);
+   those keys are engine controls (recompute, capture, steering), taken only from a caller
+   holding the worker's admin token (401 without it; 403 on a worker started without one);
 2. gives each monitored request an id it controls (`X-Request-Id`), so score events from
    the worker can be matched to the response before the response exists;
 3. attaches the `probex` field to non-streaming bodies and to every stream chunk, waiting
@@ -129,6 +131,7 @@ class ProbexMiddleware:
             return await self._relayed(scope, receive, send, call, new_body)
         try:
             body, encode = _decode_request(raw_body) if raw_body else (None, _encode_json)
+            self._check_controls(scope, body)
             call = inspect_request(scope["path"], body, self.owner)
             if call is not None and (call.body.get("vllm_xargs") or {}).get("probex_capture") \
                     and not (self.tap_config is not None and self.tap_config.capture_rows):
@@ -156,6 +159,26 @@ class ProbexMiddleware:
             return await self.app(dict(scope, headers=_body_headers(scope, new_body)), _replay(new_body, receive),
                                   send)
         return await self._relayed(scope, receive, send, call, encode(call.body))
+
+    def _check_controls(self, scope: Scope, body) -> None:
+        """Refuse engine controls (any `probex_*` key in `vllm_xargs`, known or not) from a
+        caller without the worker's admin token: the gateway forwards them only for tenants
+        granted them, with that token; a client reaching the worker directly has none."""
+        xargs = body.get("vllm_xargs") if isinstance(body, dict) else None
+        if not isinstance(xargs, dict):
+            return
+        controls = sorted(key for key in xargs if isinstance(key, str) and key.startswith("probex_"))
+        if not controls or self._is_admin(scope):
+            return
+        param = f"vllm_xargs.{controls[0]}"
+        if not self.admin_token:
+            raise RequestRefused(f"engine controls ({', '.join(controls)}) are disabled: the worker was started without"
+                                 " an admin token (start it with `probex worker --admin-token TOKEN` or"
+                                 " PROBEX_ADMIN_TOKEN, and send Authorization: Bearer TOKEN)",
+                                 param=param, status=403, code="engine_controls_disabled")
+        named = ", ".join(f"vllm_xargs.{key}" for key in controls)
+        raise RequestRefused(f"engine controls need the worker's admin token (Authorization: Bearer <token>): {named}",
+                             param=param, status=401, code="admin_token_required")
 
     async def _relayed(self, scope: Scope, receive: Receive, send: Send, call: MonitoredCall, new_body: bytes) -> None:
         """Hand the request to vLLM under ProbeX's id and relay its response with scores attached."""

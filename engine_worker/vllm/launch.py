@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
@@ -36,12 +37,24 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steer-vector", action="append", default=[], metavar="DIR",
                         help="steering-vector artifact loaded at startup (repeatable; see docs/steering.md)")
     parser.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN),
-                        help="token for PUT /probex/probes, /probex/steering and /probex/tap (default: $PROBEX_ADMIN_TOKEN;"
-                             " unset = live swap and pausing disabled)")
+                        help="token for PUT /probex/probes, /probex/steering, /probex/tap and for engine controls"
+                             " (probex_* vllm_xargs) (default: $PROBEX_ADMIN_TOKEN; unset = live swap, pausing and"
+                             " engine controls disabled; required unless --host is loopback)")
     parser.add_argument("--score-formatter", "--no-score-formatter", dest="removed_score_formatter",
                         action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (beyond loopback an admin token is required)")
     parser.add_argument("--port", type=int, default=8100)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, or "localhost") is reachable from this machine only."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve beyond this machine
+        return False
 
 
 def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -50,6 +63,10 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     if getattr(args, "removed_score_formatter", False):
         raise SystemExit("probex worker: --score-formatter / --no-score-formatter are gone: the score formatter"
                          " always runs beside the worker; drop the flag")
+    if not args.admin_token and not is_loopback(args.host):
+        raise SystemExit(f"probex worker: --host {args.host} is beyond loopback: give the worker an admin token"
+                         " (--admin-token TOKEN or PROBEX_ADMIN_TOKEN; the gateway sends it with --worker-admin-token),"
+                         " or listen on 127.0.0.1")
     api_servers = api_server_count(passthrough)
     _refuse_data_parallel(passthrough)
     model_dir = resolve_model(args.model)
