@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
 from pathlib import Path
@@ -35,6 +36,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from probex.processes import logged_worker
+
+# This run's workers' admin token (on 127.0.0.1 only): capture and recompute are engine
+# controls, which a worker takes only with it. Handed over in the environment.
+ADMIN_TOKEN = secrets.token_urlsafe(24)
+CONTROLS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 PROMPTS = [
     "What is the capital of France?",
@@ -82,7 +88,7 @@ def max_tokens_for(index: int) -> int:
 async def query(url: str, model: str) -> list[dict]:
     import httpx
 
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, headers=CONTROLS) as client:
         async def one(index, prompt):
             body = {"model": model, "messages": [{"role": "user", "content": prompt}],
                     "max_tokens": max_tokens_for(index), "temperature": 0, "return_token_ids": True,
@@ -107,7 +113,7 @@ async def teacher_forced(url: str, model: str) -> dict:
     """
     import httpx
 
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, headers=CONTROLS) as client:
         async def sample(index, prompt):
             body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
                     "temperature": 1.0, "seed": 100 + index, "return_token_ids": True,
@@ -177,7 +183,7 @@ def run_mode(runner: str, name: str, model: Path, probes: list[Path], out: Path,
     log_path = out / f"worker-{label}.log"
     # Run one after the other, the compile cache stays on: the machine starts empty and every
     # run has the same tap configuration (part of the cache key), so later starts reuse graphs.
-    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner])
+    env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER=RUNNERS[runner], PROBEX_ADMIN_TOKEN=ADMIN_TOKEN)
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model), "--port", str(port),
            *[f"--probe={p}" for p in probes], "--max-model-len", "1024",
            "--gpu-memory-utilization", os.environ.get("PROBEX_SMOKE_MEMORY", "0.3"),

@@ -76,7 +76,8 @@ def xargs_for(variant: str, alpha: float) -> dict:
 async def post_all(url: str, bodies: list[dict]) -> list[dict]:
     import httpx
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    # steering, capture and recompute are engine controls: the worker takes them with its admin token only
+    async with httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {ADMIN}"}) as client:
         rs = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=b) for b in bodies))
     for r in rs:
         if r.status_code != 200:

@@ -65,7 +65,8 @@ async def generate(url: str, model: str, prompts: list[str], xargs: dict | None,
         score = data["probex"]["scores"]["harmful-request"]["score"]
         return {"prompt": prompt, "text": data["choices"][0]["message"]["content"], "gate_score": score}
 
-    async with httpx.AsyncClient(timeout=900) as client:
+    # steering is an engine control: the worker takes it with its admin token only
+    async with httpx.AsyncClient(timeout=900, headers={"Authorization": f"Bearer {ADMIN}"}) as client:
         return await asyncio.gather(*(one(client, p) for p in prompts))
 
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         vector_dirs = []
         for layer in layers:
             vector = build_vector(train_pos, train_neg, url, capture, model, layer, "last_prompt_token",
-                                  f"refusal{layer}")
+                                  f"refusal{layer}", ADMIN)
             vector_dirs.append(str(save_vector(vector, work / f"refusal{layer}")))
             report.setdefault("vector_norms", {})[str(layer)] = vector.extra["method"]["norm"]
         r = httpx.put(url + "/probex/steering", json={"vectors": vector_dirs},

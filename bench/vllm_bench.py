@@ -56,6 +56,9 @@ class Load:
     range_ratio: float = 0.0  # --random-range-ratio: lengths drawn from [1 - r, 1 + r] x the given
     extra_body: dict[str, Any] | None = None
     extra_args: Sequence[str] = field(default_factory=tuple)
+    # Sent as `Authorization: Bearer` on every request (vllm bench serve reads OPENAI_API_KEY),
+    # kept off the command line: the worker's admin token, where `extra_body` carries engine controls.
+    api_key: str | None = None
 
     def command(self, result_dir: Path, result_name: str) -> list[str]:
         cmd = [*vllm_cli(), "bench", "serve", "--backend", "vllm", "--base-url", self.base_url,
@@ -86,7 +89,8 @@ def run_load(load: Load, result_dir: Path, result_name: str, log_path: Path | No
     try:
         # VLLM_PLUGINS names no plugin: the client needs none, ProbeX's included.
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s,
-                              env={**os.environ, "VLLM_PLUGINS": "probex-bench-client-none"})
+                              env={**os.environ, "VLLM_PLUGINS": "probex-bench-client-none",
+                                   **({"OPENAI_API_KEY": load.api_key} if load.api_key else {})})
     finally:
         if log_path is not None:
             out.close()

@@ -7,6 +7,10 @@ per prompt plus an index. Reruns skip prompts already extracted (resumable).
 
     probex extract --model smollm2-135m-instruct --layer 18 --layer 22 --prompts prompts.txt --out acts/
     probex extract --worker http://127.0.0.1:8100 --capture-dir DIR ...   # a worker already running
+
+Capture and recompute are engine controls: a worker takes them only with its admin token.
+A worker started here gets a random one; a running worker's comes from --admin-token
+(default $PROBEX_ADMIN_TOKEN).
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
 
 import httpx
 
+from engine_worker.settings import ADMIN_TOKEN
 from probex.processes import WorkerExited, wait_until_healthy
 
 INDEX = "index.jsonl"
@@ -34,7 +41,19 @@ def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model to start a worker with")
     parser.add_argument("--worker", default=None, help="use a running worker started with --capture-dir")
     parser.add_argument("--capture-dir", default=None, type=Path, help="that worker's --capture-dir")
+    parser.add_argument("--admin-token", default=None,
+                        help="that worker's admin token, which capture needs (default: $PROBEX_ADMIN_TOKEN)")
     parser.add_argument("--dtype", default="float32", help="engine dtype when a worker is started here")
+
+
+def worker_token(args: argparse.Namespace) -> str | None:
+    """The admin token of the running worker `args.worker` names."""
+    return getattr(args, "admin_token", None) or os.environ.get(ADMIN_TOKEN)
+
+
+def control_headers(admin_token: str | None) -> dict[str, str]:
+    """The headers that let a request carry engine controls (capture, recompute) to a worker."""
+    return {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -55,8 +74,10 @@ def prompt_key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def extract(prompts: list[str], out: Path, worker_url: str, capture_dir: Path, model: str) -> int:
-    """Send every prompt not yet in out/index.jsonl; return how many were extracted now."""
+def extract(prompts: list[str], out: Path, worker_url: str, capture_dir: Path, model: str,
+            admin_token: str | None = None) -> int:
+    """Send every prompt not yet in out/index.jsonl; return how many were extracted now.
+    `admin_token`: the worker's, sent with every request (capture is an engine control)."""
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
@@ -65,7 +86,7 @@ def extract(prompts: list[str], out: Path, worker_url: str, capture_dir: Path, m
     if index_path.exists():
         done = {json.loads(line)["key"] for line in index_path.read_text().splitlines() if line.strip()}
     todo = [p for p in prompts if prompt_key(p) not in done]
-    with httpx.Client(timeout=300) as client, index_path.open("a") as index:
+    with httpx.Client(timeout=300, headers=control_headers(admin_token)) as client, index_path.open("a") as index:
         for text in tqdm(todo, desc="extract", unit="prompt"):
             body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
                     "temperature": 0, "return_token_ids": True,
@@ -92,19 +113,20 @@ def run_extract(args: argparse.Namespace) -> None:
         if not args.capture_dir:
             raise SystemExit("probex extract: --worker needs --capture-dir (the worker's own)")
         models = httpx.get(args.worker + "/v1/models", timeout=10).json()["data"]
-        count = extract(prompts, args.out, args.worker, args.capture_dir, models[0]["id"])
+        count = extract(prompts, args.out, args.worker, args.capture_dir, models[0]["id"], worker_token(args))
         print(f"extracted {count} prompts into {args.out}")
         return
     if not args.layer:
         raise SystemExit("probex extract: give at least one --layer")
-    with capture_worker(args.model, args.layer, args.dtype, "probex extract") as (url, capture, model):
-        count = extract(prompts, args.out, url, capture, model)
+    with capture_worker(args.model, args.layer, args.dtype, "probex extract") as (url, capture, model, token):
+        count = extract(prompts, args.out, url, capture, model, token)
         print(f"extracted {count} prompts into {args.out}")
 
 
 @contextlib.contextmanager
 def capture_worker(model_name: str, layers: list[int], dtype: str, who: str, port: int = 8199):
-    """A `probex worker` in capture mode tapping `layers`, for the duration of the block: (url, capture dir, model)."""
+    """A `probex worker` in capture mode tapping `layers`, for the duration of the block:
+    (url, capture dir, model, its admin token: a random one, handed over in the environment)."""
     import subprocess
     import sys
 
@@ -115,14 +137,15 @@ def capture_worker(model_name: str, layers: list[int], dtype: str, who: str, por
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", model, "--port", str(port),
            "--capture-dir", str(capture), *[f"--layer={layer}" for layer in layers], "--dtype", dtype,
            "--gpu-memory-utilization", "0.25", "--max-model-len", "4096"]
-    worker = subprocess.Popen(cmd, start_new_session=True)
+    token = secrets.token_urlsafe(24)
+    worker = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, ADMIN_TOKEN: token})
     url = f"http://127.0.0.1:{port}"
     try:
         try:
             wait_until_healthy(worker, url)
         except WorkerExited as exc:
             raise SystemExit(f"{who}: {exc}") from None
-        yield url, capture, model
+        yield url, capture, model, token
     finally:
         worker.terminate()
         worker.wait(60)

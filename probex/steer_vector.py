@@ -40,6 +40,8 @@ def add_steer_vector_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model to start a worker with")
     parser.add_argument("--worker", default=None, help="use a running worker started with --capture-dir")
     parser.add_argument("--capture-dir", default=None, type=Path, help="that worker's --capture-dir")
+    parser.add_argument("--admin-token", default=None,
+                        help="that worker's admin token, which capture needs (default: $PROBEX_ADMIN_TOKEN)")
     parser.add_argument("--dtype", default="float32", help="engine dtype when a worker is started here")
 
 
@@ -63,14 +65,14 @@ def prompt_activations(acts_dir: Path, layer: int, read: str) -> np.ndarray:
 
 
 def build_vector(positive: list[str], negative: list[str], worker_url: str, capture_dir: Path, model: str,
-                 layer: int, read: str, name: str) -> SteeringVector:
+                 layer: int, read: str, name: str, admin_token: str | None = None) -> SteeringVector:
     from probex.extract import extract
 
     with tempfile.TemporaryDirectory(prefix="probex-steer-") as tmp:
         sets = {}
         for label, prompts in (("positive", positive), ("negative", negative)):
             out = Path(tmp) / label
-            extract(prompts, out, worker_url, capture_dir, model)
+            extract(prompts, out, worker_url, capture_dir, model, admin_token)
             sets[label] = prompt_activations(out, layer, read)
     vector = difference_of_means(sets["positive"], sets["negative"])
     return SteeringVector(
@@ -97,7 +99,7 @@ def worker_model(worker: str) -> str:
 
 def run_steer_vector(args: argparse.Namespace) -> None:
     from probes.datasets import DatasetError, load_prompts
-    from probex.extract import capture_worker
+    from probex.extract import capture_worker, worker_token
 
     # load_vector refuses a blank name: refuse it before the worker starts, not after.
     if not args.name.strip():
@@ -111,10 +113,12 @@ def run_steer_vector(args: argparse.Namespace) -> None:
             raise SystemExit("probex steer-vector: --worker needs --capture-dir (the worker's own)")
         worker = args.worker.rstrip("/")
         model = worker_model(worker)
-        vector = build_vector(positive, negative, worker, args.capture_dir, model, args.layer, args.read, args.name)
+        vector = build_vector(positive, negative, worker, args.capture_dir, model, args.layer, args.read, args.name,
+                              worker_token(args))
     else:
-        with capture_worker(args.model, [args.layer], args.dtype, "probex steer-vector") as (url, capture, model):
-            vector = build_vector(positive, negative, url, capture, model, args.layer, args.read, args.name)
+        with capture_worker(args.model, [args.layer], args.dtype, "probex steer-vector") as (url, capture, model,
+                                                                                           token):
+            vector = build_vector(positive, negative, url, capture, model, args.layer, args.read, args.name, token)
     save_vector(vector, args.out)
     print(f"wrote steering vector {vector.name!r} (layer {vector.layer}, norm {np.linalg.norm(vector.vector):.3f},"
           f" {len(positive)} positive / {len(negative)} negative prompts) to {args.out}")

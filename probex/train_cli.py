@@ -107,7 +107,7 @@ def features_tap(texts: list[str], model: str, layers: list[int], read: ReadPoin
         prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
         out = Path(tmp) / "acts"
         run_extract(argparse.Namespace(prompts=prompts, out=out, layer=layers, model=model, worker=None,
-                                       capture_dir=None, dtype="float32"))
+                                       capture_dir=None, admin_token=None, dtype="float32"))
         result: dict[int, list[np.ndarray]] = {l: [] for l in layers}
         for text in texts:
             rows = load_file(str(out / f"{prompt_key(text)}.safetensors"))

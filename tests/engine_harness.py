@@ -109,6 +109,15 @@ class Worker:
         self._log.close()
 
 
+def control_headers(worker: "Worker", body: dict) -> dict[str, str]:
+    """The headers a request with `body` needs: the worker's admin token where it carries engine
+    controls (any `probex_*` key in `vllm_xargs`), which the worker takes only with it."""
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and any(str(key).startswith("probex_") for key in xargs):
+        return {"Authorization": f"Bearer {worker.admin_token}"}
+    return {}
+
+
 def chat_body(prompt: str, max_tokens: int = 4, **extra) -> dict:
     return {
         "model": str(model_dir()),

@@ -38,8 +38,12 @@ def test_plans_start_workers_and_stock_vllm_with_the_same_arguments(tmp_path):
     without_port = lambda plan: [a for a in plan.argv if a != str(plan.port)]  # noqa: E731
     assert without_port(eager) == without_port(plain) + ["--enforce-eager"]
     assert tap.argv[2:4] == ["probex.cli", "worker"] and f"--probe={tmp_path / 'p1'}" in tap.argv
-    # only tap-toggle's worker takes an admin token (its tap is paused through PUT /probex/tap)
+    # tap-toggle's worker takes an admin token (its tap is paused through PUT /probex/tap), as do the
+    # steered set-ups' (their requests carry engine controls); the tap alone needs none
     assert "--admin-token" not in tap.argv and toggle.argv[toggle.argv.index("--admin-token") + 1] == setups.ADMIN_TOKEN
+    steered = setups.plan_setups(cli.parse_setups("steer-idle,steer-active"), tmp_path, [tmp_path / "p1"],
+                                 ["--load-format", "dummy"], "v1", steer_dir=tmp_path / "v")
+    assert ["--admin-token" in plan.argv for plan in steered] == [False, True]
     assert not any(k.startswith("PROBEX_") for p in plans for k in p.env_changes)
     with pytest.raises(SystemExit):
         cli.parse_setups("plain,tap-op-only")
@@ -58,7 +62,7 @@ def test_toggle_phases_alternate_abba_with_fresh_prompts_but_the_shared_one_firs
         load.parse_toggle_pairs("8:5")
 
 
-def test_a_vllm_bench_command_and_its_saved_result(tmp_path):
+def test_a_vllm_bench_command_and_its_saved_result(tmp_path, monkeypatch):
     phase = vllm_bench.Load("http://127.0.0.1:9", "/models/m", "m", 8, 160, 1024, 256, seed=7,
                             extra_body={"vllm_xargs": {"probex_steer": "v"}})
     cmd = phase.command(tmp_path, "c8.json")
@@ -69,6 +73,21 @@ def test_a_vllm_bench_command_and_its_saved_result(tmp_path):
                  "--metric-percentiles 50,99"):
         assert part in joined, part
     assert json.loads(cmd[cmd.index("--extra-body") + 1]) == {"vllm_xargs": {"probex_steer": "v"}}
+    steered = vllm_bench.Load("http://127.0.0.1:9", "/models/m", "m", 8, 160, 1024, 256, seed=7,
+                              extra_body={"vllm_xargs": {"probex_steer": "v"}}, api_key="t0ken")
+    assert steered.command(tmp_path, "c8.json") == cmd and "t0ken" not in " ".join(cmd)  # the key travels in the env
+    seen = []
+
+    def bench_serve(argv, env, **kwargs):  # vllm bench serve reads OPENAI_API_KEY into Authorization: Bearer
+        seen.append(env.get("OPENAI_API_KEY"))
+        (tmp_path / "c8.json").write_text("{}")
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(vllm_bench.subprocess, "run", bench_serve)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    for sent in (phase, steered):
+        vllm_bench.run_load(sent, tmp_path, "c8.json")
+    assert seen == [None, "t0ken"]
     saved = {"completed": 160, "failed": 0, "output_throughput": 900.0, "duration": 12.5,
              **{f"{stat}_{m}_ms": value for m in ("ttft", "tpot", "itl")
                 for stat, value in (("mean", 2.0), ("median", 1.5), ("p50", 1.5), ("p99", 9.0))}}

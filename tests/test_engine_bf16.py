@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from probes.artifact import load_probe
-from tests.engine_harness import PROMPTS, HFReference, Worker, chat_body, make_test_probes
+from tests.engine_harness import PROMPTS, HFReference, Worker, chat_body, control_headers, make_test_probes
 
 pytestmark = pytest.mark.engine
 
@@ -45,7 +45,8 @@ def test_bf16_tap_matches_hf(setup):
     for prompt in PROMPTS:
         body = chat_body(prompt, max_tokens=1, return_token_ids=True,
                          vllm_xargs={"probex_capture": True, "probex_recompute": True})
-        r = httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=300)
+        r = httpx.post(worker.url + "/v1/chat/completions", json=body, headers=control_headers(worker, body),
+                       timeout=300)
         assert r.status_code == 200, r.text
         response = r.json()
         (capture_file,) = capture.glob(f"{response['id']}-*.safetensors")

@@ -19,7 +19,8 @@ from safetensors.numpy import load_file
 
 from probes.artifact import ProbeArtifact, ReadPoint, load_probe, save_probe
 from probes.scoring import calibrate
-from tests.engine_harness import PROMPTS, HFReference, Worker, chat_body, make_test_probes, model_dir
+from tests.engine_harness import (PROMPTS, HFReference, Worker, chat_body, control_headers, make_test_probes,
+                                  model_dir)
 
 pytestmark = pytest.mark.engine
 
@@ -55,6 +56,7 @@ def hf():
 
 
 def post(worker, body, path="/v1/chat/completions", **kw):
+    kw["headers"] = {**control_headers(worker, body), **kw.get("headers", {})}
     r = httpx.post(worker.url + path, json=body, timeout=300, **kw)
     return r
 
@@ -145,7 +147,8 @@ def test_concurrent_requests_get_exactly_their_own_scores(worker):
 
     async def all_at_once():
         async with httpx.AsyncClient(timeout=300) as client:
-            rs = await asyncio.gather(*(client.post(worker.url + "/v1/chat/completions", json=b) for b in bodies))
+            rs = await asyncio.gather(*(client.post(worker.url + "/v1/chat/completions", json=b,
+                                                    headers=control_headers(worker, b)) for b in bodies))
         return [r.json() for r in rs]
 
     together = [_comparable(r) for r in asyncio.run(all_at_once())]
@@ -298,6 +301,16 @@ def test_malformed_probex_requests_get_a_400_error_object(worker, extra, param):
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
 
 
+def test_engine_controls_are_taken_only_with_the_workers_admin_token(worker):
+    body = chat_body(PROMPTS[0], max_tokens=1, vllm_xargs={"probex_recompute": True})
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+        refused = httpx.post(worker.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert refused.status_code == 401, refused.text
+        assert refused.json()["error"]["param"] == "vllm_xargs.probex_recompute"
+    taken = ok(worker, body)["probex"]["scores"]["dir18"]["prompt"]
+    assert taken["tokens_scored"] == taken["prompt_tokens"]  # recomputed: every prompt token scored
+
+
 def test_non_json_body_is_vllms_400_not_a_500(worker):
     r = httpx.post(worker.url + "/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
@@ -392,7 +405,7 @@ def test_probex_extract_collects_tap_activations_resumably(worker, hf, capture_d
     prompts.write_text("\n".join(PROMPTS[:3]) + "\n")
     out = tmp_path / "acts"
     cmd = [sys.executable, "-m", "probex.cli", "extract", "--worker", worker.url, "--capture-dir", str(capture_dir),
-           "--prompts", str(prompts), "--out", str(out)]
+           "--prompts", str(prompts), "--out", str(out), "--admin-token", worker.admin_token]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     assert "extracted 3 prompts" in first.stdout

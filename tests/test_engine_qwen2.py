@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from probes.artifact import ProbeArtifact, ReadPoint, load_probe, save_probe
-from tests.engine_harness import Worker, model_dir
+from tests.engine_harness import Worker, control_headers, model_dir
 
 pytestmark = pytest.mark.engine
 
@@ -53,9 +53,9 @@ def test_qwen2_tap_matches_hf(qwen):
     worker, model, probe_dir, capture = qwen
     probe = load_probe(probe_dir)
     for text in ("Hello there, how are you?", "Tell me about the moon and the tides, in detail please."):
-        r = httpx.post(worker.url + "/v1/completions", timeout=120, json={
-            "model": worker.model, "prompt": text, "max_tokens": 2, "temperature": 0, "return_token_ids": True,
-            "vllm_xargs": {"probex_capture": True}})
+        body = {"model": worker.model, "prompt": text, "max_tokens": 2, "temperature": 0, "return_token_ids": True,
+                "vllm_xargs": {"probex_capture": True}}
+        r = httpx.post(worker.url + "/v1/completions", timeout=120, json=body, headers=control_headers(worker, body))
         assert r.status_code == 200, r.text
         body = r.json()
         ids = body["choices"][0]["prompt_token_ids"]

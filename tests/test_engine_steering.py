@@ -20,7 +20,7 @@ import pytest
 
 from probes.artifact import load_probe
 from probes.steering import SteeringVector, load_vector, save_vector
-from tests.engine_harness import PROMPTS, HFReference, Worker, chat_body, make_test_probes
+from tests.engine_harness import PROMPTS, HFReference, Worker, chat_body, control_headers, make_test_probes
 
 pytestmark = pytest.mark.engine
 
@@ -105,7 +105,8 @@ def hf_generate(hf, prompt_ids, vector, alpha, gate=None, tokens=TOKENS):
 def run_concurrently(worker, bodies):
     async def go():
         async with httpx.AsyncClient(timeout=600) as client:
-            rs = await asyncio.gather(*(client.post(worker.url + "/v1/chat/completions", json=b) for b in bodies))
+            rs = await asyncio.gather(*(client.post(worker.url + "/v1/chat/completions", json=b,
+                                                    headers=control_headers(worker, b)) for b in bodies))
         return rs
 
     responses = asyncio.run(go())
@@ -115,7 +116,7 @@ def run_concurrently(worker, bodies):
 
 
 def ok(worker, body):
-    r = httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=600)
+    r = httpx.post(worker.url + "/v1/chat/completions", json=body, headers=control_headers(worker, body), timeout=600)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -274,7 +275,8 @@ def test_steered_requests_never_share_kv_blocks_with_unsteered_ones(worker):
     ],
 )
 def test_bad_steering_requests_are_refused(worker, xargs, message):
-    r = httpx.post(worker.url + "/v1/chat/completions", json=chat_body("hi", vllm_xargs=xargs), timeout=60)
+    body = chat_body("hi", vllm_xargs=xargs)
+    r = httpx.post(worker.url + "/v1/chat/completions", json=body, headers=control_headers(worker, body), timeout=60)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
 
 
@@ -285,7 +287,7 @@ def test_steer_vector_command_and_live_vector_replacement(worker, hf, capture_di
     out = tmp_path / "dom18"
     cmd = [sys.executable, "-m", "probex.cli", "steer-vector", "--worker", worker.url, "--capture-dir",
            str(capture_dir), "--layer", str(LAYER), "--positive", str(tmp_path / "pos.txt"), "--negative",
-           str(tmp_path / "neg.txt"), "--name", "dom18", "--out", str(out)]
+           str(tmp_path / "neg.txt"), "--name", "dom18", "--out", str(out), "--admin-token", worker.admin_token]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     made = load_vector(out)
@@ -303,7 +305,7 @@ def test_steer_vector_command_and_live_vector_replacement(worker, hf, capture_di
     original = [v["source"] for v in httpx.get(worker.url + "/probex/steering", timeout=30).json()["vectors"]]
     body = chat_body(PROMPTS[2], max_tokens=6, return_token_ids=True, vllm_xargs={"probex_steer": "dom18",
                                                                                  "probex_steer_alpha": 4.0})
-    assert httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=60).status_code == 400
+    assert httpx.post(worker.url + "/v1/chat/completions", json=body, headers=admin, timeout=60).status_code == 400
     try:
         r = httpx.put(worker.url + "/probex/steering", json={"vectors": original + [str(out)]}, headers=admin,
                       timeout=60)

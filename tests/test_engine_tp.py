@@ -26,7 +26,7 @@ import pytest
 from probes.artifact import ProbeArtifact, ReadPoint, load_probe, save_probe
 from probes.scoring import calibrate
 from probes.steering import SteeringVector, load_vector, save_vector
-from tests.engine_harness import PROMPTS, Worker, model_dir
+from tests.engine_harness import PROMPTS, Worker, control_headers, model_dir
 
 pytestmark = pytest.mark.engine
 
@@ -130,7 +130,7 @@ def hf(tp_model):
 def chat(worker, tp_model, prompt: str, max_tokens: int, **extra) -> dict:
     body = {"model": str(tp_model), "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "return_token_ids": True, **extra}
-    r = httpx.post(worker.url + "/v1/chat/completions", json=body, timeout=600)
+    r = httpx.post(worker.url + "/v1/chat/completions", json=body, headers=control_headers(worker, body), timeout=600)
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -177,7 +177,9 @@ def idle_requests(url: str, model: str, prompts: Sequence[list[int]], pause_s: f
 
     results = []
     try:
-        with httpx.Client(timeout=httpx.Timeout(600, connect=30)) as client:
+        # steering xargs are engine controls: the worker takes them with its admin token only
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"} if xargs else None
+        with httpx.Client(timeout=httpx.Timeout(600, connect=30), headers=headers) as client:
             for number, prompt in enumerate(prompts, -lead_in):
                 paused = paused_for is not None and number >= 0 and paused_for(number)
                 if paused_for is not None:

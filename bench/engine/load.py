@@ -20,8 +20,8 @@ import numpy as np
 
 from bench.engine.client import (CHECK_SEED, IDLE_SEED, IDLE_TTFT_TOKENS, idle_requests, idle_toggle_paused,
                                  profile_phase, random_prompts, score_coverage, set_tap_paused, steering_effect)
-from bench.engine.setups import (STEER_KINDS, STEERED_KINDS, TOGGLE_KIND, WORKER_KINDS, Server, SetupPlan,
-                                 SteerBench, safe_label)
+from bench.engine.setups import (ADMIN_TOKEN, STEER_KINDS, STEERED_KINDS, TOGGLE_KIND, WORKER_KINDS, Server,
+                                 SetupPlan, SteerBench, safe_label)
 from bench.engine.stats import paired_overhead, toggled_pairs
 from bench.vllm_bench import Load, phase_line, run_load, served_model_name
 
@@ -128,7 +128,7 @@ def measure_setup(server: Server, plan: SetupPlan, model_dir: Path, out: Path, c
 
     def phase(c: int, prompts: int, prompt_seed: int, name: str) -> dict[str, Any]:
         load = Load(server.url, str(model_dir), model, c, prompts, input_len, output_len, prompt_seed,
-                    range_ratio, {"vllm_xargs": xargs} if xargs else None)
+                    range_ratio, {"vllm_xargs": xargs} if xargs else None, api_key=ADMIN_TOKEN if xargs else None)
         ran = run_load(load, results_dir, f"{name}.json", log_path=results_dir / f"{name}.log")
         if cancelled():
             raise SetupCancelled(f"during concurrency {c}")

@@ -35,7 +35,9 @@ TOGGLE_KIND = "tap-toggle"
 # concurrency follows its warm-up; alternating the state it begins in between the starts of a
 # run keeps whatever that position adds off one state's account.
 TOGGLE_FIRST = ("alternate", "running", "paused")
-ADMIN_TOKEN = secrets.token_hex(16)  # this run's workers only, on 127.0.0.1 (`probex worker --admin-token`)
+# This run's workers only, on 127.0.0.1 (`probex worker --admin-token`): tap-toggle's pauses its
+# tap with it, the steered set-ups' requests carry engine controls, which a worker takes only with it.
+ADMIN_TOKEN = secrets.token_hex(16)
 STEER_KINDS = ("steer-idle", "steer-active", "steer-gated")  # ... plus a steering vector loaded
 STEERED_KINDS = ("steer-active", "steer-gated")  # ... and every request steered
 STEER_VECTOR_NAME = "bench-steer"
@@ -88,7 +90,7 @@ def plan_setups(kinds: Sequence[str], model_dir: Path, probe_dirs: Sequence[Path
                 if steer_dir is None:
                     raise ValueError(f"set-up {kind} needs a steering vector")
                 steer = [f"--steer-vector={steer_dir}"]
-            admin = ["--admin-token", ADMIN_TOKEN] if kind == TOGGLE_KIND else []
+            admin = ["--admin-token", ADMIN_TOKEN] if kind == TOGGLE_KIND or kind in STEERED_KINDS else []
             argv = [sys.executable, "-m", "probex.cli", "worker", "--model", str(model_dir),
                     *[f"--probe={p}" for p in probe_dirs], *steer, *admin, "--host", "127.0.0.1",
                     "--port", str(port), *engine_args]
