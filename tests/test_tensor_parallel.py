@@ -109,20 +109,6 @@ def test_only_tp_rank_zero_of_the_last_pipeline_stage_publishes(monkeypatch, tp_
     monkeypatch.setattr(ps, "get_tp_group", lambda: SimpleNamespace(rank_in_group=tp_rank))
     monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(is_last_rank=last_pp))
     assert vllm_worker._is_delivering_rank() is delivers
-    tap = TapConfig(layers=(1,), score_address="ipc:///tmp/probex-test-unused.sock")
-    if not delivers:
-        # No publisher at all on the other ranks: nothing to send, no socket opened.
-        assert vllm_worker._publisher(tap, {}) == (None, None)
-
-
-def test_delivery_off_opens_no_publisher_even_on_the_delivering_rank(monkeypatch):
-    import vllm.distributed.parallel_state as ps
-
-    monkeypatch.setattr(ps, "get_tp_group", lambda: SimpleNamespace(rank_in_group=0))
-    monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(is_last_rank=True))
-    monkeypatch.setenv("PROBEX_DELIVERY", "off")
-    assert vllm_worker._publisher(TapConfig(layers=(1,), score_address="ipc:///tmp/probex-test-unused.sock"),
-                                  {}) == (None, None)
 
 
 class FakeEngineConfig:
