@@ -161,7 +161,8 @@ class TapController:
         log.info("probex: tap %s", "paused" if self.paused else "running")
 
     def _announce(self, message: dict) -> None:
-        """A control message to every API server process (delivery.py), from a delivering rank:
+        """A control message to every API server process (through the ring and the score
+        formatter), from a delivering rank:
         the one that took the request knows already, any others learn it here."""
         if self.publish is not None:
             self.publish(message)

@@ -1,7 +1,6 @@
 """Each step's scores handed to the score formatter's process through the shared-memory ring.
 
-The engine-thread side of engine_worker/score_ring.py, in place of `ScoreTransfer` where a
-score formatter runs (PROBEX_SCORE_RING, on by default). Per step, on the engine thread:
+The engine-thread side of engine_worker/scores/ring.py. Per step, on the engine thread:
 take the ring's next entry, enqueue the copies of the step's score rows from the device
 straight into its slot and a stream memory write of the entry's ticket behind them (the
 device says when the rows are there), build the step's message (request ids and token counts,
