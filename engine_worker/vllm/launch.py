@@ -14,6 +14,7 @@ from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, c
 from probes.steering import check_vector_set, load_vector
 from engine_worker.settings import ADMIN_TOKEN, PREFIX, TAP_CONFIG, refuse_removed_settings
 from engine_worker.tap.config import TapConfig
+from engine_worker.vllm.engine_version import check_engine
 
 MIDDLEWARE = "engine_worker.vllm.api_server.VllmMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm.worker.ProbexWorkerExtension"
@@ -40,6 +41,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              " unset = live swap and pausing disabled)")
     parser.add_argument("--score-formatter", "--no-score-formatter", dest="removed_score_formatter",
                         action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--allow-untested-engine", action="store_true",
+                        help="run a vLLM version ProbeX is not verified with (warns; see engine_version.py)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
 
@@ -50,6 +53,7 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     if getattr(args, "removed_score_formatter", False):
         raise SystemExit("probex worker: --score-formatter / --no-score-formatter are gone: the score formatter"
                          " always runs beside the worker; drop the flag")
+    check_engine(getattr(args, "allow_untested_engine", False))
     api_servers = api_server_count(passthrough)
     _refuse_data_parallel(passthrough)
     model_dir = resolve_model(args.model)
