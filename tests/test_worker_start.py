@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -141,3 +145,138 @@ def test_available_memory_is_what_the_machine_reports():
 
     assert 0 < available_memory() <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
+
+# --- a failed start in one line, signals passed on (a stand-in child; the real engine: test_engine_worker_start.py)
+
+_VLLM_FAILED_START = """\
+(APIServer pid=7172) INFO 12-07 02:53:23 [model.py:2152] Using max model len 8192
+(VllmWorker-0 pid=7323) ERROR 12-07 02:53:39 [multiproc_executor.py:953] WorkerProc failed to start.
+(VllmWorker-0 pid=7323) ERROR 12-07 02:53:39 [multiproc_executor.py:953] Traceback (most recent call last):
+(VllmWorker-0 pid=7323) ERROR 12-07 02:53:39 [multiproc_executor.py:953]     raise ValueError(
+(VllmWorker-0 pid=7323) ERROR 12-07 02:53:39 [multiproc_executor.py:953] ValueError: {message}
+(EngineCore pid=7258) ERROR 12-07 02:53:40 [core.py:1510] Exception: WorkerProc initialization failed due to an \
+exception in a background process. See stack trace for root cause.
+Traceback (most recent call last):
+  File "vllm/v1/engine/utils.py", line 1431, in wait_for_engine_startup
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {{}}
+"""
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("Available memory on node 0 (21.61/23.54 GiB) on startup is less than desired CPU memory utilization (1.0, "
+     "23.54 GiB). On the CPU backend, the `--gpu-memory-utilization` flag controls ...",
+     ["not enough free memory", "(1.0, 23.54 GiB)", "lower --gpu-memory-utilization"]),
+    ("Available memory on node 0 (21.6/23.5 GiB) on kv cache allocation is less than requested memory for kv "
+     "(-1.21/0.00 GiB). Reduce CPU memory used by other processes.",
+     ["leaves no memory for the KV cache", "raise it"]),
+    ("Available memory on node 0 (21.6/23.5 GiB) on kv cache allocation is less than requested memory for kv "
+     "(1000.00 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by others.",
+     ["not enough memory for the KV cache", "lower --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE"]),
+    ("To serve at least one request with the model's max seq len (32768), (3.00 GiB KV cache is needed, which is "
+     "larger than the available KV cache memory (1.00 GiB). Based on the available memory, the estimated maximum "
+     "model length is 10880. Try increasing `gpu_memory_utilization`",
+     ["cannot hold one sequence", "lower --max-model-len (at most 10880 fits)"]),
+    ("Invalid repository ID or local directory specified: '/models/nope'.",
+     ["no model at a path or name", "/models/nope", "directory holding config.json"]),
+    ("some new problem vLLM has", ["the engine failed to start: ValueError: some new problem vLLM has"]),
+])
+def test_a_failed_start_is_explained_by_its_root_cause(message, expected):
+    from engine_worker.vllm.child import explain_failed_start
+
+    line = explain_failed_start(_VLLM_FAILED_START.format(message=message).splitlines(), 1, "127.0.0.1", 8100)
+    assert "\n" not in line and line.startswith("probex worker: ") and "; " in line
+    for part in expected:
+        assert part in line, line
+
+
+def test_other_failed_starts_are_explained():
+    from engine_worker.vllm.child import explain_failed_start
+
+    port = ["(APIServer pid=1) ERROR ... ", "OSError: [Errno 98] Address already in use"]
+    assert explain_failed_start(port, 1, "0.0.0.0", 8123) == (
+        "probex worker: port 8123 on 0.0.0.0 is in use; pass another --port, or stop what listens there")
+    killed = explain_failed_start(["loading weights"], -9, "127.0.0.1", 8100)
+    assert "killed by SIGKILL" in killed and "out-of-memory" in killed
+    wrapped_only = explain_failed_start(["RuntimeError: Engine core initialization failed. See root cause above."],
+                                        1, "127.0.0.1", 8100)
+    assert "RuntimeError: Engine core initialization failed" in wrapped_only  # the last exception line, if all relay
+    assert "exited with status 2" in explain_failed_start(["usage: ..."], 2, "127.0.0.1", 8100)
+
+
+_STAND_IN = """
+import os, signal, sys, time
+name = sys.argv[1]
+if name == "fail":
+    print("INFO loading", flush=True)
+    print("Traceback (most recent call last):\\nValueError: the stand-in cannot start", file=sys.stderr, flush=True)
+    sys.exit(1)
+def stop(signum, frame):
+    if len(sys.argv) > 2:  # before printing: a worker killed outright no longer reads
+        open(sys.argv[2], "a").write(f"{name} got {signum}\\n")
+    print(f"{name} got {signum}", flush=True)
+    if name == "parent":
+        os.waitpid(child, 0)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+if name == "parent":
+    child = os.fork()
+    if child == 0:
+        name = "grandchild"
+print(f"{name} up; Application startup complete.", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def _stand_in_worker(tmp_path, *stand_in_args: str) -> subprocess.Popen:
+    from pathlib import Path
+
+    script = tmp_path / "stand_in.py"
+    script.write_text(_STAND_IN)
+    root = Path(__file__).resolve().parents[1]
+    code = ("import os, sys; from engine_worker.vllm.child import run_engine; "
+            f"sys.exit(run_engine([sys.executable, {str(script)!r}, *sys.argv[1:]], dict(os.environ), port=8100))")
+    return subprocess.Popen([sys.executable, "-c", code, *stand_in_args], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+def _wait_for(proc: subprocess.Popen, text: str, count: int = 1) -> str:
+    seen = ""
+    deadline = time.monotonic() + 30
+    while seen.count(text) < count:
+        assert time.monotonic() < deadline, seen
+        seen += proc.stdout.readline()
+    return seen
+
+
+def test_a_stand_in_that_cannot_start_ends_the_worker_with_one_line_after_its_output(tmp_path):
+    proc = _stand_in_worker(tmp_path, "fail")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "INFO loading" in out and "ValueError: the stand-in cannot start" in err  # streamed through
+    lines = [line for line in err.splitlines() if line.startswith("probex worker:")]
+    assert lines == [err.strip().splitlines()[-1]], err
+    assert "the stand-in cannot start" in lines[0]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signals_to_the_worker_reach_the_whole_engine_group_and_its_status_is_the_worker_s(tmp_path, signum):
+    proc = _stand_in_worker(tmp_path, "parent")
+    _wait_for(proc, "Application startup complete", count=2)  # the stand-in and its own child
+    proc.send_signal(signum)  # to the worker process alone, as a supervisor's kill does
+    out, err = proc.communicate(timeout=30)
+    assert f"parent got {signum}" in out and f"grandchild got {signum}" in out
+    assert proc.returncode == 3 and "probex worker:" not in err
+
+
+def test_the_engine_is_stopped_when_the_worker_is_killed_outright(tmp_path):
+    record = tmp_path / "record"
+    proc = _stand_in_worker(tmp_path, "alone", str(record))
+    _wait_for(proc, "Application startup complete")
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 20
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert record.read_text() == f"alone got {signal.SIGTERM.value}\n"

@@ -223,5 +223,8 @@ def resolve_model(model: str) -> Path:
 
 
 def run_worker(args: argparse.Namespace, passthrough: list[str]) -> None:
+    """Start vLLM's server as a child and end with its exit status (child.py explains a failed start)."""
     argv, env = build_worker_command(args, passthrough)
-    os.execvpe(argv[0], argv, env)
+    from engine_worker.vllm.child import run_engine
+
+    sys.exit(run_engine(argv, env, args.host, args.port))
