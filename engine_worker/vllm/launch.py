@@ -24,7 +24,9 @@ RAY_ENV_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF model directory (or a known name, see `probex model fetch`)")
+    parser.add_argument("--model", required=True,
+                        help="model directory, Hugging Face id (Org/Name: from the local Hugging Face cache, downloaded"
+                             " if absent and the network allows) or a known name (see `probex model fetch`)")
     parser.add_argument("--probe", action="append", default=[], metavar="DIR", help="probe artifact directory (repeatable)")
     parser.add_argument("--layer", action="append", type=int, default=[], metavar="L",
                         help="extra decoder layer to tap, so probes at L can be swapped in live (repeatable)")
@@ -209,9 +211,11 @@ def _served_names(requested: str, model_dir: Path, passthrough: list[str]) -> li
 
 
 def resolve_model(model: str) -> Path:
+    """A model directory, a known short name (`probex model fetch`), or a Hugging Face id (probes/hub.py)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
+    from probes.hub import HubModelError, is_hub_id, resolve_hub_model
     from probes.models import KNOWN_MODELS, model_dir
 
     if model in KNOWN_MODELS:
@@ -219,7 +223,13 @@ def resolve_model(model: str) -> Path:
         if (cached / "config.json").exists():
             return cached
         raise SystemExit(f"model {model!r} is not fetched yet: run `probex model fetch {model}`")
-    raise SystemExit(f"model directory {model!r} not found")
+    if is_hub_id(model):
+        try:
+            return resolve_hub_model(model)
+        except HubModelError as exc:
+            raise SystemExit(str(exc)) from None
+    raise SystemExit(f"model directory {model!r} not found; give a model directory, a Hugging Face id (Org/Name)"
+                     f" or a known name ({', '.join(sorted(KNOWN_MODELS))})")
 
 
 def run_worker(args: argparse.Namespace, passthrough: list[str]) -> None:
