@@ -22,6 +22,7 @@ from typing import IO
 READY_MARKER = "Application startup complete"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _TAIL_LINES = 2000
+_LONGEST_LINE = 1 << 16  # of a line kept for the explanation
 _PR_SET_PDEATHSIG = 1
 
 # "(EngineCore pid=12) ERROR 12-07 02:53:40 [core.py:1510] " before the text of vLLM's log lines.
@@ -100,35 +101,49 @@ def explain_failed_start(lines: list[str], returncode: int, host: str, port: int
     return f"probex worker: the engine exited with status {returncode} before it served; see its output above"
 
 
-def _die_with_parent() -> None:
-    """In the child, before vLLM runs: SIGTERM it if `probex worker` is killed outright."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: nothing to set
+def _die_with_parent(parent: int):
+    """For the child, before vLLM runs: SIGTERM it if `probex worker` is killed outright."""
+    def set_up() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            return  # no prctl: nothing to set
+        if os.getppid() != parent:  # the worker died before that took hold
+            os.kill(os.getpid(), signal.SIGTERM)
+    return set_up
 
 
 class _Output:
-    """Copies one of the child's streams to ours, line by line, keeping the last lines."""
+    """Copies one of the child's streams to ours as it comes (progress bars' carriage returns too),
+    keeping its last lines."""
 
-    def __init__(self, source: IO[bytes], sink: IO[bytes], tail: collections.deque, watch: threading.Event,
+    def __init__(self, source: IO[bytes], sink: IO[bytes], tail: collections.deque, ready: threading.Event,
                  lock: threading.Lock) -> None:
-        self.thread = threading.Thread(target=self._pump, args=(source, sink, tail, watch, lock), daemon=True)
+        self.source, self.sink, self.tail, self.ready, self.lock = source, sink, tail, ready, lock
+        self.thread = threading.Thread(target=self._pump, daemon=True)
         self.thread.start()
 
-    @staticmethod
-    def _pump(source, sink, tail, ready, lock) -> None:
-        for raw in iter(source.readline, b""):
+    def _line(self, raw: bytes) -> None:
+        line = raw.decode(errors="replace").rstrip("\r")
+        with self.lock:
+            self.tail.append(line)
+        if not self.ready.is_set() and READY_MARKER in line:
+            self.ready.set()
+
+    def _pump(self) -> None:
+        pending = b""
+        while chunk := os.read(self.source.fileno(), 1 << 16):
             try:
-                sink.write(raw)
-                sink.flush()
+                self.sink.write(chunk)
+                self.sink.flush()
             except (OSError, ValueError):
                 pass  # our own output is gone: keep draining the child's
-            line = raw.decode(errors="replace")
-            with lock:
-                tail.append(line)
-            if not ready.is_set() and READY_MARKER in line:
-                ready.set()
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                self._line(raw)
+            pending = pending[-_LONGEST_LINE:]
+        if pending:
+            self._line(pending)
 
 
 def run_engine(argv: list[str], env: dict[str, str], host: str = "127.0.0.1", port: int = 0) -> int:
@@ -138,7 +153,7 @@ def run_engine(argv: list[str], env: dict[str, str], host: str = "127.0.0.1", po
     alone. Output passes through unchanged; a start that fails adds the one-line explanation."""
     env = {**env, "PYTHONUNBUFFERED": "1"}  # vLLM's lines as they are written, not at exit
     child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
-                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                             preexec_fn=_die_with_parent(os.getpid()) if sys.platform.startswith("linux") else None)
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
     ready, lock, signalled = threading.Event(), threading.Lock(), []
 
@@ -156,15 +171,15 @@ def run_engine(argv: list[str], env: dict[str, str], host: str = "127.0.0.1", po
         outputs = [_Output(child.stdout, sys.stdout.buffer, tail, ready, lock),
                    _Output(child.stderr, sys.stderr.buffer, tail, ready, lock)]
         returncode = child.wait()
-        for output in outputs:  # vLLM's own children may hold the pipes a little longer
+        try:  # what the group still holds (an engine process whose server died) goes with it
+            os.killpg(child.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for output in outputs:  # the rest of the output, while those processes end
             output.thread.join(timeout=10)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    try:  # what the group still holds (an engine process whose server died) goes with it
-        os.killpg(child.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
     if returncode != 0 and not ready.is_set() and not signalled:
         with lock:
             lines = list(tail)
