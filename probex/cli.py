@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int | None:
     schema.add_argument("--out", default="config/policy.schema.json")
 
     args, extra = parser.parse_known_args(argv)
-    if args.command == "worker":  # it becomes vLLM (exec), which handles its own signals
+    if args.command == "worker":  # it passes its signals on to vLLM (engine_worker/vllm/child.py)
         return _run(parser, args, extra)
     from probex.processes import Terminated, end_as_terminated, unwind_on_sigterm
 

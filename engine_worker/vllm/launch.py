@@ -15,6 +15,8 @@ from probes.artifact import ProbeFormatError, ProbeMismatchError, ServedModel, c
 from probes.steering import check_vector_set, load_vector
 from engine_worker.settings import ADMIN_TOKEN, PREFIX, TAP_CONFIG, refuse_removed_settings
 from engine_worker.tap.config import TapConfig
+from engine_worker.vllm.cpu_memory import cpu_memory_arguments
+from engine_worker.vllm.engine_version import check_engine, is_cpu_build
 
 MIDDLEWARE = "engine_worker.vllm.api_server.VllmMiddleware"
 WORKER_EXTENSION = "engine_worker.vllm.worker.ProbexWorkerExtension"
@@ -23,7 +25,9 @@ RAY_ENV_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF model directory (or a known name, see `probex model fetch`)")
+    parser.add_argument("--model", required=True,
+                        help="model directory, Hugging Face id (Org/Name: from the local Hugging Face cache, downloaded"
+                             " if absent and the network allows) or a known name (see `probex model fetch`)")
     parser.add_argument("--probe", action="append", default=[], metavar="DIR", help="probe artifact directory (repeatable)")
     parser.add_argument("--layer", action="append", type=int, default=[], metavar="L",
                         help="extra decoder layer to tap, so probes at L can be swapped in live (repeatable)")
@@ -42,6 +46,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              " engine controls disabled; required unless --host is loopback)")
     parser.add_argument("--score-formatter", "--no-score-formatter", dest="removed_score_formatter",
                         action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--allow-untested-engine", action="store_true",
+                        help="run a vLLM version ProbeX is not verified with (warns; see engine_version.py)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (beyond loopback an admin token is required)")
     parser.add_argument("--port", type=int, default=8100)
@@ -67,6 +73,7 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
         raise SystemExit(f"probex worker: --host {args.host} is beyond loopback: give the worker an admin token"
                          " (--admin-token TOKEN or PROBEX_ADMIN_TOKEN; the gateway sends it with --worker-admin-token),"
                          " or listen on 127.0.0.1")
+    engine = check_engine(getattr(args, "allow_untested_engine", False))
     api_servers = api_server_count(passthrough)
     _refuse_data_parallel(passthrough)
     model_dir = resolve_model(args.model)
@@ -90,6 +97,11 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
     if args.capture_dir:
         Path(args.capture_dir).mkdir(parents=True, exist_ok=True)
         capture_rows = 1 << 30  # clipped to the engine's rows per step when the tap is built
+    memory_arguments: list[str] = []
+    if is_cpu_build(*engine):
+        memory_arguments, note = cpu_memory_arguments(passthrough, dict(os.environ))
+        if note:
+            print(note, file=sys.stderr, flush=True)
     socket_path = Path(tempfile.gettempdir()) / f"probex-scores-{uuid.uuid4().hex[:12]}.sock"
     tap = TapConfig(
         layers=tuple(layers),
@@ -111,6 +123,7 @@ def build_worker_command(args: argparse.Namespace, passthrough: list[str]) -> tu
         "--middleware", MIDDLEWARE,
         "--worker-extension-cls", WORKER_EXTENSION,
         *_served_names(args.model, model_dir, passthrough),
+        *memory_arguments,
         *passthrough,
     ]
     env = dict(os.environ)
@@ -215,9 +228,11 @@ def _served_names(requested: str, model_dir: Path, passthrough: list[str]) -> li
 
 
 def resolve_model(model: str) -> Path:
+    """A model directory, a known short name (`probex model fetch`), or a Hugging Face id (probes/hub.py)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
+    from probes.hub import HubModelError, is_hub_id, resolve_hub_model
     from probes.models import KNOWN_MODELS, model_dir
 
     if model in KNOWN_MODELS:
@@ -225,9 +240,18 @@ def resolve_model(model: str) -> Path:
         if (cached / "config.json").exists():
             return cached
         raise SystemExit(f"model {model!r} is not fetched yet: run `probex model fetch {model}`")
-    raise SystemExit(f"model directory {model!r} not found")
+    if is_hub_id(model):
+        try:
+            return resolve_hub_model(model)
+        except HubModelError as exc:
+            raise SystemExit(str(exc)) from None
+    raise SystemExit(f"model directory {model!r} not found; give a model directory, a Hugging Face id (Org/Name)"
+                     f" or a known name ({', '.join(sorted(KNOWN_MODELS))})")
 
 
 def run_worker(args: argparse.Namespace, passthrough: list[str]) -> None:
+    """Start vLLM's server as a child and end with its exit status (child.py explains a failed start)."""
     argv, env = build_worker_command(args, passthrough)
-    os.execvpe(argv[0], argv, env)
+    from engine_worker.vllm.child import run_engine
+
+    sys.exit(run_engine(argv, env, args.host, args.port))
