@@ -108,8 +108,8 @@ def _prompt_lengths(batch, prompt_lens) -> np.ndarray:
 def snapshot_step(batch, forward_iter: int, prompt_lens=None) -> StepSnapshot | None:
     """The step `batch` is about to run, or None for a batch of no rows (IDLE, or empty).
 
-    `batch`: a `ScheduleBatch` (`reqs`, `prefix_lens`, `extend_lens`, `seq_lens_cpu`,
-    `forward_mode`) or a `ForwardBatch` (`rids`, `extend_prefix_lens_cpu`,
+    `batch`: a `ScheduleBatch` (`reqs`, `prefix_lens`, `extend_lens`, `extend_num_tokens`,
+    `seq_lens_cpu`, `forward_mode`) or a `ForwardBatch` (`rids`, `extend_prefix_lens_cpu`,
     `extend_seq_lens_cpu`, `seq_lens_cpu`), with `prompt_lens` then given from the schedule
     batch's requests."""
     for name in _UNSUPPORTED_MODES:
@@ -125,8 +125,7 @@ def snapshot_step(batch, forward_iter: int, prompt_lens=None) -> StepSnapshot | 
     if _mode(batch, "is_decode"):
         computed = _ints(_first(batch, "seq_lens_cpu")) - 1
         scheduled = np.ones(n, dtype=np.int64)
-        rows = _first(batch, "input_ids")
-        expected = None if rows is None else len(rows)
+        expected = None  # one row a request (`input_ids` may still be the previous step's placeholder)
     elif _mode(batch, "is_extend"):  # EXTEND and MIXED
         computed = _ints(_first(batch, "extend_prefix_lens_cpu", "prefix_lens"))
         scheduled = _ints(_first(batch, "extend_seq_lens_cpu", "extend_lens"))
