@@ -47,7 +47,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def refuse_removed(args: argparse.Namespace) -> None:
-    """Settings and flags `probex worker` no longer reads stop the start, naming what replaced them."""
+    """Retired settings and flags stop the start, each naming what replaces it (settings.REMOVED)."""
     refuse_removed_settings()
     if getattr(args, "removed_score_formatter", False):
         raise SystemExit("probex worker: --score-formatter / --no-score-formatter are gone: the score formatter"

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from engine_worker.settings import ADMIN_TOKEN, PREFIX, TAP_CONFIG
-# The engine-agnostic half, here too under its names of old (probex's commands import them from here).
+# The engine-agnostic half (engine_worker/worker_launch.py), also reachable from here: probex's commands import
+# `resolve_model` and `add_worker_arguments` through this module.
 from engine_worker.worker_launch import (add_worker_arguments, flag_values as _flag_values,  # noqa: F401
                                          refuse_removed, resolve_model, validated_tap)
 
