@@ -23,9 +23,10 @@ def main(argv: list[str] | None = None) -> int | None:
 
     worker = sub.add_parser(
         "worker",
-        help="serve vLLM's OpenAI API with the ProbeX tap (unknown options pass through to vLLM)",
+        help="serve an engine's OpenAI API with the ProbeX tap: vLLM, or SGLang with --engine sglang"
+             " (unknown options pass through to the engine)",
     )
-    from engine_worker.vllm.launch import add_worker_arguments
+    from engine_worker.worker_launch import add_worker_arguments
 
     add_worker_arguments(worker)
 
@@ -128,7 +129,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
 
         print(fetch_model(args.name, force=args.force))
     elif args.command == "worker":
-        from engine_worker.vllm.launch import run_worker
+        if args.engine == "sglang":
+            from engine_worker.sglang.launch import run_worker
+        else:
+            from engine_worker.vllm.launch import run_worker
 
         run_worker(args, extra)
     elif args.command == "gateway":

@@ -192,3 +192,15 @@ def test_a_decode_only_step_books_its_tokens_as_the_general_path_does():
     prompt_row = layout([("a", 1, 5, 3), ("slow", 1, 1, 3)])
     events = ScoreBook().record_step(prompt_row, TABLE, rows_by_position(prompt_row, {**values, "slow": values["b"]}))
     assert [t["req"] for t in events.tokens] == ["a"]
+
+
+def test_rows_of_a_request_listed_as_finished_are_dropped_not_booked():
+    """An engine that schedules a step ahead computes a row for a request that already ended;
+    the step lists it as finished (engine_worker/step.py): released, its row no token."""
+    reader = StepReader()
+    reader.read(step_message(TABLE, layout([("a", 2, 0, 2), ("b", 2, 0, 2)]),
+                             np.array([[1], [2], [3], [4]], dtype=np.float32), []))
+    step = layout([("a", 1, 2, 2), ("b", 1, 2, 2)])
+    events = reader.read(step_message(TABLE, step, np.array([[5], [6]], dtype=np.float32), ["a"]))
+    assert [(t["req"], t["index"], t["raw"]) for t in events.tokens] == [("b", 1, [6.0])]
+    assert events.finished == ["a"] and len(reader.book) == 1

@@ -393,6 +393,8 @@ class StepReader:
         )
         raw = np.frombuffer(message["raw"], dtype=np.float32).reshape(layout.num_rows, len(table.slots))
         finished = message.get("finished", ())
+        if finished:
+            layout, raw = _without_rows_of(layout, raw, finished)
         if owner_marker is not None:
             layout, raw = _owned_rows(layout, raw, owner_marker)
             finished = [req for req in finished if owner_marker in req]
@@ -411,6 +413,17 @@ class StepReader:
         return table
 
 
+def _without_rows_of(layout: StepView, raw: np.ndarray, finished) -> tuple[StepView, np.ndarray]:
+    """The step without the rows of requests it lists as finished: an engine that schedules a
+    step ahead (SGLang's overlap scheduler) computes rows for a request that had already
+    ended, and they are no tokens of its (engine_worker/step.py). A request that ends with a
+    step is listed in a later step's `finished`, so its own rows are never dropped here."""
+    ended = set(finished)
+    if not any(req in ended for req in layout.req_ids):
+        return layout, raw
+    return _kept_rows(layout, raw, [req not in ended for req in layout.req_ids])
+
+
 def _owned_rows(layout: StepView, raw: np.ndarray, owner_marker: str) -> tuple[StepView, np.ndarray]:
     """The step's requests whose ids hold `owner_marker`, and their rows (each request's rows
     are contiguous, `num_scheduled` of them, in request order). Runs on the API server's
@@ -418,6 +431,10 @@ def _owned_rows(layout: StepView, raw: np.ndarray, owner_marker: str) -> tuple[S
     flags = [owner_marker in req for req in layout.req_ids]
     if all(flags):
         return layout, raw
+    return _kept_rows(layout, raw, flags)
+
+
+def _kept_rows(layout: StepView, raw: np.ndarray, flags: list[bool]) -> tuple[StepView, np.ndarray]:
     mine = np.array(flags, dtype=bool)
     kept = StepView(req_ids=[req for req, keep in zip(layout.req_ids, flags) if keep],
                       num_scheduled=layout.num_scheduled[mine], num_computed=layout.num_computed[mine],

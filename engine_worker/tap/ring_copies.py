@@ -19,7 +19,9 @@ at hand (`message_of`'s third argument).
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -196,3 +198,28 @@ class RingTransfer:
                 "ring_oversized_messages": self.publisher.oversized, "message_errors": self.message_errors,
                 "mid_forward_steps": self.mid_forward_steps, "mid_forward_layer_copies": self.mid_forward_layer_copies,
                 "mismatched_reservations": self.mismatched_reservations}
+
+
+def start_score_ring(tap_config, taps: dict) -> RingPublisher:
+    """The shared-memory ring a delivering rank's steps go through, and the score formatter's
+    process that reads it (engine_worker/scores/formatter.py) and serves the API server
+    processes at the tap's score address. `taps`: layer -> its `LayerTap`, buffers on their
+    device already."""
+    if not tap_config.score_address:
+        raise RuntimeError("probex: the tap has no score address; start the engine through `probex worker`")
+    if not hasattr(os, "memfd_create"):
+        raise RuntimeError("probex: the score ring needs Linux (memfd_create)")
+    device = next(iter(taps.values())).scores.device
+    if device.type == "cuda":
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            raise RuntimeError("probex: the score ring needs the CUDA driver library (libcuda.so.1) on a GPU") from None
+    from engine_worker.scores.formatter import FormatterProcess
+    from engine_worker.scores.ring import ScoreRing
+
+    ring = ScoreRing.create({layer: tuple(tap.scores.shape) for layer, tap in taps.items()})
+    FormatterProcess(tap_config.score_address, tap_config.api_server_count, ring_fd=ring.fd).start()
+    log.info("probex: scores go to the score formatter through a %d-slot shared-memory ring (%.1f MiB)",
+             ring.slots, ring.size / 2**20)
+    return RingPublisher(ring)

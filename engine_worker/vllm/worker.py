@@ -10,10 +10,8 @@ launched) lives in a `RunnerState` held beside the runner, not on it.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +21,7 @@ from engine_worker.steering import SteeringError, SteerRequest, steering_from_xa
 from engine_worker.tap.config import TapConfig
 from engine_worker.tap.controller import ProbeSetRejected, TapController, VectorSetRejected
 from engine_worker.tap.layer import LayerTap, awaiting_storage, materialize
+from engine_worker.tap.ring_copies import start_score_ring as _score_ring
 from engine_worker.tap.steer import LayerSteer
 from engine_worker.vllm.models import copy_scores_mid_forward
 
@@ -111,30 +110,6 @@ def _give_buffers_storage(runner, modules: list) -> None:
         # vLLM 0.25 sizes the KV cache from the model's memory measured inside load_model; the
         # buffers are the model's too (capture mode's are max_rows x hidden x 4 bytes per layer).
         runner.model_memory_usage += sum(b.numel() * b.element_size() for m in modules for b in m.buffers(recurse=False))
-
-
-def _score_ring(tap_config: TapConfig, taps: dict[int, LayerTap]):
-    """The shared-memory ring this rank's steps go through, and the score formatter's process
-    that reads it (engine_worker/scores/formatter.py) and serves the API server processes at
-    the tap's score address."""
-    if not tap_config.score_address:
-        raise RuntimeError("probex: the tap has no score address; start vLLM through `probex worker`")
-    if not hasattr(os, "memfd_create"):
-        raise RuntimeError("probex: the score ring needs Linux (memfd_create)")
-    device = next(iter(taps.values())).scores.device
-    if device.type == "cuda":
-        try:
-            ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            raise RuntimeError("probex: the score ring needs the CUDA driver library (libcuda.so.1) on a GPU") from None
-    from engine_worker.scores.formatter import FormatterProcess
-    from engine_worker.scores.ring import RingPublisher, ScoreRing
-
-    ring = ScoreRing.create({layer: tuple(tap.scores.shape) for layer, tap in taps.items()})
-    FormatterProcess(tap_config.score_address, tap_config.api_server_count, ring_fd=ring.fd).start()
-    log.info("probex: scores go to the score formatter through a %d-slot shared-memory ring (%.1f MiB)",
-             ring.slots, ring.size / 2**20)
-    return RingPublisher(ring)
 
 
 def _is_delivering_rank() -> bool:
