@@ -21,10 +21,11 @@ the request whose KV already exists before this step: a prefix read from the eng
 the rows of a cached prefix are never in a step and never scored. A request samples a token
 in this step when its rows reach the end of its prompt (`sampling_row`).
 
-`finished` lists requests that ended with this step, and requests whose rows an engine ran
-past their end (an engine that schedules one step ahead, such as SGLang's overlap scheduler,
-computes rows for a request that already finished): their books are released and their rows,
-if any, are dropped by the core.
+`finished` lists requests that ended before this step's rows: their books are released with
+it. vLLM lists a request there in the step after the one that sampled its last token, so a
+finished request has no rows in its step; an engine that schedules one step ahead (SGLang's
+overlap scheduler) may still compute a row for a request that already ended, and the core
+drops such overshoot rows instead of scoring them.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class StepView:
     num_scheduled: np.ndarray  # rows of each request in this step (its extend length)
     num_computed: np.ndarray  # tokens of each request computed before this step (cached prefix included)
     num_prompt: np.ndarray  # each request's prompt length
-    finished: tuple[str, ...] = ()  # requests that ended (or ran past their end) with this step
+    finished: tuple[str, ...] = ()  # requests that ended before this step's rows (their rows here are dropped)
 
     def __post_init__(self) -> None:
         n = len(self.req_ids)

@@ -60,9 +60,6 @@ def worker(probes, vector_dir, capture_dir, tmp_path_factory):
         # which takes minutes to build on a 2-core machine. The steering op under inductor is
         # the tensor-parallel test's (tests/test_engine_tp.py steers on a compiled worker).
         "--compilation-config", '{"backend": "eager"}',
-        # Every other engine test serves the scores through the score formatter (the default):
-        # this one keeps the API server reading the worker's steps itself, end to end.
-        "--no-score-formatter",
     ]
     with Worker(args, log) as w:
         yield w
@@ -326,12 +323,11 @@ def test_steer_vector_command_and_live_vector_replacement(worker, hf, capture_di
         assert restored.status_code == 200
 
 
-def test_scores_come_straight_from_the_worker_without_the_formatter(worker):
-    """`--no-score-formatter`: the API server process reads the worker's steps itself, with no
-    formatter to hear from, and loses none of them."""
+def test_a_steering_worker_delivers_every_step_through_the_formatter(worker):
+    """Steered or not, a request's scores come through the score formatter and none is lost."""
     body = ok(worker, chat_body(PROMPTS[0], max_tokens=3))
     tokens = body["usage"]["completion_tokens"]
     assert all(len(s["generated"]["scores"]) == tokens for s in body["probex"]["scores"].values()), body
     health = httpx.get(worker.url + "/probex/health", timeout=60).json()
-    assert "score_formatter" not in health, health
+    assert health["score_formatter"]["silent"] is False, health
     assert health["score_messages_received"] > 0 and health["score_messages_lost"] == 0, health

@@ -210,10 +210,13 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
                 step_message(table, StepView([engine_ids["mine"], engine_ids["other"]], np.array([2, 3]),
                                              np.array([0, 0]), np.array([2, 3])),
                              np.array([[0.5], [1.5], [-2.0], [-3.0], [-4.0]], np.float32), []),
-                # step 2: both decode one token; then "other" ends
+                # step 2: both decode one token
                 step_message(table, StepView([engine_ids["mine"], engine_ids["other"]], np.array([1, 1]),
                                              np.array([2, 3]), np.array([2, 3])),
-                             np.array([[0.25], [-5.0]], np.float32), [engine_ids["other"]]),
+                             np.array([[0.25], [-5.0]], np.float32), []),
+                # step 3: "mine" decodes again; "other" ended after step 2 (its books are released)
+                step_message(table, StepView([engine_ids["mine"]], np.array([1]), np.array([3]), np.array([2])),
+                             np.array([[0.75]], np.float32), [engine_ids["other"]]),
                 swapped_message("probes", 2, ["/probes/new"]),
                 paused_message(True, 1),
             ]
@@ -221,7 +224,7 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
                 for frames in formatter.take({**message, SEQUENCE: sequence}):
                     wire.send_multipart(frames)
             for _ in range(100):
-                if all(hub.messages_received == 4 for hub in hubs.values()):
+                if all(hub.messages_received == 5 for hub in hubs.values()):
                     break
                 await asyncio.sleep(0.02)
             assert swapped_in == {"mine": [(2, ["/probes/new"])], "other": [(2, ["/probes/new"])]}
@@ -237,12 +240,13 @@ def test_every_api_server_process_hears_each_step_and_books_only_its_own_request
     seen = asyncio.run(scenario())
     for name, key in (("mine", mine), ("other", other)):
         received, requests, paused, swaps, lost = seen[name]
-        assert received == 4 and paused and swaps == 1 and lost == 0
+        assert received == 5 and paused and swaps == 1 and lost == 0
         assert list(requests) == [key]  # nothing booked for the other process's request
     mine_scores, other_scores = seen["mine"][1][mine], seen["other"][1][other]
     assert mine_scores.prompt["req"] == engine_ids["mine"] and mine_scores.prompt_fields["p"]["prompt"]["last_raw"] == pytest.approx(1.5)
     assert other_scores.prompt_fields["p"]["prompt"]["last_raw"] == pytest.approx(-4.0)
-    assert mine_scores.tokens == {0: (pytest.approx(calibrate(1.5, 1.0, 0.0)),), 1: (pytest.approx(calibrate(0.25, 1.0, 0.0)),)}
+    assert mine_scores.tokens == {0: (pytest.approx(calibrate(1.5, 1.0, 0.0)),), 1: (pytest.approx(calibrate(0.25, 1.0, 0.0)),),
+                                  2: (pytest.approx(calibrate(0.75, 1.0, 0.0)),)}
     assert other_scores.tokens == {0: (pytest.approx(calibrate(-4.0, 1.0, 0.0)),), 1: (pytest.approx(calibrate(-5.0, 1.0, 0.0)),)}
     assert other_scores.finished and not mine_scores.finished
     # batched completions' ids ("cmpl-<id>-<prompt index>-<8 hex>") are told apart the same way
