@@ -143,6 +143,20 @@ def start_order(starts: int, noise_pair: bool) -> list[tuple[str, str]]:
     return order
 
 
+def worker_health(url: str) -> dict[str, Any]:
+    """What the worker's API server says after the load: how many responses waited for their
+    scores (`score_waits`: the first chunk's wait for the prompt's scores is `prompt`), and
+    whether any score message was lost. A first chunk that waits is on the client's TTFT."""
+    import httpx
+
+    try:
+        health = httpx.get(url + "/probex/health", timeout=30).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    keys = ("score_waits", "score_messages_received", "score_messages_lost", "score_steps_lost", "transfer")
+    return {key: health.get(key) for key in keys}
+
+
 def run_start(label: str, side: str, args: argparse.Namespace, out_dir: Path, policy: Path | None) -> dict[str, Any]:
     """One engine start (and gateway, with --gateway on the probex side), loaded at every concurrency."""
     port = free_port()
@@ -178,6 +192,11 @@ def run_start(label: str, side: str, args: argparse.Namespace, out_dir: Path, po
             record["results"][str(c)] = {**ran["summary"], "command": ran["command"], "seed": seed,
                                          "vllm_bench": ran["result"]}
             print(phase_line(label, c, ran["summary"]), flush=True)
+        if side == "probex":
+            record["worker_health"] = worker_health(f"http://127.0.0.1:{port}")
+            prompt = ((record["worker_health"].get("score_waits") or {}).get("prompt") or {})
+            print(f"  {label}: first chunks that waited for their prompt's scores: {prompt.get('waited')} of"
+                  f" {prompt.get('calls')}, {prompt.get('waited_s')} s in all", flush=True)
     except Exception as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
         print(f"{label}: FAILED: {record['error']}", flush=True)
