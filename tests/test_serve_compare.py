@@ -74,9 +74,11 @@ def test_smoke_mode_compares_one_start_of_each_on_the_cpu(tmp_path):
     assert [s["label"] for s in result["starts"]] == ["plain#1", "probex#1"]
     assert result["versions"]["torch"] and result["workload"]["client"] == "vllm bench serve"
     for start in result["starts"]:
-        assert "error" not in start and set(start["results"]) == {"1", "2"}
+        assert "error" not in start and set(start["results"]) == {"2"}
         for c, entry in start["results"].items():
             assert entry["completed"] == 2 * int(c) and entry["failed"] == 0 and entry["tpot_ms"]["p50"] > 0
             assert "bench" in entry["command"] and entry["vllm_bench"]["max_concurrency"] == int(c)
     assert result["starts"][1]["command"][1:4] == ["-m", "probex.cli", "worker"]
-    assert set(result["comparison"]) == {"1", "2"} and "| 2 | TPOT p50 |" in proc.stdout
+    health = result["starts"][1]["worker_health"]
+    assert health["score_messages_lost"] == 0 and health["score_waits"]["prompt"]["calls"] > 0, health
+    assert set(result["comparison"]) == {"2"} and "| 2 | TPOT p50 |" in proc.stdout
