@@ -143,7 +143,7 @@ def start_worker(workdir: Path, model: str, token: str, args: argparse.Namespace
     port = free_port()
     cmd = [sys.executable, "-m", "probex.cli", "worker", "--model", model, "--port", str(port), "--admin-token", token,
            f"--probe={DEMO_PROBE}", "--max-model-len", "1024", "--max-num-seqs", str(min(args.streams, 64)),
-           "--gpu-memory-utilization", "0.25", *(["--enforce-eager"] if args.eager else [])]
+           "--kv-cache-memory-bytes", str(1 << 30), *(["--enforce-eager"] if args.eager else [])]
     log = open(workdir / "worker.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=_env())
