@@ -467,15 +467,20 @@ def audit_check(results: list[Result], events: list[dict], before: dict, after: 
                for d in ("allow", "flag", "block")}
     written = (metric_sum(after, "probex_audit_events_total", sink="redis", result="written")
                - metric_sum(before, "probex_audit_events_total", sink="redis", result="written"))
+    retried = (metric_sum(after, "probex_audit_events_total", sink="redis", result="retry")
+               - metric_sum(before, "probex_audit_events_total", sink="redis", result="retry"))
     dropped = metric_sum(after, "probex_audit_events_total", result="dropped")
+    how = {r.request_id: f"{r.request_id} ({r.kind}, {'stream' if r.stream else 'whole'})" for r in results}
     no_header = sum(1 for r in results if r.status in (200, 400) and not r.request_id)
     ok = (not lost and not duplicated and not unexpected and not wrong and not no_header and dropped == 0
           and counted["flag"] + counted["block"] == len(decided) == len(events) == written)
     return {"decisions_answered": dict(Counter(decided.values())), "audit_events": len(events),
             "lost": len(lost), "duplicated": len(duplicated), "unexpected": len(unexpected),
             "decision_mismatch": len(wrong), "responses_without_request_id": no_header,
-            "gateway_counted": counted, "audit_written_metric": written, "audit_dropped_metric": dropped,
-            "examples": {"lost": lost[:5], "duplicated": duplicated[:5], "unexpected": unexpected[:5]}, "pass": ok}
+            "gateway_counted": counted, "audit_written_metric": written, "audit_retry_metric": retried,
+            "audit_dropped_metric": dropped,
+            "examples": {"lost": [how[r] for r in lost[:5]], "duplicated": [how.get(r, r) for r in duplicated[:5]],
+                         "unexpected": unexpected[:5]}, "pass": ok}
 
 
 def percentiles(values: list[float]) -> dict | None:
