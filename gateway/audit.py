@@ -3,6 +3,11 @@
 Redis down at runtime: events wait in a bounded in-memory backlog and are retried on the
 next event and by a periodic flush; an event pushed out of a full backlog is counted
 (`probex_audit_events_total{result="dropped"}`), never silently lost.
+
+Each event lands in the stream once: a write whose reply never came (a timeout after Redis
+had applied it, or the request's task cancelled mid-call) is sent again, so every event
+carries an id of its own that Redis keeps for `SENT_TTL_S`, and a write of an id it has
+seen adds nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
+from random import getrandbits  # event ids need to be unique, not secret: no syscall
 
 from gateway.metrics import GatewayMetrics
 
@@ -20,6 +26,17 @@ log = logging.getLogger("probex.audit")
 
 AUDIT_STREAM = "probex:audit"
 POLICY_VERSION_KEY = "probex:policy_version"
+SENT_PREFIX = "probex:audit:sent:"  # + an event's id: set while its write may still be sent again
+SENT_TTL_S = 3600
+
+# KEYS: the stream, the event's sent key; ARGV: the sent key's TTL, the stream's approximate
+# maximum length, then the event's fields and values. Atomic: the event is added only with the key.
+ADD_ONCE = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[1]) then
+  return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+end
+return false
+"""
 
 
 class AuditSink:
@@ -62,7 +79,8 @@ class RedisAudit(AuditSink):
         self.client = aioredis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
         self.metrics = metrics
         self.maxlen = maxlen
-        self.backlog: deque[dict] = deque()
+        self.add_once = self.client.register_script(ADD_ONCE)
+        self.backlog: deque[tuple[str, list]] = deque()  # (event id, flattened fields and values)
         self.backlog_limit = backlog
         self._lock = asyncio.Lock()
 
@@ -70,16 +88,20 @@ class RedisAudit(AuditSink):
         if len(self.backlog) >= self.backlog_limit:
             self.backlog.popleft()
             self.metrics.audit_events.labels(sink=self.name, result="dropped").inc()
-        self.backlog.append(event)
+        fields: list = []
+        for k, v in event.items():
+            fields += (k, v if isinstance(v, (str, int, float)) else json.dumps(v))
+        self.backlog.append((f"{getrandbits(128):032x}", fields))
         await self.flush()
 
     async def flush(self) -> None:
         async with self._lock:
             while self.backlog:
-                event = self.backlog[0]
-                fields = {k: v if isinstance(v, (str, int, float)) else json.dumps(v) for k, v in event.items()}
+                event_id, fields = self.backlog[0]
                 try:
-                    await self.client.xadd(AUDIT_STREAM, fields, maxlen=self.maxlen, approximate=True)
+                    # None when an earlier write of this event landed after all: it is in the stream.
+                    await self.add_once(keys=[AUDIT_STREAM, SENT_PREFIX + event_id],
+                                        args=[SENT_TTL_S, self.maxlen, *fields])
                 except Exception as exc:  # redis down: keep the backlog, retry later
                     self.metrics.audit_events.labels(sink=self.name, result="retry").inc()
                     log.warning("probex audit: Redis unavailable (%s); %d events waiting", exc, len(self.backlog))

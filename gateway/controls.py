@@ -46,6 +46,10 @@ VLLM_SAMPLING_FIELDS = frozenset({
     "guided_decoding_backend", "guided_whitespace_pattern", "return_tokens_as_token_ids", "return_token_ids",
 })
 
+# Forwarded fields that must be JSON objects: vLLM's server reads `structured_outputs` as one
+# before validating it, and answers any other type with a 500.
+OBJECT_FIELDS = ("structured_outputs",)
+
 # `vllm_xargs` carries per-request arguments to the deployment's logits processors; its
 # `probex_*` keys are ProbeX controls, checked one by one below.
 XARGS_FIELD = "vllm_xargs"
@@ -85,6 +89,9 @@ def check_request(path: str, body: dict, granted: frozenset[str], is_admin: bool
                                      f" (policy: tenants.<name>.allow: [{name}])")
             continue
         raise _refused(name, f"unsupported request field '{name}'")
+    for name in OBJECT_FIELDS:
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise _refused(name, f"'{name}' must be an object")
     xargs = body.get(XARGS_FIELD)
     if xargs is None:
         return

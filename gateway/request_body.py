@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from gateway.errors import ApiError, ClientGone
 from gateway.jsoncodec import loads_strict
@@ -53,7 +54,32 @@ def parse_body(raw: bytes) -> tuple[dict, bool]:
         raise ApiError(400, "request body must be a JSON object")
     if nested_deeper_than(raw, body, MAX_JSON_DEPTH):
         raise too_deep()
+    # In UTF-8 JSON a surrogate can only come as a \u escape (a body that is not plain may be UTF-16).
+    if (not plain or b"\\u" in raw) and holds_lone_surrogate(body):
+        # Not Unicode, so no text a model reads: vLLM's tokenizer refuses it in a prompt, and in a stop
+        # string (or any other field sent on to its engine) it fails the request with a 500.
+        raise ApiError(400, "request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
+                            "which is not valid Unicode")
     return body, plain
+
+
+def holds_lone_surrogate(body: dict) -> bool:
+    """Whether any key or string in `body` holds an unpaired surrogate (JSON's \\u escapes allow them;
+    a pair of escapes decodes to one character outside the BMP). Walked without recursion."""
+    pending: list = [body]
+    while pending:
+        value = pending.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in items:
+            for text in (key, child):
+                if isinstance(text, str) and _SURROGATE.search(text):
+                    return True
+            if isinstance(child, (dict, list)):
+                pending.append(child)
+    return False
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def nested_deeper_than(raw: bytes, body: dict, limit: int) -> bool:

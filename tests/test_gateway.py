@@ -455,6 +455,26 @@ def test_worker_5xx_is_502_client_errors_pass_through_and_timeouts_are_504(tmp_p
         upstream.stop()
 
 
+def test_unpaired_surrogates_are_refused_before_the_worker(stack):
+    """JSON's \\u escapes can spell a lone surrogate, which is not Unicode: vLLM fails a request with one in
+    a stop string with a 500 (found by tests/test_fuzz_stack.py), so the gateway refuses such bodies with a
+    400 wherever the surrogate sits, and forwards a surrogate pair (one character) as before."""
+    url = stack.url + "/v1/chat/completions"
+    head = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2' % MODEL
+    seen = len(stack.state.requests_seen)
+    for extra in (', "stop": "\\ud800"', ', "stop": ["a", "b\\udc00c"]', ', "user": "\\uDFFF"',
+                  ', "metadata": {"\\ud800": 1}', ', "temperature": NaN, "stop": "\\ud800"'):
+        for stream in (False, True):
+            body = (head + extra + ', "stream": %s}' % json.dumps(stream)).encode()
+            r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=10)
+            assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], (body, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+    assert len(stack.state.requests_seen) == seen  # none reached the worker
+    paired = (head + ', "stop": "\\ud83d\\ude00"}').encode()
+    r = httpx.post(url, content=paired, headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 200 and stack.state.requests_seen[-1]["stop"] == "\U0001F600"
+
+
 def test_request_bodies_reach_the_worker_exactly(stack):
     big = 123456789012345678901234567890
     raw = ('{"model": "%s", "messages": [{"role": "user", "content": "caf\\u00e9 \\ud83d\\ude00"}], "max_tokens": 2, '

@@ -82,6 +82,22 @@ def test_standard_sampling_fields_and_foreign_xargs_pass(stack):
     assert post(stack, "k-plain", "/v1/completions", echo=True, suffix="s", best_of=1).status_code == 200
 
 
+def test_structured_outputs_that_is_not_an_object_is_a_400_before_the_worker(stack):
+    """vLLM answers `structured_outputs` of any other type with a 500 (found by tests/test_fuzz_stack.py)."""
+    seen = len(stack.state.requests_seen)
+    for value in (5, "regex", [], True, [{"regex": "a+"}]):
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            for stream in (False, True):
+                r = post(stack, "k-admin", path, structured_outputs=value, stream=stream)
+                assert r.status_code == 400, (value, r.text)
+                error = r.json()["error"]
+                assert error["param"] == "structured_outputs" and error["type"] == "invalid_request_error"
+    assert len(stack.state.requests_seen) == seen
+    assert post(stack, "k-plain", structured_outputs={"regex": "a+"}).status_code == 200
+    assert post(stack, "k-plain", structured_outputs=None).status_code == 200
+    assert stack.state.requests_seen[-2]["structured_outputs"] == {"regex": "a+"}
+
+
 def test_granted_tenants_and_admins_may_use_controls_and_the_policy_still_decides(stack):
     assert post(stack, "k-granted", chat_template="{{ 'x' }}").status_code == 200
     assert stack.state.requests_seen[-1]["chat_template"] == "{{ 'x' }}"
