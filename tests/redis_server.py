@@ -13,15 +13,24 @@ from probex.processes import free_port
 
 
 class RedisServer:
-    def __init__(self) -> None:
+    def __init__(self, persistent: bool = False) -> None:
+        """`persistent`: every write is in its append-only file before Redis answers, so what was
+        written survives `halt` and comes back with `start` (an outage test's server)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/setup.sh installs Debian's redis-server)")
+        self.binary = binary
+        self.persistence = ["--appendonly", "yes", "--appendfsync", "always"] if persistent else ["--appendonly", "no"]
         self.dir = Path(tempfile.mkdtemp(prefix="probex-redis-"))
         self.port = free_port()
         self.log = self.dir / "redis.log"
+        self.start()
+
+    def start(self) -> None:
+        """Start (or start again, on the same port) and wait until it answers."""
+        binary = self.binary
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *self.persistence,
              "--dir", str(self.dir), "--logfile", str(self.log)],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
@@ -43,6 +52,12 @@ class RedisServer:
 
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def halt(self) -> None:
+        """Stop the server, keeping its port and directory for `start` (an outage)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
