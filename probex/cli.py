@@ -93,14 +93,13 @@ def main(argv: list[str] | None = None) -> int | None:
     args, extra = parser.parse_known_args(argv)
     if args.command == "worker":  # it passes its signals on to vLLM (engine_worker/vllm/child.py)
         return _run(parser, args, extra)
-    from probex.processes import Terminated, end_as_terminated, unwind_on_sigterm
+    from probex.processes import Terminated, unwind_on_sigterm
 
     previous = unwind_on_sigterm()
     try:
         return _run(parser, args, extra)
     except Terminated:
-        end_as_terminated()  # unwound: now end as a process SIGTERM stops (supervisors read it as clean)
-        raise
+        raise SystemExit(0) from None  # a stop that was asked for, and done in order (drained, workers stopped)
     except ValueError as exc:
         if not isinstance(exc, _user_errors()):
             raise  # anything else is a bug: its traceback is what finds it

@@ -87,13 +87,6 @@ def unwind_on_sigterm():
     return signal.signal(signal.SIGTERM, _raise_terminated)
 
 
-def end_as_terminated() -> None:
-    """Once unwound, end the way SIGTERM ends a process (what supervisors such as systemd count
-    as a clean stop; an exit status of 143 they count as a failure)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
 class WorkerExited(RuntimeError):
     def __init__(self, returncode: int) -> None:
         super().__init__(f"worker exited with code {returncode}")

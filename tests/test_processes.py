@@ -178,10 +178,10 @@ def test_probex_serve_hands_its_worker_the_admin_token_in_the_environment(tmp_pa
     assert passthrough == ["--max-model-len", "512"]
 
 
-def test_a_probex_command_stopped_by_sigterm_ends_as_sigterm_ends_a_process(tmp_path):
-    """Unwound on SIGTERM (so its workers are stopped), a probex command still ends the way
-    SIGTERM ends a process, which supervisors (systemd) count as a clean stop, where an exit
-    status of 143 counts as a failure."""
+def test_a_probex_command_stopped_by_sigterm_exits_0(tmp_path):
+    """Unwound on SIGTERM (so its workers are stopped and its streams drained), a probex command
+    exits 0: a stop that was asked for is a clean one for any supervisor (an exit status of 143
+    counts as a failure for systemd)."""
     import signal
     import subprocess
     import time
@@ -205,7 +205,7 @@ def test_a_probex_command_stopped_by_sigterm_ends_as_sigterm_ends_a_process(tmp_
             assert gateway.poll() is None and time.monotonic() < deadline, "the gateway did not come up"
             time.sleep(0.2)
         gateway.send_signal(signal.SIGTERM)
-        assert gateway.wait(30) == -signal.SIGTERM
+        assert gateway.wait(30) == 0
     finally:
         if gateway.poll() is None:
             gateway.kill()
