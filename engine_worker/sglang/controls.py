@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from engine_worker.tap.controller import ProbeSetRejected, TapController
+from engine_worker.tap import replies
+from engine_worker.tap.controller import TapController
 
 log = logging.getLogger("probex.sglang.controls")
 
@@ -34,39 +35,14 @@ def answer(controller: TapController | None, call: dict) -> dict:
         return {"ok": False, "error": f"{method} failed: {exc}"}
 
 
-def _list_probes(controller: TapController) -> dict:
-    return controller.listing()
-
-
-def _load_probes(controller: TapController, probe_dirs) -> dict:
-    try:
-        controller.load(list(probe_dirs))
-    except ProbeSetRejected as exc:
-        log.warning("probex: probe set rejected, keeping version %d: %s", controller.table.version, exc)
-        return {"ok": False, "error": str(exc), "version": controller.table.version}
-    return {"ok": True, **controller.listing()}
-
-
-def _set_paused(controller: TapController, paused) -> dict:
-    try:
-        controller.set_paused(bool(paused))
-    except ValueError as exc:
-        return {"ok": False, "error": str(exc), "paused": controller.paused}
-    return {"ok": True, "paused": controller.paused, "sequence": controller.pause_changes}
-
-
-def _list_steering(controller: TapController) -> dict:
-    return controller.steering_listing()
-
-
 def _load_steering(controller: TapController, vector_dirs) -> dict:
     return {"ok": False, "error": NO_STEERING, "version": controller.vector_version}
 
 
 _METHODS = {
-    "probex_list_probes": _list_probes,
-    "probex_load_probes": _load_probes,
-    "probex_set_paused": _set_paused,
-    "probex_list_steering": _list_steering,
+    "probex_list_probes": replies.list_probes,
+    "probex_load_probes": replies.load_probes,
+    "probex_set_paused": replies.set_paused,
+    "probex_list_steering": replies.list_steering,
     "probex_load_steering": _load_steering,
 }

@@ -20,7 +20,6 @@ in, before any graph is captured (engine_worker/tap/layer.py says why).
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import logging
 import os
@@ -28,7 +27,7 @@ import re
 
 from engine_worker.settings import TAP_CONFIG
 from engine_worker.tap.config import TapConfig
-from engine_worker.tap.layer import LayerTap
+from engine_worker.tap.layer import LayerTap, patch_classes
 
 log = logging.getLogger("probex.sglang.models")
 
@@ -45,17 +44,7 @@ _LAYER_IN_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 def patch_decoder_layers() -> list[str]:
-    patched = []
-    for module_name, class_names in SUPPORTED_DECODER_LAYERS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        for class_name in class_names:
-            cls = getattr(module, class_name, None)
-            if cls is not None and patch_class(cls):
-                patched.append(f"{module_name}.{class_name}")
-    return patched
+    return patch_classes(SUPPORTED_DECODER_LAYERS, patch_class)
 
 
 def patch_class(cls: type, settings=None) -> bool:

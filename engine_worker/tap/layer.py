@@ -125,3 +125,21 @@ def materialize(module: nn.Module, device: torch.device) -> int:
             count += 1
     _AWAITING_STORAGE.discard(module)
     return count
+
+
+def patch_classes(classes_by_module: dict[str, tuple[str, ...]], patch) -> list[str]:
+    """`patch(cls)` for each named class of each module that imports (an engine folder's decoder
+    layers: modules this engine build lacks are skipped); the dotted names it patched."""
+    import importlib
+
+    patched = []
+    for module_name, class_names in classes_by_module.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for class_name in class_names:
+            cls = getattr(module, class_name, None)
+            if cls is not None and patch(cls):
+                patched.append(f"{module_name}.{class_name}")
+    return patched

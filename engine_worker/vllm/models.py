@@ -21,14 +21,13 @@ work in place on what we return, which is then ours).
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import logging
 import weakref
 from typing import Callable
 
 from engine_worker.tap.steer import LayerSteer
-from engine_worker.tap.layer import LayerTap
+from engine_worker.tap.layer import LayerTap, patch_classes
 from engine_worker.tap.config import TapConfig
 
 log = logging.getLogger("vllm.probex.models")  # under "vllm": printed by its log handler
@@ -44,17 +43,7 @@ _PATCHED_MARK = "_probex_patched"
 
 
 def patch_decoder_layers() -> list[str]:
-    patched = []
-    for module_name, class_names in SUPPORTED_DECODER_LAYERS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        for class_name in class_names:
-            cls = getattr(module, class_name, None)
-            if cls is not None and _patch_class(cls):
-                patched.append(f"{module_name}.{class_name}")
-    return patched
+    return patch_classes(SUPPORTED_DECODER_LAYERS, _patch_class)
 
 
 def _patch_class(cls: type) -> bool:

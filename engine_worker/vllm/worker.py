@@ -19,6 +19,7 @@ from typing import Any
 from probes.artifact import ServedModel
 from engine_worker.steering import SteeringError, SteerRequest, steering_from_xargs
 from engine_worker.tap.config import TapConfig
+from engine_worker.tap import replies
 from engine_worker.tap.controller import ProbeSetRejected, TapController, VectorSetRejected
 from engine_worker.tap.layer import LayerTap, awaiting_storage, materialize
 from engine_worker.tap.ring_copies import start_score_ring as _score_ring
@@ -168,36 +169,16 @@ class ProbexWorkerExtension:
         return controller
 
     def probex_list_probes(self) -> dict:
-        return self._probex_controller().listing()
+        return replies.list_probes(self._probex_controller())
 
     def probex_load_probes(self, probe_dirs: list[str]) -> dict:
-        controller = self._probex_controller()
-        try:
-            controller.load(list(probe_dirs))
-        except ProbeSetRejected as exc:
-            log.warning("probex: probe set rejected, keeping version %d: %s", controller.table.version, exc)
-            return {"ok": False, "error": str(exc), "version": controller.table.version}
-        return {"ok": True, **controller.listing()}
+        return replies.load_probes(self._probex_controller(), probe_dirs)
 
     def probex_set_paused(self, paused: bool) -> dict:
-        controller = self._probex_controller()
-        try:
-            controller.set_paused(bool(paused))
-        except ValueError as exc:
-            return {"ok": False, "error": str(exc), "paused": controller.paused}
-        return {"ok": True, "paused": controller.paused, "sequence": controller.pause_changes}
+        return replies.set_paused(self._probex_controller(), paused)
 
     def probex_list_steering(self) -> dict:
-        return self._probex_controller().steering_listing()
+        return replies.list_steering(self._probex_controller())
 
     def probex_load_steering(self, vector_dirs: list[str]) -> dict:
-        controller = self._probex_controller()
-        if not controller.steers:
-            return {"ok": False, "error": "this worker steers no layer (start it with --steer-layer L)",
-                    "version": controller.vector_version}
-        try:
-            listing = controller.load_vectors(list(vector_dirs))
-        except VectorSetRejected as exc:
-            log.warning("probex: steering vectors rejected, keeping version %d: %s", controller.vector_version, exc)
-            return {"ok": False, "error": str(exc), "version": controller.vector_version}
-        return {"ok": True, **listing}
+        return replies.load_steering(self._probex_controller(), vector_dirs)
