@@ -32,7 +32,7 @@ import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import yaml
 
@@ -43,6 +43,7 @@ HARMFUL, BENIGN = 1, 0
 
 OWN_BENIGN_FILE = Path(__file__).parent / "data" / "benign_hard_negatives.txt"
 OWN_SOURCE = "probex"
+USER_FILE_REF = "file:"  # refs of prompts read from the user's own files: "file:mine.csv#17"
 
 
 # --------------------------------------------------------------------------- errors
@@ -407,7 +408,8 @@ def load_user_file(path: str | Path, *, source: str | None = None) -> list[Label
         text = row["text"]
         if not isinstance(text, str) or not text.strip():
             raise DatasetError(f"{where}: 'text' must be a non-empty string")
-        examples.append(LabelledPrompt(text.strip(), _parse_label(row["label"], where), source, f"file:{path.name}#{n}"))
+        examples.append(LabelledPrompt(text.strip(), _parse_label(row["label"], where), source,
+                                       f"{USER_FILE_REF}{path.name}#{n}"))
     require_examples(examples, str(path))
     return examples
 
@@ -533,15 +535,27 @@ def load_all_known() -> list[LabelledPrompt]:
             + load_own_benign())
 
 
-def resolve_refs(refs: dict[str, str], known: Sequence[LabelledPrompt] | None = None) -> list[LabelledPrompt]:
-    """Turn {"file ref": "1-3,17"} (as written by `describe_split`) back into the prompts."""
-    by_ref = {e.ref: e for e in (known if known is not None else load_all_known())}
+def resolve_refs(refs: dict[str, str],
+                 known: Sequence[LabelledPrompt] | Callable[[], Sequence[LabelledPrompt]] | None = None,
+                 *, local: Sequence[LabelledPrompt] = ()) -> list[LabelledPrompt]:
+    """Turn {"file ref": "1-3,17"} (as written by `describe_split`) back into the prompts.
+
+    `local`: the prompts the probe artifact carries (probes.probe_prompts), looked up first;
+    refs of the user's own files are looked up there only. `known`: where the other refs are
+    looked up, or a function returning it (by default load_all_known); only consulted when
+    one of them is not among `local`.
+    """
+    wanted = [f"{file_ref}#{row}" for file_ref, rows in refs.items() for row in expand_rows(rows)]
+    by_ref = {e.ref: e for e in local}
+    if any(ref not in by_ref and not ref.startswith(USER_FILE_REF) for ref in wanted):
+        more = known() if callable(known) else known if known is not None else load_all_known()
+        by_ref = {**{e.ref: e for e in more}, **by_ref}
     out: list[LabelledPrompt] = []
-    for file_ref, rows in refs.items():
-        for row in expand_rows(rows):
-            example = by_ref.get(f"{file_ref}#{row}")
-            if example is None:
-                raise MissingDataFileError(f"ref {file_ref}#{row} does not resolve to a known prompt")
-            out.append(example)
+    for ref in wanted:
+        example = by_ref.get(ref)
+        if example is None:
+            where = " (not in the probe's prompts.jsonl)" if ref.startswith(USER_FILE_REF) else ""
+            raise MissingDataFileError(f"ref {ref} does not resolve to a known prompt{where}")
+        out.append(example)
     require_examples(out, "resolved refs")
     return out

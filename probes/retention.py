@@ -12,6 +12,7 @@ Far below 1: the model changed under the probe (e.g. a broken quantization).
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from probes.artifact import ProbeArtifact, load_probe
 from probes.datasets import load_all_known, resolve_refs
+from probes.probe_prompts import load_probe_prompts
 from probes.train import feature_vectors, readout_raw_scores, retention_reference
 
 
@@ -27,6 +29,8 @@ class NoRetentionReference(ValueError):
 
 
 def retention_set(probe: ProbeArtifact, known=None) -> tuple[list[str], np.ndarray]:
+    """(texts, labels) of the probe's retention set: its refs resolved in the artifact's own
+    prompts.jsonl first, then in `known` (the built-in sets, or a function returning them)."""
     info = probe.extra.get("retention") or {}
     refs = info.get("set")
     if not refs or "reference_cosine" not in info:
@@ -37,7 +41,7 @@ def retention_set(probe: ProbeArtifact, known=None) -> tuple[list[str], np.ndarr
         file_ref, _, row = ref.rpartition("#")
         grouped.setdefault(file_ref, []).append(row)
     examples = resolve_refs({k: ",".join(v) for k, v in grouped.items()},
-                            known if known is not None else load_all_known())
+                            known if known is not None else load_all_known, local=load_probe_prompts(probe.source))
     return [e.text for e in examples], np.asarray([e.label for e in examples])
 
 
@@ -78,14 +82,14 @@ def compute_retention(model_dir: Path, probe_dirs: list[Path | str], eval_split:
     from probes.evaluate import evaluate_scores
     from probes.extract_hf import extract_activations
 
-    known: list | None = None  # fetched only if some probe needs it (it may download wheels)
+    # The built-in sets are fetched (it may download wheels) only if some ref is not in a probe's own prompts.
+    known = functools.cache(load_all_known)
     results: dict = {}
     for probe_dir in probe_dirs:
         probe = load_probe(probe_dir)
         if not (probe.extra.get("retention") or {}).get("set"):
             results[probe.name] = {"retention": None, "reason": f"{probe.source}/probe.yaml has no retention reference"}
             continue
-        known = known if known is not None else load_all_known()
         try:
             texts, labels = retention_set(probe, known)
         except NoRetentionReference as exc:
@@ -98,7 +102,7 @@ def compute_retention(model_dir: Path, probe_dirs: list[Path | str], eval_split:
                                                  float(probe.extra["retention"]["reference_cosine"])),
                  "retention_prompts": len(texts)}
         if eval_refs is not None:
-            examples = resolve_refs(eval_refs, known)
+            examples = resolve_refs(eval_refs, known, local=load_probe_prompts(probe.source))
             x = extract_activations([e.text for e in examples], model_dir, [probe.layer], show_progress=False,
                                     dtype=dtype)[probe.layer]
             raw = readout_raw_scores(probe, x, probe.read, probe.features)

@@ -10,6 +10,7 @@ chat endpoint renders it); the served side is `prompt.last_raw` returned by a ru
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 from probes.artifact import ProbeFormatError, ReadPoint, load_probe
 from probes.datasets import LabelledPrompt, load_all_known, resolve_refs
 from probes.evaluate import evaluate_scores
+from probes.probe_prompts import load_probe_prompts
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,13 +91,15 @@ def compare(probe_dir: Path, worker: str, splits: list[str], model_dir: Path) ->
             refs[split] = split_refs(probe, split)
         except ValueError as exc:
             raise SystemExit(f"probex eval: {exc}") from None
+    local = load_probe_prompts(probe_dir)
     worker = worker.rstrip("/")
     with httpx.Client(timeout=30) as client:
         model = worker_model(client, worker)
-    known = load_all_known()
+    # The built-in sets are fetched only if some ref is not in the probe's own prompts.jsonl.
+    known = functools.cache(load_all_known)
     report: dict = {"probe": probe.name, "layer": probe.layer, "splits": {}}
     for split in splits:
-        examples: list[LabelledPrompt] = resolve_refs(refs[split], known)
+        examples: list[LabelledPrompt] = resolve_refs(refs[split], known, local=local)
         texts, labels = [e.text for e in examples], np.asarray([e.label for e in examples])
         offline = probe.raw_score(extract_activations(texts, model_dir, [probe.layer], show_progress=False)[probe.layer].last)
         served = served_raw(worker, texts, probe.name, model)

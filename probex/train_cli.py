@@ -8,7 +8,8 @@ own .jsonl / .csv files with `text` and `label` (1 harmful, 0 benign). Prompts a
 deterministically (hash of the text) into train / validation / test; the probe is fitted
 on train (difference of means or logistic regression), the layer chosen on validation
 AUROC when `--layer auto`, calibrated (Platt) on validation, and evaluated on test. The
-artifact records the split refs and a retention reference (the test split).
+artifact records the split refs and a retention reference (the test split); prompts read
+from your own files go into its prompts.jsonl, so those refs resolve from the artifact.
 
 Activations come from HF transformers (`--extract hf`, the reference path) or through the
 serving tap itself (`--extract tap`: a `probex worker` in capture mode; what serving reads).
@@ -42,6 +43,7 @@ from probes.datasets import (
     split_examples,
 )
 from probes.evaluate import auroc, evaluate_scores
+from probes.probe_prompts import save_probe_prompts
 from probes.train import (
     ProbeKind,
     SweepCell,
@@ -197,6 +199,8 @@ def run_train(args: argparse.Namespace) -> None:
     }
     artifact = to_artifact(artifact_name, layer, read, probe, calibration, model={"name": model_dir.name}, extra=extra)
     artifact.check_fits(served)
+    # Before probe.yaml, whose refs point into it: the prompts read from the user's own files.
+    save_probe_prompts(args.out, order)
     save_probe(artifact, args.out)
     print(f"layer {layer} ({args.read}, {kind.value}): test AUROC {test_eval.auroc:.4f} "
           f"[{test_eval.ci_low:.4f}, {test_eval.ci_high:.4f}] on {len(idx['test'])} prompts -> {args.out}")

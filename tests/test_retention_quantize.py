@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from probes.artifact import ProbeArtifact, ReadPoint, save_probe
-from probes.datasets import LabelledPrompt, MissingDataFileError, resolve_refs
+from probes.datasets import DatasetError, LabelledPrompt, MissingDataFileError, resolve_refs
 from probes.extract_hf import LayerActivations
+from probes.probe_prompts import PROMPTS_FILE, load_probe_prompts, save_probe_prompts
 from probes.retention import NoRetentionReference, compute_retention, relative_retention, retention_set
 from probes.train import retention_reference
 from probex.quantize import fake_quantize
@@ -37,6 +38,34 @@ def test_refs_resolve_to_prompts_and_unknown_refs_are_named():
     assert [e.text for e in resolve_refs({"pkg==1:f.txt": "1-2,5"}, known)] == ["p1", "p2", "p5"]
     with pytest.raises(MissingDataFileError, match="pkg==1:f.txt#9"):
         resolve_refs({"pkg==1:f.txt": "9"}, known)
+
+
+def test_a_probe_artifacts_own_prompts_resolve_first_and_spare_fetching_the_built_in_sets(tmp_path):
+    mine = [LabelledPrompt(f"mine {i}", i % 2, "mine", f"file:mine.csv#{i}") for i in range(2, 6)]
+    builtin = [LabelledPrompt("b1", 0, "s", "pkg==1:f.txt#1")]
+    assert save_probe_prompts(tmp_path, mine + builtin) == tmp_path / PROMPTS_FILE
+    local = load_probe_prompts(tmp_path)
+    assert local == mine  # the built-in set's prompt is not copied
+
+    def no_fetch():
+        raise AssertionError("the built-in sets were fetched")
+
+    assert [e.text for e in resolve_refs({"file:mine.csv": "2-3,5"}, no_fetch, local=local)] == ["mine 2", "mine 3",
+                                                                                                  "mine 5"]
+    both = resolve_refs({"file:mine.csv": "4", "pkg==1:f.txt": "1"}, lambda: builtin, local=local)
+    assert [e.text for e in both] == ["mine 4", "b1"]
+    # A user file's ref is looked up in the artifact only: no fetch before the refusal.
+    with pytest.raises(MissingDataFileError, match="ref file:mine.csv#17 does not resolve to a known prompt"):
+        resolve_refs({"file:mine.csv": "17"}, no_fetch, local=local)
+    assert load_probe_prompts(tmp_path / "elsewhere") == [] and load_probe_prompts(None) == []
+    # Trained again on the built-in sets only: the old prompts file goes.
+    assert save_probe_prompts(tmp_path, builtin) is None and not (tmp_path / PROMPTS_FILE).exists()
+
+
+def test_a_malformed_prompts_file_is_refused_naming_its_line(tmp_path):
+    (tmp_path / PROMPTS_FILE).write_text('{"ref": "file:a.csv#2", "label": 1, "text": "x"}\n{"ref": "file:a.csv#3"}\n')
+    with pytest.raises(DatasetError, match=f"{PROMPTS_FILE}:2: 'text' must be a non-empty string"):
+        load_probe_prompts(tmp_path)
 
 
 def test_probe_without_retention_reference_is_refused_clearly():
