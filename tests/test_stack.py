@@ -201,3 +201,37 @@ def test_policy_edit_under_load_swaps_probe_weights_in_the_worker(stack):
         pytest.fail("the edited policy never reached the worker")
     listing = httpx.get(stack["worker"].url + "/probex/probes").json()
     assert listing["probes"][0]["source"] == str(stack["flipped"])
+
+
+def test_the_readme_walkthrough_trains_a_probe_on_the_shipped_csv_and_swaps_it_in_live(stack, tmp_path):
+    """README "Train a probe for your model", as written (a layer the worker taps, as the README
+    says a live swap needs): `probex train` on docs/examples/labelled-prompts.csv, then the
+    probe added to the policy file; the gateway pushes it to the running worker and answers
+    with its scores."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "my-probe"
+    trained = subprocess.run(
+        [sys.executable, "-m", "probex.cli", "train", "--model", "smollm2-135m-instruct",
+         "--dataset", str(root / "docs" / "examples" / "labelled-prompts.csv"), "--layer", str(LAYER),
+         "--read", "last_prompt_token", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=root)
+    assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
+    assert f"layer {LAYER} (last_prompt_token" in trained.stdout and str(out) in trained.stdout, trained.stdout
+    policy = json.loads(json.dumps(stack["policy"]))  # the module's policy, whatever an earlier test edited
+    policy["probes"]["my-probe"] = {"path": str(out)}
+    policy["rules"] = [*policy["rules"], {"probe": "my-probe", "prompt": {"flag": 0.7}}]
+    stack["policy_path"].write_text(yaml.safe_dump(policy))
+    deadline = time.monotonic() + 60
+    while True:  # the gateway sees the edit and pushes the probe set to the worker
+        listing = httpx.get(stack["worker"].url + "/probex/probes", timeout=30).json()
+        if any(p["name"] == "my-probe" for p in listing["probes"]):
+            break
+        assert time.monotonic() < deadline, listing
+        time.sleep(0.5)
+    result = ask(sdk(stack, "k-admin"), "What is the capital of France?", max_tokens=2)
+    mine = result.model_extra["probex"]["scores"]["my-probe"]
+    assert 0.0 <= mine["score"] <= 1.0 and len(mine["generated"]["scores"]) == result.usage.completion_tokens
