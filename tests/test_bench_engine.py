@@ -318,14 +318,14 @@ def test_the_gpu_scripts_cpu_split_gives_the_bench_two_disjoint_lists_of_whole_c
 
 
 @pytest.mark.engine
-def test_smoke_mode_runs_plain_and_the_tap_toggled_within_its_start(tmp_path):
-    """One run, two servers: plain and tap-toggle (paused and running phases at each
-    concurrency, beginning paused, then idle pairs and one profiled request), each phase loaded
-    by `vllm bench serve`. Eager and the steering set-ups are left out to keep the suite's time
-    (a server start is minutes on two cores): their plans are tested above, the steering op on
-    the engine in test_engine_steering."""
+def test_smoke_mode_runs_the_tap_toggled_within_its_start(tmp_path):
+    """One run, one server: tap-toggle (paused and running phases at each concurrency,
+    beginning paused, then idle pairs and one profiled request), each phase loaded by `vllm
+    bench serve`. Plain, eager and the steering set-ups are left out to keep the suite's time
+    (a server start is minutes on two cores): their plans are tested above, a plain start under
+    `vllm bench serve` in test_serve_compare, the steering op in test_engine_steering."""
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "bench.engine", "--smoke", "--setups", "plain,tap-toggle",
+    proc = subprocess.run([sys.executable, "-m", "bench.engine", "--smoke", "--setups", "tap-toggle",
                            "--profile-requests", "1", "--idle-pairs", "3", "--toggle-first", "paused",
                            "--toggle-pairs", "1,2:1", "--out", str(out)],
                           capture_output=True, text=True, timeout=1500, cwd=ROOT,
@@ -335,9 +335,9 @@ def test_smoke_mode_runs_plain_and_the_tap_toggled_within_its_start(tmp_path):
     result = json.loads((out / "bench_engine.json").read_text())
     assert result["problems"] == [] and result["workload"]["client"] == "vllm bench serve"
     assert result["model"]["config"]["vocab_size"] == 128256 and len(result["probes"]) == 8
-    plain, toggle = result["setups"]
-    assert (plain["label"], toggle["label"]) == ("plain", "tap-toggle")
-    for setup in (plain, toggle):
+    (toggle,) = result["setups"]
+    assert toggle["label"] == "tap-toggle"
+    for setup in (toggle,):
         assert "error" not in setup and set(setup["results"]) == {"1", "2"}
         for c, entry in setup["results"].items():
             assert entry["completed"] == 4 and entry["failed"] == 0 and entry["tpot_ms"]["p50"] > 0
