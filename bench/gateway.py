@@ -63,7 +63,7 @@ import yaml
 from probex.processes import free_port
 
 MODEL = "mock-model"
-# Goals of the gateway (issue 4): added TTFT p50 sequential, added p99 at 128 concurrent streams.
+# The gateway's goals: added TTFT p50 sequential, added p99 at 128 concurrent streams.
 GOAL_SEQUENTIAL_P50_MS = 0.6
 GOAL_CONCURRENT_P99_MS = 3.0
 
