@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from probes.operating_points import OperatingPointError, OperatingPoints
+
 WEIGHTS_FILE = "probe.safetensors"
 METADATA_FILE = "probe.yaml"
 FORMAT_VERSION = 1
@@ -135,6 +137,12 @@ class ProbeArtifact:
             return Features(recorded)
         return features_for(self.read, self.extra.get("read_span"))
 
+    @property
+    def operating_points(self) -> OperatingPoints | None:
+        """Thresholds by false-positive rate measured on benign prompts (probes/operating_points.py), if any."""
+        data = self.extra.get("operating_points")
+        return OperatingPoints.from_metadata(data) if data is not None else None
+
     def raw_score(self, activation: np.ndarray) -> np.ndarray:
         """w·x + b for one activation [hidden] or a batch [n, hidden]."""
         return np.asarray(activation, dtype=np.float64) @ self.weight.astype(np.float64) + self.bias
@@ -202,6 +210,11 @@ def load_probe(directory: str | Path, served: ServedModel | None = None) -> Prob
     check_read_span(meta, meta_path)
     if "retention" in meta:
         check_retention(field_of("retention", dict), meta_path, layer, read, meta.get("read_span"))
+    if "operating_points" in meta:
+        try:
+            OperatingPoints.from_metadata(meta["operating_points"], f"{meta_path}: operating_points")
+        except OperatingPointError as exc:
+            raise ProbeFormatError(str(exc)) from None
 
     tensors = read_tensors(weights_path, ("weight", "bias"))
     weight, bias = tensors["weight"], tensors["bias"]
