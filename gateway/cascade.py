@@ -32,6 +32,9 @@ class Cascade:
         escalations = verdict.escalations
         if not escalations:
             return verdict
+        if verdict.decision is Decision.BLOCK:  # another rule blocks already: no verdict could change that
+            verdict.escalations = []
+            return verdict
         policy = call.policy.policy
         settings = policy.judge
         body = json.loads(call.judged)

@@ -151,6 +151,8 @@ class JudgeClient:
             failure = JudgeFailure("timeout", f"no verdict within {settings.timeout_s:g} s")
         except JudgeFailure as exc:
             failure = exc
+        except Exception as exc:  # whatever else goes wrong with the call is no verdict, never a 500
+            failure = JudgeFailure("error", f"{type(exc).__name__}: {exc}")
         else:
             return JudgeOutcome(p_yes, decision_of(settings, p_yes), None, time.perf_counter() - started, model)
         return JudgeOutcome(None, None, f"{failure.kind}: {failure}", time.perf_counter() - started, model)

@@ -321,3 +321,16 @@ def test_the_default_judge_is_the_worker_called_plainly_and_judge_calls_are_neve
         assert sum(1 for body in stack.state.requests_seen if body.get("top_logprobs")) == 2
     finally:
         stack.stop()
+
+
+def test_the_judge_is_not_asked_when_another_rule_blocks_already(tmp_path, judge):
+    server, state = judge
+    rules = [{"probe": "harmful-request", "prompt": {"block": 0.45}},
+             {"probe": "harmful-request", "prompt": {"flag": 0.4}, "escalate": {"from": 0.3}}]
+    stack = start_stack(tmp_path, base_policy(rules=rules, judge={"url": server.url}))
+    try:
+        r = httpx.post(stack.url + "/v1/chat/completions", json=chat("a borderline question"), timeout=10)
+        assert r.status_code == 400 and r.headers["x-probex-decision"] == "block"
+        assert state.calls == [] and sample(stack, "probex_judge_calls_total") == 0
+    finally:
+        stack.stop()
