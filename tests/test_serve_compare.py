@@ -106,3 +106,14 @@ def test_smoke_mode_compares_one_start_of_each_on_the_cpu(tmp_path):
     health = result["starts"][1]["worker_health"]
     assert health["score_messages_lost"] == 0 and health["score_waits"]["prompt"]["calls"] > 0, health
     assert set(result["comparison"]) == {"2"} and "| 2 | TPOT p50 |" in proc.stdout
+
+
+def test_first_chunk_cost_times_the_spliced_first_chunk():
+    import asyncio
+
+    from bench.first_chunk_cost import measure
+
+    result = asyncio.run(measure(requests=5, prompt_tokens=32, probes=2))
+    assert set(result) == {"plain", "middleware", "hub_filing_us", "formatter_layout_us"}
+    assert result["middleware"]["request_path_us"] > result["plain"]["request_path_us"] >= 0
+    assert result["hub_filing_us"] > 0
