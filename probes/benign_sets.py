@@ -195,7 +195,7 @@ CONTEXT_BRIDGE = "\n\nSeparately from the reading above, I have a request: "
 CONTEXT_AFTER = "\n\nMore from the same books, for later:\n\n"
 
 
-def long_context_prompt(request: str, passages: Sequence[str], *, min_chars: int = 6000,
+def long_context_prompt(request: str, passages: Sequence[str], *, min_chars: int = 4600,
                         position: str = "end") -> str:
     """`request` embedded in at least `min_chars` of benign text, the same for the same request.
 
