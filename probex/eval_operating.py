@@ -164,12 +164,14 @@ def plot_sources(report: dict, out_dir: Path) -> Path:
     b, h, b_sources, h_sources = report["_scores"]
     groups = [(f"benign: {s}", b[np.asarray(b_sources) == s]) for s in sorted(set(b_sources))]
     groups += [(f"harmful: {s}", h[np.asarray(h_sources) == s]) for s in sorted(set(h_sources))]
+    major, minor = (int(part) for part in matplotlib.__version__.split(".")[:2])
+    horizontal = {"orientation": "horizontal"} if (major, minor) >= (3, 10) else {"vert": False}
     fig, ax = plt.subplots(figsize=(10, 0.55 * len(groups) + 1.8), constrained_layout=True)
     rng = np.random.default_rng(0)
     for i, (name, values) in enumerate(groups):
         color = "tab:blue" if name.startswith("benign") else "tab:red"
         ax.scatter(values, i + rng.uniform(-0.25, 0.25, len(values)), s=3, alpha=0.35, color=color)
-        ax.boxplot(values, positions=[i], vert=False, widths=0.6, showfliers=False)
+        ax.boxplot(values, positions=[i], widths=0.6, showfliers=False, **horizontal)
     for row in report["at_operating_points"]:
         if "threshold" in row:
             ax.axvline(row["threshold"], ls="--", lw=1, color="black")

@@ -97,3 +97,15 @@ def test_thresholds_refuses_a_policy_without_a_rule_for_the_probe_before_scoring
     code, err = _refusal(["thresholds", "--probe", DEMO, "--worker", "http://127.0.0.1:9", "--benign", str(benign),
                           "--part", "all", "--policy", str(policy), "--flag-rate", "0.05"], capsys)
     assert code == 2 and "no rule under `rules:` is for probe 'harmful-request'" in err
+
+
+@pytest.mark.filterwarnings("error")
+def test_the_per_source_plot_is_written(tmp_path):
+    from probex.eval_operating import plot_sources
+
+    rng = np.random.default_rng(0)
+    report = {"probe": "p", "part": "test",
+              "_scores": (rng.random(300), rng.random(40), ["a"] * 200 + ["b"] * 100, ["h"] * 40),
+              "at_operating_points": [{"fpr": 0.01, "threshold": 0.9}, {"fpr": 0.001, "note": "not measurable"}]}
+    path = plot_sources(report, tmp_path)
+    assert path == tmp_path / "eval-p-sources.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
