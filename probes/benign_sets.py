@@ -48,7 +48,6 @@ from probes.datasets import (
     load_temaq,
     load_text_lines,
     load_user_file,
-    normalise,
     read_text_file,
     split_bucket,
 )

@@ -199,8 +199,11 @@ def run_thresholds(args: argparse.Namespace) -> None:
             if values[name] > 1.0:
                 raise refuse(f"benign prompts score 1.0, so no threshold in [0, 1] gives a false-positive rate of"
                              f" {rate:g}")
-        try:
-            new_text, count = set_prompt_thresholds(policy_text, probe.name, values, policy_comment(rows, chosen))
+        try:  # read again: the file may have been edited while the prompts were scored
+            new_text, count = set_prompt_thresholds(args.policy.read_text(), probe.name, values,
+                                                    policy_comment(rows, chosen))
+        except OSError as exc:
+            raise refuse(f"cannot read {args.policy}: {exc.strerror or exc}") from None
         except PolicyEditError as exc:
             raise refuse(f"{args.policy}: {exc}") from None
         from probes.atomic_files import replacing
