@@ -175,10 +175,11 @@ def plot_sources(report: dict, out_dir: Path) -> Path:
     for row in report["at_operating_points"]:
         if "threshold" in row:
             ax.axvline(row["threshold"], ls="--", lw=1, color="black")
-            ax.text(row["threshold"], len(groups) - 0.4, f" {row['fpr']:g} FPR", fontsize=8)
+            ax.text(row["threshold"], -0.9, f" {row['fpr']:g} FPR threshold", fontsize=8)
     ax.set_yticks(range(len(groups)), [f"{n} ({len(v)})" for n, v in groups], fontsize=8)
     ax.set_xlabel("served calibrated score")
     ax.set_xlim(-0.02, 1.02)
+    ax.set_ylim(-1.2, len(groups) - 0.4)
     ax.set_title(f"{report['probe']}: score by source ({report['part']} part)", fontsize=10)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"eval-{report['probe']}-sources.png"
