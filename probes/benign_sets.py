@@ -144,8 +144,10 @@ def load_file_side(path: Path, label: int) -> list[LabelledPrompt]:
         if not rows:
             raise EmptyDatasetError(f"{path}: no rows labelled {label}")
         return rows
+    prompts = load_prompts(path)  # one per non-blank line, in order: the ref is that line's number
+    lines = [n for n, line in enumerate(read_text_file(path).splitlines(), start=1) if line.strip()]
     return [LabelledPrompt(text.strip(), label, path.stem, f"{USER_FILE_REF}{path.name}#{n}")
-            for n, text in enumerate(load_prompts(path), start=1) if text.strip()]
+            for n, text in zip(lines, prompts)]
 
 
 def _jsonl_has_labels(path: Path) -> bool:
