@@ -160,6 +160,8 @@ def run_thresholds(args: argparse.Namespace) -> None:
         raise refuse("--flag-rate / --block-rate write into a policy: give --policy FILE")
     if args.policy is not None and not chosen:
         raise refuse("--policy needs --flag-rate and/or --block-rate")
+    if args.report is not None and args.report.is_dir():
+        raise refuse(f"--report {args.report} is a directory; give a file path for the JSON")
     benign, harmful, dropped = load_sets(args, probe, COMMAND)
     n = len(benign)
     try:
@@ -218,8 +220,13 @@ def run_thresholds(args: argparse.Namespace) -> None:
         print(f"policy: {report['policy']['rules']} rule(s) for {probe.name} in {args.policy} set to"
               f" {', '.join(f'{k} {v:.6g}' for k, v in report['policy']['thresholds'].items())}")
     if args.report is not None:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=1))
+        text = json.dumps(report, indent=1)
+        try:
+            args.report.parent.mkdir(parents=True, exist_ok=True)
+            args.report.write_text(text)
+        except OSError as exc:
+            print(text)  # the scoring is not lost with the file
+            raise SystemExit(f"probex {COMMAND}: cannot write {args.report}: {exc.strerror or exc}") from None
         print(f"JSON: {args.report}")
 
 
