@@ -44,26 +44,37 @@ class ServedScores:
 
 
 def score_prompts(worker: str, texts: list[str], probe_name: str, *, command: str = "eval",
-                  concurrency: int = 4, model: str | None = None) -> ServedScores:
-    """Each text's scores for `probe_name`, in order; a few requests in flight at once."""
+                  concurrency: int = 4, model: str | None = None, attempts: int = 3) -> ServedScores:
+    """Each text's scores for `probe_name`, in order; a few requests in flight at once.
+
+    A response without any scores (they came later than the worker waits for) is asked for
+    again, up to `attempts` times; one whose scores lack the probe is refused at once.
+    """
     worker = worker.rstrip("/")
     with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=concurrency)) as client:
         model = model or worker_model(client, worker, command)
 
         def one(text: str) -> tuple[float, float, int]:
-            try:
-                r = client.post(worker + "/v1/chat/completions", json={
-                    "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
-                    "temperature": 0})
-                r.raise_for_status()
-            except httpx.HTTPError as exc:
-                raise worker_failed(worker, exc, command) from None
-            try:
-                part = r.json()["probex"]["scores"][probe_name]
-                return float(part["score"]), float(part["prompt"]["last_raw"]), int(part["prompt"]["prompt_tokens"])
-            except (ValueError, LookupError, TypeError):
-                raise SystemExit(f"probex {command}: {worker} returned no prompt score for probe {probe_name!r}:"
-                                 " is the worker serving this probe?") from None
+            for _ in range(attempts):
+                try:
+                    r = client.post(worker + "/v1/chat/completions", json={
+                        "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                        "temperature": 0})
+                    r.raise_for_status()
+                    scores = r.json().get("probex", {}).get("scores") or {}
+                except httpx.HTTPError as exc:
+                    raise worker_failed(worker, exc, command) from None
+                except (ValueError, AttributeError):
+                    scores = {}
+                if not scores:  # late scores: the response went out without them (PROBEX_SCORE_WAIT_S); ask again
+                    continue
+                try:
+                    part = scores[probe_name]
+                    return float(part["score"]), float(part["prompt"]["last_raw"]), int(part["prompt"]["prompt_tokens"])
+                except (ValueError, LookupError, TypeError):
+                    break
+            raise SystemExit(f"probex {command}: {worker} returned no prompt score for probe {probe_name!r}"
+                             f" ({attempts} tries): is the worker serving this probe?")
 
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             rows = list(pool.map(one, texts))
