@@ -55,7 +55,7 @@ def score_prompts(worker: str, texts: list[str], probe_name: str, *, command: st
         model = model or worker_model(client, worker, command)
 
         def one(text: str) -> tuple[float, float, int]:
-            for _ in range(attempts):
+            for tries in range(1, attempts + 1):
                 try:
                     r = client.post(worker + "/v1/chat/completions", json={
                         "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
@@ -74,7 +74,7 @@ def score_prompts(worker: str, texts: list[str], probe_name: str, *, command: st
                 except (ValueError, LookupError, TypeError):
                     break
             raise SystemExit(f"probex {command}: {worker} returned no prompt score for probe {probe_name!r}"
-                             f" ({attempts} tries): is the worker serving this probe?")
+                             f"{f' ({tries} tries)' if tries > 1 else ''}: is the worker serving this probe?")
 
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             rows = list(pool.map(one, texts))
