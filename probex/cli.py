@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> int | None:
 
     add_calibrate_arguments(calibrate)
 
+    thresholds = sub.add_parser("thresholds", help="score thresholds at chosen false-positive rates, measured on"
+                                " benign prompts through a worker; written into probe.yaml and a policy")
+    from probex.thresholds_cli import add_thresholds_arguments
+
+    add_thresholds_arguments(thresholds)
+
     schema = sub.add_parser("policy-schema", help="write the policy JSON Schema")
     schema.add_argument("--out", default="config/policy.schema.json")
 
@@ -184,6 +190,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         from probex.calibrate import run_calibrate
 
         run_calibrate(args)
+    elif args.command == "thresholds":
+        from probex.thresholds_cli import run_thresholds
+
+        run_thresholds(args)
     elif args.command == "policy-schema":
         from gateway.policy import policy_json_schema
 

@@ -21,6 +21,7 @@ from probes.artifact import ProbeFormatError, ReadPoint, load_probe
 from probes.datasets import LabelledPrompt, load_all_known, resolve_refs
 from probes.evaluate import evaluate_scores
 from probes.probe_prompts import load_probe_prompts
+from probex.served_scores import worker_failed, worker_model  # noqa: F401  (importable from here too)
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,27 +32,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("out/eval-served.json"))
     parser.add_argument("--plots", type=Path, default=None,
                         help="write ROC curves and score histograms per class (PNG) into this directory")
+    from probex.eval_operating import add_operating_arguments
 
-
-def worker_failed(worker: str, exc: Exception) -> SystemExit:
-    if isinstance(exc, httpx.HTTPStatusError):
-        r = exc.response
-        return SystemExit(f"probex eval: the worker at {worker} answered {r.status_code} to"
-                          f" {r.request.url.path}: {r.text[:200]!r}")
-    return SystemExit(f"probex eval: could not reach the worker at {worker} ({str(exc) or type(exc).__name__})")
-
-
-def worker_model(client: httpx.Client, worker: str) -> str:
-    """The id of the model the worker serves (what chat requests must name)."""
-    try:
-        r = client.get(worker + "/v1/models")
-        r.raise_for_status()
-        return r.json()["data"][0]["id"]
-    except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        raise worker_failed(worker, exc) from None
-    except (ValueError, LookupError, TypeError):
-        raise SystemExit(f"probex eval: {worker}/v1/models did not list a model:"
-                         f" is {worker} a probex worker?") from None
+    add_operating_arguments(parser)  # --benign ...: rates and recall at chosen false-positive rates
 
 
 def served_raw(worker: str, texts: list[str], probe_name: str, model: str | None = None) -> np.ndarray:
@@ -155,6 +138,8 @@ def plot(report: dict, probe_dir: Path, out_dir: Path) -> list[Path]:
 
 
 def run_eval(args: argparse.Namespace) -> None:
+    if args.benign:
+        return run_eval_operating(args)
     from probes.models import fetch_model
     from probex.train_cli import served_model
 
@@ -180,3 +165,38 @@ def run_eval(args: argparse.Namespace) -> None:
         print(f"| {split} | {r['prompts']} | {r['offline']['auroc']:.4f} | {r['served']['auroc']:.4f} "
               f"| {r['auroc_abs_diff']:.1e} | {r['raw_max_rel_diff']:.1e} |")
     print(f"JSON: {args.out}")
+
+
+def run_eval_operating(args: argparse.Namespace) -> None:
+    """`--benign` given: false-positive rates and recall from served scores; the offline side only with --split."""
+    from probex.eval_operating import plot_sources, print_operating, run_operating
+
+    if args.out.is_dir():
+        raise SystemExit(f"probex eval: --out {args.out} is a directory; give a file path for the JSON")
+    try:
+        probe = load_probe(args.probe)
+    except ProbeFormatError as exc:
+        raise SystemExit(f"probex eval: {exc}") from None
+    report = run_operating(args, probe)
+    if args.split:
+        from probes.models import fetch_model
+
+        offline = compare(args.probe, args.worker, args.split, args.model_dir or fetch_model("smollm2-135m-instruct"))
+        offline.pop("_scores")
+        report["served_vs_offline"] = offline["splits"]
+    if args.plots:
+        print(f"plot: {plot_sources(report, args.plots)}")
+    report.pop("_scores")
+    write_report(args.out, report)
+    print_operating(report)
+    print(f"JSON: {args.out}")
+
+
+def write_report(out: Path, report: dict) -> None:
+    text = json.dumps(report, indent=1)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except OSError as exc:
+        print(text)  # the scoring is not lost with the file
+        raise SystemExit(f"probex eval: cannot write {out}: {exc.strerror or exc}") from None
