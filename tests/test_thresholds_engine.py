@@ -24,16 +24,21 @@ def test_thresholds_then_eval_on_the_other_half(demo_worker, tmp_path, capsys):
     policy.write_text((ROOT / "config" / "policy.yaml").read_text().replace("path: probes/harmful-request",
                                                                            "path: harmful-request"))
     report = tmp_path / "thresholds.json"
-    main(["thresholds", "--probe", str(probe_dir), "--worker", demo_worker.url, "--benign", "chatterbot",
-          "--harmful", "harmbench", "--rate", "0.04", "--policy", str(policy), "--flag-rate", "0.05",
-          "--block-rate", "0.03", "--report", str(report)])
+    # A few hundred prompts of the named sets, as the user's own files: each is scored once or
+    # twice through the CPU worker, so the rates are coarse ones (at least 10 / n).
+    benign_file, harmful_file = tmp_path / "benign.txt", tmp_path / "harmful.txt"
+    benign_file.write_text("\n".join(e.text for e in load_side(["chatterbot"], 0)[:260]) + "\n")
+    harmful_file.write_text("\n".join(e.text for e in load_side(["harmbench"], 1)[:60]) + "\n")
+    main(["thresholds", "--probe", str(probe_dir), "--worker", demo_worker.url, "--benign", str(benign_file),
+          "--harmful", str(harmful_file), "--rate", "0.15", "--policy", str(policy), "--flag-rate", "0.2",
+          "--block-rate", "0.1", "--report", str(report)])
     out = capsys.readouterr().out
     assert "| target FPR | threshold |" in out and "JSON:" in out
 
     points = load_probe(probe_dir).operating_points
-    benign = partition(load_side(["chatterbot"], 0), "calibration")
-    assert points.benign_count == len(benign) > 300  # chatterbot is not in the demo probe's training pool
-    assert [r for r, _ in points.thresholds] == [0.5, 0.2, 0.1, 0.05, 0.04, 0.03]  # 0.02 < 10 / n: not tabled
+    benign = partition(load_side([str(benign_file)], 0), "calibration")
+    assert 100 < points.benign_count == len(benign) < 200  # chatterbot is not in the demo probe's training pool
+    assert [r for r, _ in points.thresholds] == [0.5, 0.2, 0.15, 0.1]  # 0.05 < 10 / n: not tabled
     # The thresholds hold on the served scores: scored again, the same prompts flag at most the rate.
     served = score_prompts(demo_worker.url, [e.text for e in benign], "harmful-request").score
     for rate, threshold in points.thresholds:
@@ -41,9 +46,9 @@ def test_thresholds_then_eval_on_the_other_half(demo_worker, tmp_path, capsys):
         assert rate - 1.5 / len(served) <= flagged <= rate, (rate, flagged)
 
     written = yaml.safe_load(policy.read_text())["rules"][0]["prompt"]
-    assert written == {"flag": points.threshold_at(0.05), "block": points.threshold_at(0.03)}
+    assert written == {"flag": points.threshold_at(0.2), "block": points.threshold_at(0.1)}
     comment = next(line for line in policy.read_text().splitlines() if "# probex thresholds:" in line)
-    assert f"flag at FPR 0.05: {int(np.floor(0.05 * len(benign)))}/{len(benign)} benign" in comment
+    assert f"flag at FPR 0.2: {int(np.floor(0.2 * len(benign)))}/{len(benign)} benign" in comment
     assert "recall" in comment and "harmful" in comment
     from gateway.policy import load_policy
 
@@ -52,14 +57,14 @@ def test_thresholds_then_eval_on_the_other_half(demo_worker, tmp_path, capsys):
     assert data["benign"]["count"] == len(benign) and data["operating_points"][0]["benign"]["n"] == len(benign)
 
     eval_out = tmp_path / "eval.json"
-    main(["eval", "--probe", str(probe_dir), "--worker", demo_worker.url, "--benign", "chatterbot",
-          "--harmful", "harmbench", "--fpr", "0.05", "--long-prompts", "0", "--bootstrap", "200",
+    main(["eval", "--probe", str(probe_dir), "--worker", demo_worker.url, "--benign", str(benign_file),
+          "--harmful", str(harmful_file), "--fpr", "0.1", "--long-prompts", "0", "--bootstrap", "200",
           "--out", str(eval_out), "--plots", str(tmp_path / "plots")])
     result = json.loads(eval_out.read_text())
     assert result["part"] == "test" and result["benign_in_calibration_part"] == 0
     row = result["at_operating_points"][0]
-    assert row["threshold"] == points.threshold_at(0.05)
-    test_n = len(partition(load_side(["chatterbot"], 0), "test"))
+    assert row["threshold"] == points.threshold_at(0.1)
+    test_n = len(partition(load_side([str(benign_file)], 0), "test"))
     assert row["realised_fpr"]["n"] == test_n and 0 <= row["realised_fpr"]["interval"][0] <= row["realised_fpr"]["rate"]
     assert result["recall_at_fpr"][0]["measurable"] and result["recall_at_fpr"][0]["interval_width"] > 0
     assert (tmp_path / "plots" / "eval-harmful-request-sources.png").stat().st_size > 10_000
