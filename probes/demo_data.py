@@ -9,6 +9,7 @@ from pathlib import Path
 
 from probes.artifact import ReadPoint
 from probes.datasets import (
+    HARMFUL,
     LabelledPrompt,
     SplitFractions,
     deduplicate,
@@ -29,8 +30,13 @@ MODEL_NAME = "smollm2-135m-instruct"
 PROBE_NAME = "harmful-request"
 SEED = 0
 LAYERS = tuple(range(8, 29, 2))  # probe layers (HF hidden_states[L + 1]); 30-layer model
-ADVBENCH_TRAIN_FRACTION = 0.3
-LOGREG_C = 0.1
+ADVBENCH_TRAIN_FRACTION = 1.0  # AdvBench is in no held-out set; all of it balances the hard negatives
+LOGREG_C = 0.1  # the information sweep's C when the selection below is not run
+# The served probe's C is chosen with its layer, on the contrast validation split.
+LOGREG_CS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+CLASS_WEIGHT = "balanced"  # benign prompts outnumber harmful ones in the pool
+# Sources whose benign prompts are hard negatives: the contrast splits pit them against the harmful prompts.
+HARD_NEGATIVE_PREFIX = "own-benign/"
 FRACTIONS = SplitFractions(0.7, 0.15, 0.15)
 # Own benign themes never trained on: their prompts form the benign side of the held-out set.
 HELD_OUT_THEMES = ("cooking", "garden", "sports", "language", "home")
@@ -55,6 +61,13 @@ class DemoData:
     eval_sets: dict[str, list[LabelledPrompt]]  # name -> examples, evaluated with the final probe
     held_out_name: str  # the headline different-source set, a key of eval_sets
     notes: list[str]  # what was dropped and why, for the docs
+    contrast_validation: list[LabelledPrompt]  # the layer and C are chosen on it (a part of splits["validation"])
+    contrast_test_name: str  # the contrast test split, a key of eval_sets
+
+
+def contrast_part(split: list[LabelledPrompt]) -> list[LabelledPrompt]:
+    """The harmful prompts and the hard negatives of a split (its easy benign prompts left out)."""
+    return [e for e in split if e.label == HARMFUL or e.source.startswith(HARD_NEGATIVE_PREFIX)]
 
 
 def build_data(seed: int = SEED) -> DemoData:
@@ -89,12 +102,16 @@ def build_data(seed: int = SEED) -> DemoData:
 
     # Every held-out set has the same benign side: the own hard negatives of the unseen themes.
     held_out_name = "held-out: HarmBench + DNA malicious_uses"
+    contrast_test_name = "contrast test split: harmful vs hard negatives"
     eval_sets = {
         "in-distribution test split": splits["test"],
+        contrast_test_name: contrast_part(splits["test"]),
         held_out_name: harmful_held_out[0] + harmful_held_out[1] + benign_held_out,
         "held-out: HarmBench only": harmful_held_out[0] + benign_held_out,
         "held-out: DNA malicious_uses only": harmful_held_out[1] + benign_held_out,
     }
     for name, examples in eval_sets.items():
         require_examples(examples, name, both_labels=True)
-    return DemoData(splits, eval_sets, held_out_name, notes)
+    contrast_validation = contrast_part(splits["validation"])
+    require_examples(contrast_validation, "contrast validation split", both_labels=True)
+    return DemoData(splits, eval_sets, held_out_name, notes, contrast_validation, contrast_test_name)
