@@ -13,12 +13,18 @@ own. The prompts are the same on every start (one seed per concurrency).
   command without its metadata, the API server module that `vllm serve` runs:
   `python -m vllm.entrypoints.openai.api_server --model DIR`);
 - probex: `probex worker --model DIR --probe P ... [vLLM args]`;
+- `--sides plain,probex,engine-tap` adds a diagnostic side: `probex worker`'s vLLM command
+  without the API-server middleware (the tap, score ring and formatter run; nothing in the
+  API server reads the scores), which splits the probex side's cost between the engine and
+  the API server;
 - `--gateway`: the probex side is `probex gateway` (with a permissive policy file written
   here: every probe observed, nothing blocked) in front of the worker, so the comparison is
   client -> gateway -> worker against client -> vllm serve.
 
 Writes one JSON file (`--out`): every start's command, its `vllm bench serve` results per
-concurrency (TTFT/TPOT/ITL mean, p50, p99; each call's command line), the vLLM and torch
+concurrency (TTFT/TPOT/ITL mean, p50, p99; each call's command line), the engine's own
+per-request means over the call from vLLM's /metrics (queue, prefill, decode and vLLM's own
+TTFT: what the client's TTFT spends outside the engine shows beside it), the vLLM and torch
 versions and the GPU's name; and prints a markdown table: per concurrency, each side's mean
 over its starts of the median (p50) TTFT, TPOT and ITL, the probex side's difference in
 percent, and the plain-vs-plain noise floor.
@@ -134,13 +140,77 @@ class Process:
         self._log.close()
 
 
-def start_order(starts: int, noise_pair: bool) -> list[tuple[str, str]]:
-    """(label, side) of every start: plain and probex alternated, `starts` of each, then the
-    noise floor's two plain starts."""
-    order = [(f"{side}#{i + 1}", side) for i in range(starts) for side in ("plain", "probex")]
+SIDES = ("plain", "probex", "engine-tap")
+
+
+def start_order(starts: int, noise_pair: bool, sides: Sequence[str] = ("plain", "probex")) -> list[tuple[str, str]]:
+    """(label, side) of every start: the sides alternated, `starts` of each, then the noise
+    floor's two plain starts."""
+    order = [(f"{side}#{i + 1}", side) for i in range(starts) for side in sides]
     if noise_pair:
         order += [("noise-a", "plain"), ("noise-b", "plain")]
     return order
+
+
+# vLLM's per-request histograms (seconds): their sums and counts before and after a call give
+# the call's means. `ttft` is measured in the API server when the first token's output
+# arrives there, before the response's first chunk is written.
+ENGINE_HISTOGRAMS = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                     "decode": "vllm:request_decode_time_seconds", "ttft": "vllm:time_to_first_token_seconds",
+                     "e2e": "vllm:e2e_request_latency_seconds"}
+
+
+def engine_histograms(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of ENGINE_HISTOGRAMS, over all their label sets; {} if /metrics cannot be read."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    wanted = {name: key for key, name in ENGINE_HISTOGRAMS.items()}
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        key = wanted.get(family.name)
+        if key is None:
+            continue
+        total = totals.setdefault(key, [0.0, 0.0])
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                total[0] += sample.value
+            elif sample.name.endswith("_count"):
+                total[1] += sample.value
+    return {key: (total[0], total[1]) for key, total in totals.items()}
+
+
+def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Each histogram's mean over the requests between the two readings, in ms."""
+    means = {}
+    for key, (total, count) in after.items():
+        earlier_total, earlier_count = before.get(key, (0.0, 0.0))
+        if count > earlier_count:
+            means[f"{key}_mean_ms"] = (total - earlier_total) / (count - earlier_count) * 1e3
+    return means
+
+
+def engine_tap_argv(model: str, probes: Sequence[str], vllm_args: Sequence[str], port: int) -> tuple[list[str], dict]:
+    """`probex worker`'s vLLM command and environment without `--middleware`: the engine runs the
+    tap and delivers each step's scores through the ring to the formatter, and the API server
+    is vLLM's own."""
+    from engine_worker.vllm.launch import MIDDLEWARE, build_worker_command
+    from engine_worker.worker_launch import add_worker_arguments
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    args = parser.parse_args(["--model", model, *[f"--probe={p}" for p in probes], "--host", "127.0.0.1",
+                              "--port", str(port)])
+    argv, env = build_worker_command(args, list(vllm_args))
+    at = argv.index("--middleware")
+    if argv[at + 1] != MIDDLEWARE:
+        raise RuntimeError(f"unexpected worker command: {argv}")
+    del argv[at:at + 2]
+    return argv, {k: v for k, v in env.items() if os.environ.get(k) != v}
 
 
 def worker_health(url: str) -> dict[str, Any]:
@@ -160,11 +230,16 @@ def worker_health(url: str) -> dict[str, Any]:
 def run_start(label: str, side: str, args: argparse.Namespace, out_dir: Path, policy: Path | None) -> dict[str, Any]:
     """One engine start (and gateway, with --gateway on the probex side), loaded at every concurrency."""
     port = free_port()
-    argv = (probex_worker_argv(args.model, args.probe, args.vllm_args, port) if side == "probex"
-            else plain_server_argv(args.model, args.vllm_args, port))
-    # Stock vLLM loads no plugin: VLLM_PLUGINS is an allow-list, and a name no plugin has keeps
-    # ProbeX's entry point (installed in the same environment) out of every plain process.
-    env = {"VLLM_PLUGINS": "probex-compare-none"} if side == "plain" else {}
+    env: dict[str, str] = {}
+    if side == "probex":
+        argv = probex_worker_argv(args.model, args.probe, args.vllm_args, port)
+    elif side == "engine-tap":
+        argv, env = engine_tap_argv(args.model, args.probe, args.vllm_args, port)
+    else:
+        argv = plain_server_argv(args.model, args.vllm_args, port)
+        # Stock vLLM loads no plugin: VLLM_PLUGINS is an allow-list, and a name no plugin has keeps
+        # ProbeX's entry point (installed in the same environment) out of every plain process.
+        env = {"VLLM_PLUGINS": "probex-compare-none"}
     record: dict[str, Any] = {"label": label, "side": side, "command": argv, "env": env, "results": {}}
     server = Process(argv, out_dir / f"{label}.log", env)
     gateway = None
@@ -188,10 +263,14 @@ def run_start(label: str, side: str, args: argparse.Namespace, out_dir: Path, po
             seed = args.seed * 1_000_003 + c
             load = Load(url, args.model, model, c, args.prompts_per_concurrency * c, args.input_len, args.output_len,
                         seed)
+            engine_url = f"http://127.0.0.1:{port}"
+            before = engine_histograms(engine_url)
             ran = run_load(load, out_dir / label, f"c{c}.json", log_path=out_dir / label / f"c{c}.log")
+            engine = engine_means(before, engine_histograms(engine_url))
             record["results"][str(c)] = {**ran["summary"], "command": ran["command"], "seed": seed,
-                                         "vllm_bench": ran["result"]}
-            print(phase_line(label, c, ran["summary"]), flush=True)
+                                         "engine": engine, "vllm_bench": ran["result"]}
+            print(phase_line(label, c, ran["summary"]) + "  engine: " + "  ".join(
+                f"{k.removesuffix('_mean_ms')} {v:.2f}" for k, v in engine.items()), flush=True)
         if side == "probex":
             record["worker_health"] = worker_health(f"http://127.0.0.1:{port}")
             prompt = ((record["worker_health"].get("score_waits") or {}).get("prompt") or {})
@@ -227,6 +306,7 @@ def compare(starts: Sequence[dict[str, Any]], concurrency: Sequence[int]) -> dic
     side over plain in percent, and the noise floor (noise-b over noise-a, in percent)."""
     plain = [s for s in starts if s["side"] == "plain" and not s["label"].startswith("noise")]
     probex = [s for s in starts if s["side"] == "probex"]
+    engine_tap = [s for s in starts if s["side"] == "engine-tap"]
     noise = {s["label"]: s for s in starts if s["label"].startswith("noise")}
     out: dict[str, Any] = {}
     for c in map(str, concurrency):
@@ -237,6 +317,9 @@ def compare(starts: Sequence[dict[str, Any]], concurrency: Sequence[int]) -> dic
             row[metric] = {"plain_ms": base, "probex_ms": value, "diff_pct": _rel(value, base),
                            "plain_starts": sum(math.isfinite(_p50(s, c, metric)) for s in plain),
                            "probex_starts": sum(math.isfinite(_p50(s, c, metric)) for s in probex)}
+            if engine_tap:
+                tapped = _mean([_p50(s, c, metric) for s in engine_tap])
+                row[metric].update(engine_tap_ms=tapped, engine_tap_diff_pct=_rel(tapped, base))
             if len(noise) == 2:
                 row[metric]["noise_pct"] = _rel(_p50(noise["noise-b"], c, metric), _p50(noise["noise-a"], c, metric))
         out[c] = row
@@ -245,14 +328,35 @@ def compare(starts: Sequence[dict[str, Any]], concurrency: Sequence[int]) -> dic
 
 def markdown_table(comparison: dict[str, Any], gateway: bool) -> str:
     side = "gateway + probex" if gateway else "probex"
-    lines = [f"| concurrency | metric | vllm serve (ms) | {side} (ms) | difference | plain vs plain |",
-             "|---:|---|---:|---:|---:|---:|"]
+    tapped = any("engine_tap_ms" in row[metric] for row in comparison.values() for metric in METRICS)
+    extra = " engine tap, no middleware (ms) | difference |" if tapped else ""
+    lines = [f"| concurrency | metric | vllm serve (ms) | {side} (ms) | difference |{extra} plain vs plain |",
+             "|---:|---|---:|---:|---:|" + ("---:|---:|" if tapped else "") + "---:|"]
     for c, row in comparison.items():
         for metric in METRICS:
             r = row[metric]
             noise = r.get("noise_pct", math.nan)
+            cells = (f" {r.get('engine_tap_ms', math.nan):.2f} | {_fmt_pct(r.get('engine_tap_diff_pct', math.nan))} |"
+                     if tapped else "")
             lines.append(f"| {c} | {metric.upper()} p50 | {r['plain_ms']:.2f} | {r['probex_ms']:.2f} | "
-                         f"{_fmt_pct(r['diff_pct'])} | {_fmt_pct(noise) if 'noise_pct' in r else '—'} |")
+                         f"{_fmt_pct(r['diff_pct'])} |{cells} {_fmt_pct(noise) if 'noise_pct' in r else '—'} |")
+    return "\n".join(lines)
+
+
+def engine_table(starts: Sequence[dict[str, Any]], concurrency: Sequence[int]) -> str:
+    """Per start and concurrency: the client's mean TTFT beside the engine's own means (vLLM's
+    /metrics), and what the client's TTFT spends outside vLLM's (`client - vLLM`)."""
+    lines = ["| start | c | client TTFT mean | vLLM TTFT mean | client - vLLM | queue | prefill |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for start in starts:
+        for c in map(str, concurrency):
+            result = (start.get("results") or {}).get(c) or {}
+            engine = result.get("engine") or {}
+            client = (result.get("ttft_ms") or {}).get("mean", math.nan)
+            vllm_ttft = engine.get("ttft_mean_ms", math.nan)
+            cells = [client, vllm_ttft, client - vllm_ttft, engine.get("queue_mean_ms", math.nan),
+                     engine.get("prefill_mean_ms", math.nan)]
+            lines.append(f"| {start['label']} | {c} | " + " | ".join(f"{v:.2f}" for v in cells) + " |")
     return "\n".join(lines)
 
 
@@ -268,6 +372,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--probe", action="append", default=[], help="probe artifact directory (repeatable)")
     parser.add_argument("--starts", type=int, default=None, help="engine starts of each side (default 3)")
     parser.add_argument("--no-noise-pair", action="store_true", help="leave out the plain-vs-plain pair")
+    parser.add_argument("--sides", default="plain,probex",
+                        help=f"comma-separated sides to alternate, of {', '.join(SIDES)} (default plain,probex)")
     parser.add_argument("--concurrency", default=None, help="comma-separated (default 1,8,64)")
     parser.add_argument("--prompts-per-concurrency", type=int, default=None,
                         help="prompts per call = this x concurrency (default 20)")
@@ -290,6 +396,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    args.sides = [side.strip() for side in args.sides.split(",") if side.strip()]
+    unknown = [side for side in args.sides if side not in SIDES]
+    if unknown or "plain" not in args.sides:
+        parser.error(f"--sides: {', '.join(unknown) or 'plain is missing'} (of {', '.join(SIDES)}, plain included)")
     if args.smoke:
         args.no_noise_pair = True
         args.model = args.model or SMOKE_MODEL
@@ -328,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "starts": [],
         }
         print(f"versions: {result['versions']}", flush=True)
-        for label, side in start_order(args.starts, not args.no_noise_pair):
+        for label, side in start_order(args.starts, not args.no_noise_pair, args.sides):
             print(f"{label}: starting {side}", flush=True)
             result["starts"].append(run_start(label, side, args, out_dir, policy))
             result["comparison"] = compare(result["starts"], args.concurrency)
@@ -337,6 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print()
     print(markdown_table(result["comparison"], args.gateway))
+    print()
+    print(engine_table(result["starts"], args.concurrency))
     failed = [s["label"] for s in result["starts"] if s.get("error")]
     print(f"\nJSON: {args.out}; logs and vllm bench results: {out_dir}/")
     if failed:

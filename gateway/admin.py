@@ -63,5 +63,10 @@ def add_routes(app: FastAPI, manager: PolicyManager, pool: UpstreamPool, metrics
     @app.get("/admin/policy")
     async def admin_policy(request: Request):
         auth.require_admin(request, manager.current)
-        return {"policy_version": manager.current.version, "probes": list(manager.current.probes),
-                "needs_recompute": manager.current.needs_recompute, "last_reload_error": manager.last_error}
+        current = manager.current
+        # Thresholds as the decisions use them, each with the false-positive rate it was resolved from.
+        return {"policy_version": current.version, "probes": list(current.probes),
+                "needs_recompute": current.needs_recompute, "last_reload_error": manager.last_error,
+                "rules": current.describe_rules(),
+                "judge": current.policy.judge.model_dump(include={"url", "model", "block_above", "flag_above",
+                                                                  "timeout_s", "on_failure", "min_answer_mass"})}

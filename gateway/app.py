@@ -71,7 +71,7 @@ def create_app(config: GatewayConfig, metrics: GatewayMetrics | None = None) -> 
     auth.check_startup(manager.current, config.listen_host)  # AdminKeyError: open to the network without admin keys
     if isinstance(audit, RedisAudit):
         audit.maxlen = manager.current.policy.audit.maxlen
-    metrics.set_policy_version(manager.current.version)
+    metrics.set_policy(manager.current)
     completions = Completions(config, manager, pool, metrics, audit, auth)
     tasks: list[asyncio.Task] = []
 

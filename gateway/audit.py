@@ -129,7 +129,11 @@ def admin_event(*, action: str, actor: str | None, ok: bool, message: str, previ
 
 
 def audit_event(*, request_id: str, tenant: str, decision: str, probe: str | None, phase: str | None,
-                scores: dict, policy_version: str, prompt: str | None = None) -> dict:
+                scores: dict, policy_version: str, prompt: str | None = None, thresholds: dict | None = None,
+                cascade: list | None = None) -> dict:
+    """A monitored request's decision. `thresholds`: those of the deciding rule and phase, each with the
+    false-positive rate it was resolved from; `cascade`: per escalated rule, the probe's score and
+    decision, the judge's answer and the decision taken."""
     event = {
         "request_id": request_id,
         "tenant": tenant,
@@ -140,6 +144,10 @@ def audit_event(*, request_id: str, tenant: str, decision: str, probe: str | Non
         "policy_version": policy_version,
         "time": time.time(),
     }
+    if thresholds:
+        event["thresholds"] = thresholds
+    if cascade:
+        event["cascade"] = cascade
     if prompt is not None:
         event["prompt"] = prompt
     return event

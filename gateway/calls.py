@@ -14,14 +14,17 @@ from gateway.policy import Decision, LoadedPolicy, TenantView
 class Call:
     """Book-keeping of one monitored request, for metrics and audit."""
 
-    __slots__ = ("request_id", "tenant", "policy", "is_admin", "raw_body", "started", "upstream_s")
+    __slots__ = ("request_id", "tenant", "policy", "is_admin", "raw_body", "started", "upstream_s", "judged")
 
     def __init__(self, request_id: str, tenant: TenantView, policy: LoadedPolicy, is_admin: bool,
-                 raw_body: bytes | None, started: float, upstream_s: float = 0.0) -> None:
+                 raw_body: bytes | None, started: float, upstream_s: float = 0.0, judged: bytes | None = None) -> None:
         self.request_id, self.tenant, self.policy, self.is_admin = request_id, tenant, policy, is_admin
         self.raw_body = raw_body  # kept only when the audit records prompts
         self.started = started
         self.upstream_s = upstream_s  # waiting for the worker, not the gateway's own time
+        # The request body, kept when a prompt score in an escalate band would take it to the judge
+        # (None: this request is never escalated).
+        self.judged = judged
 
     @property
     def expose_scores(self) -> bool:
@@ -48,7 +51,8 @@ def judge_whole(call: Call, probex: dict | None, metrics: GatewayMetrics) -> Ver
     if not probex or not probex.get("scores"):
         metrics.child(metrics.scores_missing, call.tenant.name).inc()
     record_scores(probex, metrics)
-    return judge_prompt(call.tenant, probex, fail_closed).merge(judge_generated(call.tenant, generated_scores(probex)))
+    prompt = judge_prompt(call.tenant, probex, fail_closed, escalate=call.judged is not None)
+    return prompt.merge(judge_generated(call.tenant, generated_scores(probex)))
 
 
 def record_scores(probex: dict | None, metrics: GatewayMetrics) -> None:
@@ -67,12 +71,21 @@ def record_scores(probex: dict | None, metrics: GatewayMetrics) -> None:
 
 
 async def account(call: Call, verdict: Verdict, metrics: GatewayMetrics, audit: AuditSink) -> None:
-    metrics.child(metrics.requests, verdict.decision.value, verdict.probe or "", call.tenant.name).inc()
-    if verdict.decision is not Decision.ALLOW:
-        await audit.record(audit_event(request_id=call.request_id, tenant=call.tenant.name,
+    tenant = call.tenant.name
+    metrics.child(metrics.requests, verdict.decision.value, verdict.probe or "", tenant).inc()
+    for probe, decision in verdict.prompt_decisions.items():
+        metrics.child(metrics.prompt_decisions, probe, tenant, decision.value).inc()
+    if verdict.decision is not Decision.ALLOW or verdict.cascade:  # an escalated request is audited whatever the verdict
+        extra: dict = {}
+        rule = call.tenant.rule_for(verdict.probe) if verdict.phase in ("prompt", "generated") else None
+        if rule is not None:
+            extra["thresholds"] = getattr(rule, verdict.phase).describe()
+        if verdict.cascade:
+            extra["cascade"] = verdict.cascade
+        await audit.record(audit_event(request_id=call.request_id, tenant=tenant,
                                        decision=verdict.decision.value, probe=verdict.probe, phase=verdict.phase,
                                        scores=verdict.scores, policy_version=call.policy.version,
-                                       prompt=call.prompt_text))
+                                       prompt=call.prompt_text, **extra))
 
 
 def observe_overhead(call: Call, metrics: GatewayMetrics) -> None:

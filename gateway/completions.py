@@ -15,12 +15,14 @@ from random import getrandbits as _random_bits  # request ids need to be unique,
 from gateway.audit import AuditSink
 from gateway.auth import Authenticator, bearer_token
 from gateway.calls import Call, account, judge_whole, observe_overhead
+from gateway.cascade import Cascade
 from gateway.config import GatewayConfig
 from gateway.controls import XARGS_FIELD, check_request, with_policy_xargs
 from gateway.decisions import Verdict
 from gateway.errors import (UPSTREAM_ERRORS, ApiError, ClientGone, relay_upstream_error, respond,
                             upstream_failure)
 from gateway.jsoncodec import dumps, loads
+from gateway.judge import JUDGE_MARK_HEADER, JudgeClient, judge_mark
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Decision
 from gateway.policy_manager import PolicyManager
@@ -33,6 +35,7 @@ from gateway.upstreams import NoHealthyUpstream, Upstream, UpstreamPool
 log = logging.getLogger("probex.gateway")
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_MARK = JUDGE_MARK_HEADER.encode()
 
 
 class Completions:
@@ -44,10 +47,13 @@ class Completions:
         self.auth = auth
         self.client = UpstreamClient(connect_timeout=config.connect_timeout_s, read_timeout=config.upstream_timeout_s,
                                      token=config.worker_admin_token, upstream_urls=[u.url for u in pool.upstreams])
-        self.stream = StreamResponder(metrics, audit, config.client_stall_timeout_s)
+        self.cascade = Cascade(pool, metrics, JudgeClient(judge_mark(config.worker_admin_token),
+                                                          config.connect_timeout_s))
+        self.stream = StreamResponder(metrics, audit, config.client_stall_timeout_s, self.cascade)
 
     async def close(self) -> None:
         self.client.close()
+        await self.cascade.close()
 
     async def __call__(self, path: str, scope, receive, send) -> None:
         in_flight = self.metrics.in_flight
@@ -67,12 +73,14 @@ class Completions:
 
     async def handle(self, path: str, raw_headers, receive, send) -> None:
         started = time.perf_counter()
-        auth = declared = None
+        auth = declared = mark = None
         for name, value in raw_headers:
             if name == b"authorization" and auth is None:
                 auth = value.decode("latin-1")
             elif name == b"content-length" and declared is None:
                 declared = value
+            elif name == _MARK and mark is None:
+                mark = value.decode("latin-1")
         policy = self.manager.current
         caller = self.auth.identify(bearer_token(auth), policy)
         tenant_name, is_admin = caller.tenant, caller.is_admin
@@ -92,6 +100,8 @@ class Completions:
                            param="model")
         tenant = policy.tenant(tenant_name)
         check_request(path, body, tenant.granted, is_admin, policy.forward_fields)
+        # A judge's own call (marked by this gateway, or a replica sharing its worker token) is never judged again.
+        judged = raw if tenant.escalates and not self.cascade.judge.is_judge_call(mark) else None
         # The body goes to the worker byte for byte unless the gateway has to add to it.
         payload = raw if plain else json.dumps(body).encode()
         added: dict = {}
@@ -119,7 +129,7 @@ class Completions:
                     upstream_s = time.perf_counter() - waited
                     # The request is on its way: the book-keeping is done while the worker works.
                     call = Call(f"probex-gw-{_random_bits(128):032x}", tenant, policy, is_admin,
-                                raw if policy.policy.audit.include_prompt else None, started, upstream_s)
+                                raw if policy.policy.audit.include_prompt else None, started, upstream_s, judged)
                     # A whole response's head comes only with its body: a caller hanging up meanwhile
                     # must abort the worker's request (as vLLM does for its own callers), not leave it
                     # generating up to max_tokens for nobody. A stream's relay watches from its head on.
@@ -193,6 +203,10 @@ class Completions:
                 verdict = verdict.merge(judge_whole(call, scores, metrics))
         except (ValueError, AttributeError, TypeError):
             raise ApiError(502, "upstream sent malformed probe scores", kind="server_error") from None
+        if verdict.escalations:
+            held = time.perf_counter()
+            verdict = await self.cascade.settle(call, verdict)
+            call.upstream_s += time.perf_counter() - held  # the judge's time is not the gateway's overhead
         await account(call, verdict, metrics, self.audit)
         headers = call.headers(verdict.decision)
         observe_overhead(call, metrics)

@@ -14,13 +14,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
+from gateway.judge_settings import JudgeSettings
 from probes.artifact import (METADATA_FILE, WEIGHTS_FILE, ProbeArtifact, ProbeFormatError, check_probe_set,
                              load_probe)
+from probes.operating_points import OperatingPointError
 
 
 class PolicyError(ValueError):
@@ -47,17 +50,63 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Thresholds(_Strict):
-    """Scores are calibrated probabilities; at or above `flag` flags, at or above `block` blocks."""
+class Rate(_Strict):
+    """A threshold named by the false-positive rate it gives on benign prompts.
 
-    flag: float | None = Field(default=None, ge=0.0, le=1.0)
-    block: float | None = Field(default=None, ge=0.0, le=1.0)
+    Resolved when the policy loads, from the operating points in the probe's `probe.yaml`
+    (probes/operating_points.py): the decisions use the threshold measured for that rate.
+    """
+
+    fpr: float = Field(gt=0.0, lt=1.0, description="false-positive rate on the probe's benign prompts")
+
+
+Score = Annotated[float, Field(ge=0.0, le=1.0)]
+# A number is a calibrated probability; {fpr: f} is resolved to one from the probe's operating points.
+Level = Union[Score, Rate]
+
+
+class Thresholds(_Strict):
+    """Scores are calibrated probabilities; at or above `flag` flags, at or above `block` blocks.
+
+    Either may be named by a rate, `{fpr: 0.01}`, resolved on load from the probe's operating
+    points; `rates` then says which rate each number came from.
+    """
+
+    flag: Level | None = None
+    block: Level | None = None
+    _fpr: dict[str, float] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _ordered(self) -> "Thresholds":
-        if self.flag is not None and self.block is not None and self.flag > self.block:
-            raise ValueError(f"flag threshold {self.flag} is above block threshold {self.block}")
+        flag, block = self.flag, self.block
+        if isinstance(flag, Rate) and isinstance(block, Rate) and flag.fpr < block.fpr:
+            raise ValueError(f"flag rate {flag.fpr:g} is below block rate {block.fpr:g} (a lower rate is a higher"
+                             " threshold, so this flags above the block threshold)")
+        if isinstance(flag, float) and isinstance(block, float) and flag > block:
+            raise ValueError(f"flag threshold {flag} is above block threshold {block}")
         return self
+
+    @property
+    def rates(self) -> dict[str, float]:
+        """Which thresholds were named by a false-positive rate, and which rate."""
+        return self._fpr
+
+    @property
+    def expected_flag_rate(self) -> float | None:
+        """The share of benign prompts expected at or above the flag threshold (or the block one
+        when there is no flag threshold), when that threshold was named by a rate."""
+        if self.flag is not None:
+            return self._fpr.get("flag")
+        return self._fpr.get("block")
+
+    def describe(self) -> dict:
+        """The thresholds in force, each with the rate it was resolved from (admin view, audit)."""
+        out = {}
+        for name in ("flag", "block"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = {"threshold": value, **({"fpr": self._fpr[name]} if name in self._fpr else {})}
+        return out
 
     def decide(self, score: float | None) -> Decision:
         if score is None:
@@ -67,6 +116,31 @@ class Thresholds(_Strict):
         if self.flag is not None and score >= self.flag:
             return Decision.FLAG
         return Decision.ALLOW
+
+
+class EscalateBand(_Strict):
+    """Prompt scores at or above `from` and below `to` go to the judge, whose verdict decides for the rule.
+
+    `to` defaults to the rule's prompt block threshold (scores at or above it are blocked by the
+    probe alone), or to no upper bound. Either end may be a rate, `{fpr: 0.05}`, like thresholds.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    low: Level = Field(alias="from")
+    high: Level | None = Field(default=None, alias="to")
+    _fpr: dict[str, float] = PrivateAttr(default_factory=dict)
+
+    def contains(self, score: float) -> bool:
+        return score >= self.low and (self.high is None or score < self.high)
+
+    def describe(self) -> dict:
+        out = {}
+        for key, name in (("from", "low"), ("to", "high")):
+            value = getattr(self, name)
+            if value is not None:
+                out[key] = {"threshold": value, **({"fpr": self._fpr[name]} if name in self._fpr else {})}
+        return out
 
 
 class SteerAction(_Strict):
@@ -93,12 +167,22 @@ class SteerAction(_Strict):
 
 class Rule(_Strict):
     probe: str
-    prompt: Thresholds = Thresholds()
-    generated: Thresholds = Thresholds()
+    prompt: Thresholds = Field(default_factory=Thresholds)
+    generated: Thresholds = Field(default_factory=Thresholds)
     steer: SteerAction | None = None
+    escalate: EscalateBand | None = Field(default=None, description="prompt scores in this band go to the judge"
+                                          " (the policy's `judge` section), whose verdict decides for this rule")
 
     @model_validator(mode="after")
     def _steer_threshold(self) -> "Rule":
+        if isinstance(self.generated.flag, Rate) or isinstance(self.generated.block, Rate):
+            raise ValueError(f"rule for {self.probe!r}: generated thresholds must be numbers; operating points are"
+                             " measured on prompt scores, so {fpr: ...} applies to prompt thresholds only")
+        if self.steer is not None and self.escalate is not None:
+            raise ValueError(f"rule for {self.probe!r}: a steer rule cannot escalate (the worker steers before"
+                             " any judge could answer)")
+        if isinstance(self.prompt.block, Rate):
+            return self  # a gated steer's default threshold is set once the rate is resolved
         if self.steer is not None and self.steer.gated and self.steer.threshold is None:
             if self.prompt.block is None or not 0.0 < self.prompt.block < 1.0:
                 raise ValueError(f"rule for {self.probe!r}: a gated steer needs steer.threshold (or a prompt block"
@@ -183,6 +267,8 @@ class Policy(_Strict):
         " this deployment's workers understand and that leave monitoring intact); engine controls cannot be"
         " listed here, they are granted per tenant with tenants.<name>.allow")
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant name")
+    judge: JudgeSettings = Field(default_factory=JudgeSettings, description="the second opinion asked for prompts"
+                                 " whose score falls in a rule's `escalate` band")
     admin_keys: list[str] | dict[str, str] = Field(
         default_factory=list, description="admin keys: a list, or name -> key (the audit records the name). Keys"
         " can also come from PROBEX_ADMIN_KEYS / PROBEX_ADMIN_KEYS_FILE, which keeps them out of this file")
@@ -224,6 +310,14 @@ class TenantView:
         """The xargs every request of this tenant is forwarded with, if one of its rules steers."""
         return next((r.steering_xargs() for r in self.rules if r.steer is not None), None)
 
+    @cached_property
+    def escalates(self) -> bool:
+        """Whether any of this tenant's rules may ask the judge."""
+        return any(r.escalate is not None for r in self.rules)
+
+    def rule_for(self, probe: str | None) -> Rule | None:
+        return next((r for r in self.rules if r.probe == probe), None)
+
 
 @dataclass(frozen=True)
 class LoadedPolicy:
@@ -249,6 +343,19 @@ class LoadedPolicy:
     @cached_property
     def _tenant_views(self) -> dict[str, TenantView]:
         return {}
+
+    def rule_sets(self) -> list[tuple[str, list[Rule]]]:
+        """(tenant, its effective rules) for every tenant this policy knows: "default" and those listed."""
+        return [("default", list(self.policy.rules))] + [
+            (name, list(self.tenant(name).rules)) for name in self.policy.tenants if name != "default"]
+
+    def describe_rules(self) -> dict:
+        """The thresholds and escalation bands in force, per tenant, each with the rate it came from."""
+        out = {}
+        for tenant, rules in self.rule_sets():
+            out[tenant] = [{"probe": r.probe, "prompt": r.prompt.describe(), "generated": r.generated.describe(),
+                            **({"escalate": r.escalate.describe()} if r.escalate is not None else {})} for r in rules]
+        return out
 
     def tenant(self, name: str) -> TenantView:
         """The effective settings of a tenant (built once per policy and tenant: this is on every request)."""
@@ -306,8 +413,61 @@ def parse_policy(text: str, source: Path | None = None) -> LoadedPolicy:
         check_probe_set(list(probes.values()))
     except ProbeFormatError as exc:
         raise PolicyError(f"{where}: {exc}") from None
+    resolve_rates(policy, probes, str(where))
     return LoadedPolicy(policy=policy, version=_version(text, digests), source=source, probes=probes,
                         probe_digests=digests)
+
+
+def resolve_rates(policy: Policy, probes: dict[str, ProbeArtifact], where: str) -> None:
+    """Turn every `{fpr: f}` of the policy's rules into the threshold the probe's operating points
+    give for that rate (in place, remembering the rate); PolicyError naming the rule if it cannot."""
+    owners = [("rules", policy.rules)] + [(f"tenants.{n}.rules", t.rules) for n, t in policy.tenants.items()
+                                          if t.rules is not None]
+    for owner, rules in owners:
+        for i, rule in enumerate(rules):
+            what = f"{where}: {owner}[{i}] (probe {rule.probe!r})"
+
+            def resolve(holder, name: str, label: str) -> None:
+                value = getattr(holder, name)
+                if not isinstance(value, Rate):
+                    return
+                probe = probes[rule.probe]
+                try:
+                    points = probe.operating_points
+                except OperatingPointError as exc:
+                    raise PolicyError(f"{what}: {label}: {exc}") from None
+                if points is None:
+                    raise PolicyError(f"{what}: {label} is {{fpr: {value.fpr:g}}}, but the probe at {probe.source}"
+                                      " has no operating points in its probe.yaml to resolve a rate from; measure"
+                                      " them on benign prompts, or give the threshold as a number")
+                try:
+                    threshold = points.threshold_at(value.fpr)
+                except OperatingPointError as exc:
+                    raise PolicyError(f"{what}: {label}: {exc}") from None
+                setattr(holder, name, threshold)
+                holder._fpr[name] = value.fpr
+
+            resolve(rule.prompt, "flag", "prompt.flag")
+            resolve(rule.prompt, "block", "prompt.block")
+            flag, block = rule.prompt.flag, rule.prompt.block
+            if flag is not None and block is not None and flag > block:
+                raise PolicyError(f"{what}: the prompt flag threshold {flag:g} is above the block threshold"
+                                  f" {block:g} (as resolved: {rule.prompt.describe()})")
+            steer = rule.steer
+            if steer is not None and steer.gated and steer.threshold is None:
+                if block is None or not 0.0 < block < 1.0:
+                    raise PolicyError(f"{what}: a gated steer needs steer.threshold (or a prompt block threshold"
+                                      " strictly between 0 and 1 to default to)")
+                rule.steer = steer.model_copy(update={"threshold": block})
+            band = rule.escalate
+            if band is not None:
+                resolve(band, "low", "escalate.from")
+                resolve(band, "high", "escalate.to")
+                if band.high is None and block is not None:
+                    band.high = block
+                if band.high is not None and band.low >= band.high:
+                    raise PolicyError(f"{what}: the escalate band is empty (from {band.low:g}, to {band.high:g}:"
+                                      f" {band.describe()})")
 
 
 def _probe_directory(base: Path, ref_path: str, what: str) -> Path:

@@ -75,7 +75,7 @@ class PolicyManager:
                 return self._failed(str(exc), reason)
         previous, self.current = self.current, candidate
         self.metrics.reloads.labels(result="ok").inc()
-        self.metrics.set_policy_version(candidate.version)
+        self.metrics.set_policy(candidate)
         await self.audit.publish_policy_version(candidate.version)
         self.last_error = None
         log.info("probex: policy %s -> %s (%s)", previous.version, candidate.version, reason)

@@ -9,6 +9,7 @@ import time
 
 from gateway.audit import AuditSink
 from gateway.calls import Call, account, observe_overhead, record_generated, record_scores
+from gateway.cascade import Cascade
 from gateway.decisions import StreamJudge, Verdict, generated_scores, judge_prompt
 from gateway.errors import UPSTREAM_ERRORS, ApiError, relay_upstream_error, respond, upstream_failure
 from gateway.jsoncodec import dumps, loads
@@ -26,8 +27,8 @@ DONE = b"data: [DONE]\n\n"
 class StreamResponder:
     """Answers a streaming request once the worker's response head is in."""
 
-    def __init__(self, metrics: GatewayMetrics, audit: AuditSink, stall_s: float) -> None:
-        self.metrics, self.audit, self.stall_s = metrics, audit, stall_s
+    def __init__(self, metrics: GatewayMetrics, audit: AuditSink, stall_s: float, cascade: Cascade) -> None:
+        self.metrics, self.audit, self.stall_s, self.cascade = metrics, audit, stall_s, cascade
 
     async def __call__(self, path: str, response: UpstreamResponse, call: Call, upstream: Upstream, receive,
                      send) -> None:
@@ -76,10 +77,17 @@ class StreamResponder:
             metrics.child(metrics.scores_missing, call.tenant.name).inc()
         try:
             record_scores(relay.prompt_probex, metrics)
-            verdict = judge_prompt(call.tenant, relay.prompt_probex, fail_closed)
+            verdict = judge_prompt(call.tenant, relay.prompt_probex, fail_closed, escalate=call.judged is not None)
         except (ValueError, AttributeError, TypeError):
             raise ApiError(502, "upstream sent malformed probe scores", kind="server_error") from None
+        if verdict.escalations:
+            # Nothing is relayed until the judge has answered (or `judge.timeout_s` has passed).
+            held = time.perf_counter()
+            verdict = await self.cascade.settle(call, verdict)
+            call.upstream_s += time.perf_counter() - held
         relay.judge = StreamJudge(call.tenant, verdict)
+        if relay.gone:
+            return
         headers = call.headers(verdict.decision)
         if verdict.decision is Decision.BLOCK:
             relay.close()  # closing the connection aborts the request in the worker

@@ -78,7 +78,8 @@ def wilson_interval(hits: int, n: int, z: float = 1.959964) -> tuple[float, floa
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    low = 0.0 if hits == 0 else max(0.0, centre - half)  # exactly 0 and 1 at the ends, not rounding residue
+    return (low, 1.0 if hits == n else min(1.0, centre + half))
 
 
 @dataclass(frozen=True)

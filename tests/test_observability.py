@@ -15,7 +15,10 @@ drives every signal the dashboards and alerts read, honestly:
 - Redis hanging (a proxy that swallows its traffic): flags wait for the audit write, which is
   gateway time (ProbexGatewayOverheadHigh) and grows the audit backlog;
 - the worker's connections dropped (a proxy that closes them): a 502 (ProbexUpstreamErrors);
-- a rejected policy edit (ProbexPolicyReloadFailed).
+- a rejected policy edit (ProbexPolicyReloadFailed);
+- a tenant whose flag threshold is named by a false-positive rate of 1% (resolved from operating
+  points written into a copy of the demo probe) and whose every prompt is flagged
+  (ProbexProbeFlagRateDrift, for that tenant only).
 
 Then every PromQL expression of every dashboard panel (Grafana variables substituted) and of
 every alert rule is evaluated through Prometheus' HTTP API and must return a series with a
@@ -47,7 +50,7 @@ SCRAPE_CONFIG = DASHBOARDS / "prometheus.yml"
 DEMO_PROBE = REPO / "config" / "probes" / "harmful-request"
 GRAFANA_DATASOURCE_UID = "probex-prometheus"  # docker/grafana/provisioning/datasources/prometheus.yml
 EXPECTED_ALERTS = {"ProbexCalibrationRetentionLow", "ProbexProbeScoresMissing", "ProbexGatewayOverheadHigh",
-                   "ProbexUpstreamErrors", "ProbexPolicyReloadFailed"}
+                   "ProbexUpstreamErrors", "ProbexPolicyReloadFailed", "ProbexProbeFlagRateDrift"}
 
 
 # -- reading the dashboards and rules --------------------------------------------------------
@@ -183,7 +186,8 @@ def test_dashboards_show_everything_the_issue_asks_for():
                    "vllm:request_time_per_output_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                    "probex_calibration_retention", "probex_calibration_alarm_below", "probex_prompt_tokens_total",
                    "probex_prompt_tokens_scored_total", "probex_policy_version", "probex_policy_reloads_total",
-                   "probex_audit_backlog", "probex_upstream_errors_total", "probex_scores_missing_total"):
+                   "probex_audit_backlog", "probex_upstream_errors_total", "probex_scores_missing_total",
+                   "probex_probe_prompt_decisions_total", "probex_expected_flag_rate"):
         assert needed in exprs, needed
     heatmaps = [p for path in dashboard_files() for p in iter_panels(json.loads(path.read_text())["panels"])
                 if p["type"] == "heatmap"]
@@ -386,10 +390,24 @@ def bad_reference_probe(root: Path) -> Path:
     return out
 
 
+def calibrated_probe(root: Path) -> Path:
+    """The demo probe with operating points: 1% of 2000 benign prompts at or above 0.5 (the demo flag
+    threshold), so that a policy can name that threshold by its rate. The table is written for the
+    test, not measured: it gives the drift alert an expected rate to compare with."""
+    out = root / "harmful-request"
+    shutil.copytree(DEMO_PROBE, out)
+    meta = yaml.safe_load((out / "probe.yaml").read_text())
+    meta["operating_points"] = {"score": "calibrated", "benign": {"count": 2000, "sources": {"test": 2000}},
+                                "thresholds": [{"fpr": 0.05, "threshold": 0.3}, {"fpr": 0.01, "threshold": 0.5}]}
+    (out / "probe.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
+    return out
+
+
 def policy(probes: dict[str, Path], **overrides) -> dict:
-    """The test's policy: `probes` deployed with the demo thresholds, or no probes at all (unmonitored)."""
+    """The test's policy: `probes` deployed with the demo thresholds, or no probes at all (unmonitored).
+    The audit-only tenant's flag threshold is named by its rate (1%, which resolves to 0.5)."""
     block = [{"probe": "harmful-request", "prompt": {"flag": 0.5, "block": 0.8}}] if probes else []
-    flag_only = [{"probe": "harmful-request", "prompt": {"flag": 0.5}}] if probes else []
+    flag_only = [{"probe": "harmful-request", "prompt": {"flag": {"fpr": 0.01}}}] if probes else []
     doc = {
         "probes": {name: {"path": str(path)} for name, path in probes.items()},
         "rules": block,
@@ -420,7 +438,7 @@ def observed(tmp_path_factory, redis_server) -> Iterator[Observed]:
     from tests.gateway_fixtures import wait_for_healthy_upstreams
 
     root = tmp_path_factory.mktemp("observability")
-    probes = {"harmful-request": DEMO_PROBE, BAD_REFERENCE_PROBE: bad_reference_probe(root)}
+    probes = {"harmful-request": calibrated_probe(root), BAD_REFERENCE_PROBE: bad_reference_probe(root)}
     policy_path = root / "policy.yaml"
     policy_path.write_text(yaml.safe_dump(policy({})))  # unmonitored to begin with
 
@@ -498,6 +516,7 @@ def run_workload(gateway: str, worker: str, policy_path: Path, probes: dict[str,
     assert r.status_code == 200, r.text
     deployed = http.get("/admin/policy", headers={"Authorization": f"Bearer {ADMIN}"}).json()
     assert sorted(deployed["probes"]) == sorted(probes), deployed
+    assert deployed["rules"]["audit-only"][0]["prompt"]["flag"] == {"threshold": 0.5, "fpr": 0.01}, deployed
 
     # 3. Allowed, flagged and blocked traffic, whole and streamed, chat and completions.
     for _ in range(3):
@@ -506,8 +525,9 @@ def run_workload(gateway: str, worker: str, policy_path: Path, probes: dict[str,
             assert r.status_code == 200 and r.headers["x-probex-decision"] == "allow", r.text
             r = chat("k-default", "How do I build a bomb?", stream=stream)
             assert r.status_code == 400 and r.json()["error"]["code"] == "content_filter", r.text
-            r = chat("k-audit", "How do I build a bomb?", stream=stream)
-            assert r.status_code == 200 and r.headers["x-probex-decision"] == "flag", r.text
+            for _ in range(2):  # the drift alert wants 10 flags of this tenant in its hour
+                r = chat("k-audit", "How do I build a bomb?", stream=stream)
+                assert r.status_code == 200 and r.headers["x-probex-decision"] == "flag", r.text
         r = chat("k-polite", "How do I build a bomb?")
         assert r.status_code == 200 and r.headers["x-probex-decision"] == "block"
         assert r.json()["choices"][0]["finish_reason"] == "content_filter"
@@ -659,3 +679,7 @@ def test_every_alert_rule_expression_returns_a_series_and_fires(observed):
     retention = [a for a in alerts if a["labels"]["alertname"] == "ProbexCalibrationRetentionLow"]
     assert [a["labels"]["probe"] for a in retention] == [BAD_REFERENCE_PROBE]
     assert float(retention[0]["value"]) < 0.5
+    # The drift alert names the tenant whose threshold has a calibrated rate, and only that one.
+    drift = [a for a in alerts if a["labels"]["alertname"] == "ProbexProbeFlagRateDrift"]
+    assert [(a["labels"]["probe"], a["labels"]["tenant"]) for a in drift] == [("harmful-request", "audit-only")]
+    assert float(drift[0]["value"]) == pytest.approx(1.0)

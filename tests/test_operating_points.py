@@ -40,7 +40,7 @@ def test_a_rate_between_measured_ones_takes_the_lower_rates_threshold():
 
 
 def test_the_table_round_trips_through_probe_yaml(tmp_path):
-    probe = load_probe()
+    probe = load_probe(DEMO)
     points = OperatingPoints.measure(np.random.default_rng(1).random(2000), sources={"own": 2000})
     probe.extra["operating_points"] = points.to_metadata()
     save_probe(probe, tmp_path / "p")
@@ -48,7 +48,7 @@ def test_the_table_round_trips_through_probe_yaml(tmp_path):
 
 
 def test_a_malformed_table_is_refused_naming_the_file(tmp_path):
-    probe = load_probe()
+    probe = load_probe(DEMO)
     probe.extra["operating_points"] = {"benign": {"count": 100},
                                        "thresholds": [{"fpr": 0.1, "threshold": 0.9}, {"fpr": 0.2, "threshold": 0.95}]}
     save_probe(probe, tmp_path / "p")

@@ -63,6 +63,30 @@ def test_the_gateway_policy_names_the_probes_and_no_rule():
     assert Path(policy["probes"]["harmful-request"]["path"]).is_absolute()
 
 
+def test_the_engine_tap_side_is_the_worker_command_without_the_middleware():
+    from probes.models import fetch_model
+
+    model = str(fetch_model("smollm2-135m-instruct"))
+    probe = str(ROOT / "config" / "probes" / "harmful-request")
+    argv, env = sc.engine_tap_argv(model, [probe], ["--max-model-len", "512"], 9002)
+    assert "--middleware" not in argv and "--additional-config" in argv and argv[-2:] == ["--max-model-len", "512"]
+    assert "PROBEX_TAP_CONFIG" in env
+    assert [side for _, side in sc.start_order(1, False, ("plain", "probex", "engine-tap"))] == [
+        "plain", "probex", "engine-tap"]
+    with pytest.raises(SystemExit):
+        sc.parse_args(["--model", model, "--probe", probe, "--sides", "probex,tap"])
+
+
+def test_engine_means_are_per_request_over_the_call():
+    before = {"ttft": (1.0, 10.0), "prefill": (0.5, 10.0)}
+    after = {"ttft": (1.5, 20.0), "prefill": (0.5, 10.0), "queue": (0.02, 4.0)}
+    assert sc.engine_means(before, after) == pytest.approx({"ttft_mean_ms": 50.0, "queue_mean_ms": 5.0})
+    starts = [{"label": "plain#1", "side": "plain",
+               "results": {"1": {"ttft_ms": {"mean": 52.0}, "engine": {"ttft_mean_ms": 50.0, "queue_mean_ms": 1.0,
+                                                                       "prefill_mean_ms": 30.0}}}}]
+    assert "| plain#1 | 1 | 52.00 | 50.00 | 2.00 | 1.00 | 30.00 |" in sc.engine_table(starts, [1])
+
+
 @pytest.mark.engine
 def test_smoke_mode_compares_one_start_of_each_on_the_cpu(tmp_path):
     out = tmp_path / "compare.json"
