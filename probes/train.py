@@ -101,8 +101,13 @@ def fit_diff_of_means(x: np.ndarray, y: np.ndarray) -> LinearProbe:
     return checked_probe(LinearProbe(ProbeKind.DIFF_OF_MEANS, weight, bias))
 
 
-def fit_logistic_regression(x: np.ndarray, y: np.ndarray, *, c: float = 0.1, seed: int = 0) -> LinearProbe:
-    """L2 logistic regression on standardised features, folded back to raw activation space."""
+def fit_logistic_regression(x: np.ndarray, y: np.ndarray, *, c: float = 0.1, seed: int = 0,
+                            class_weight: str | None = None) -> LinearProbe:
+    """L2 logistic regression on standardised features, folded back to raw activation space.
+
+    `class_weight="balanced"` weighs each class inversely to its count (scikit-learn's rule),
+    so a pool with many more benign than harmful prompts still fits both equally.
+    """
     from sklearn.linear_model import LogisticRegression
 
     x, y = check_training_data(x, y)
@@ -113,7 +118,7 @@ def fit_logistic_regression(x: np.ndarray, y: np.ndarray, *, c: float = 0.1, see
         raise ValueError("logistic regression: the activations are too large to standardise"
                          " (their mean or spread overflows float64)")
     scale[scale == 0] = 1.0  # a constant dimension carries nothing; avoid dividing by 0
-    model = LogisticRegression(C=c, max_iter=5000, random_state=seed)
+    model = LogisticRegression(C=c, max_iter=5000, random_state=seed, class_weight=class_weight)
     model.fit((x - mean) / scale, y)
     coef = model.coef_[0] / scale
     # w·((x - mean) / scale) + b0  ==  (coef)·x + (b0 - coef·mean)
@@ -130,10 +135,11 @@ def checked_probe(probe: LinearProbe) -> LinearProbe:
     return probe
 
 
-def fit_probe(kind: ProbeKind, x: np.ndarray, y: np.ndarray, *, logreg_c: float = 0.1) -> LinearProbe:
+def fit_probe(kind: ProbeKind, x: np.ndarray, y: np.ndarray, *, logreg_c: float = 0.1,
+              class_weight: str | None = None) -> LinearProbe:
     if kind is ProbeKind.DIFF_OF_MEANS:
-        return fit_diff_of_means(x, y)
-    return fit_logistic_regression(x, y, c=logreg_c)
+        return fit_diff_of_means(x, y)  # the two class means: balanced by construction
+    return fit_logistic_regression(x, y, c=logreg_c, class_weight=class_weight)
 
 
 def fit_platt(raw: np.ndarray, y: np.ndarray, *, max_iter: int = 100) -> Calibration:
@@ -272,6 +278,7 @@ def sweep(
     reads: Sequence[ReadPoint] = tuple(ReadPoint),
     kinds: Sequence[ProbeKind] = tuple(ProbeKind),
     logreg_c: float = 0.1,
+    class_weight: str | None = None,
 ) -> list[SweepCell]:
     """Fit every (layer, readout, kind) on the training rows and score it on the validation rows."""
     labels = np.asarray(labels)
@@ -282,7 +289,7 @@ def sweep(
         for read in reads:
             x = fitting_features(train, read)
             for kind in kinds:
-                probe = fit_probe(kind, x, labels[train_index], logreg_c=logreg_c)
+                probe = fit_probe(kind, x, labels[train_index], logreg_c=logreg_c, class_weight=class_weight)
                 raw = readout_raw_scores(probe, validation, read)
                 y_val = labels[validation_index]
                 cells.append(SweepCell(layer, read, kind, probe, auroc(raw, y_val), separation(raw, y_val)))
