@@ -351,6 +351,9 @@ def write_docs(report: dict[str, Any], grid_val: np.ndarray, grid_held: np.ndarr
         f"Run time of the run that wrote this page: {report['runtime_s']:.0f} s on {report['cpu_count']} CPU cores"
         f" (activation extraction {report['extraction_s']:.0f} s; cached under `~/.cache/probex/activations/`, so reruns skip it).",
         "",
+        "Thresholds at a chosen false-positive rate, measured on benign prompts through a worker, and the",
+        "probe's realised rate and recall on unseen prompts: [operating-points.md](operating-points.md).",
+        "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))

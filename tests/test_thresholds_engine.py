@@ -66,5 +66,10 @@ def test_thresholds_then_eval_on_the_other_half(demo_worker, tmp_path, capsys):
     assert row["threshold"] == points.threshold_at(0.1)
     test_n = len(partition(load_side([str(benign_file)], 0), "test"))
     assert row["realised_fpr"]["n"] == test_n and 0 <= row["realised_fpr"]["interval"][0] <= row["realised_fpr"]["rate"]
-    assert result["recall_at_fpr"][0]["measurable"] and result["recall_at_fpr"][0]["interval_width"] > 0
+    at_rate = result["recall_at_fpr"][0]
+    # Every harmful prompt may clear the threshold in every resample (a zero-width interval at 100%), so the
+    # check is that the bootstrap interval is reported and brackets the point estimate.
+    assert at_rate["measurable"] and at_rate["bootstrap"]["resamples"] == 200
+    assert at_rate["interval"][0] <= at_rate["recall"] <= at_rate["interval"][1]
+    assert at_rate["interval_width"] == at_rate["interval"][1] - at_rate["interval"][0]
     assert (tmp_path / "plots" / "eval-harmful-request-sources.png").stat().st_size > 10_000
