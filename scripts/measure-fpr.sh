@@ -2,8 +2,9 @@
 # The demo probe at a 1% false-positive rate (docs/operating-points.md):
 # thresholds measured on the calibration half of the benign sets, then `probex eval` on the disjoint test half.
 # Starts a worker on FPR_PORT unless FPR_WORKER names a running one. Works on a copy of the probe and the
-# policy under out/fpr/; writes docs/results/fpr-thresholds.json, docs/results/fpr-eval.json and
-# docs/img/eval-harmful-request-sources.png. `make fpr` runs it.
+# policy under out/fpr/; writes docs/results/fpr-thresholds.json, docs/results/fpr-eval.json,
+# docs/img/eval-harmful-request-sources.png and, with the demo model as its own judge, the probe -> judge
+# cascade on the same test half (docs/results/cascade-eval.json). `make fpr` runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,3 +38,5 @@ fi
     --policy "$OUT/policy.yaml" --flag-rate 0.01 --report docs/results/fpr-thresholds.json
 "$PY" -m probex.cli eval --probe "$PROBE" --worker "$WORKER" "${SETS[@]}" \
     --long-prompts 100 --out docs/results/fpr-eval.json --plots docs/img
+"$PY" -m bench.cascade_eval --probe-dir "$PROBE" --worker "$WORKER" "${SETS[@]}" \
+    --policy bench/cascade_judge.yaml --band-from-fpr 0.05 --band-to-fpr 0.01 --out docs/results/cascade-eval.json
