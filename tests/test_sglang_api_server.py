@@ -42,37 +42,44 @@ def call(app, path, body, headers=(), ids_unwanted=True):
 
 
 class FakeSglang:
-    """Answers like SGLang 0.5.14's OpenAI server: the rid as the id, usage per chunk when asked."""
+    """Answers like SGLang 0.5.14's OpenAI server (serving_chat.py): the rid as the id; in a
+    stream, a chunk per piece of new text with the usage so far when continuous usage is asked
+    for, no chunk for a token without text (`silent`, e.g. the stop token), a closing
+    finish_reason chunk without usage, then the usage chunk if include_usage."""
 
-    def __init__(self, tokens=("He", "llo", " there")):
+    def __init__(self, tokens=("He", "llo", " there"), silent=1):
         self.tokens = tokens
+        self.silent = silent
         self.bodies = []
 
     async def __call__(self, scope, receive, send):
         body = json.loads((await receive())["body"])
         self.bodies.append(body)
         rid = body.get("rid") or "chatcmpl-sglang"
+        generated = len(self.tokens) + self.silent
         if not body.get("stream"):
             payload = {"id": rid, "choices": [{"index": 0, "message": {"content": "".join(self.tokens)}}],
-                       "usage": {"prompt_tokens": 4, "completion_tokens": len(self.tokens)}}
+                       "usage": {"prompt_tokens": 4, "completion_tokens": generated}}
             data = json.dumps(payload).encode()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
             await send({"type": "http.response.body", "body": data})
             return
-        continuous = (body.get("stream_options") or {}).get("continuous_usage_stats")
+        options = body.get("stream_options") or {}
 
-        def chunk(delta, done, finish=None):
+        def chunk(delta, done=None, finish=None):
             out = {"id": rid, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-            if continuous:
+            if options.get("continuous_usage_stats") and done is not None:
                 out["usage"] = {"prompt_tokens": 4, "completion_tokens": done}
             return b"data: " + json.dumps(out).encode() + b"\n\n"
 
-        events = [chunk({"role": "assistant"}, 0), chunk({"content": self.tokens[0]}, 1),
+        events = [chunk({"role": "assistant", "content": ""}), chunk({"content": self.tokens[0]}, 1),
                   chunk({"content": "".join(self.tokens[1:])}, len(self.tokens)),
-                  chunk({}, len(self.tokens), "stop"),
-                  b'data: {"id": "%s", "choices": [], "usage": {"completion_tokens": 3}}\n\n' % rid.encode(),
-                  b"data: [DONE]\n\n"]
+                  chunk({}, finish="stop")]
+        if options.get("include_usage"):
+            events.append(b'data: {"id": "%s", "choices": [], "usage": {"completion_tokens": %d}}\n\n'
+                          % (rid.encode(), generated))
+        events.append(b"data: [DONE]\n\n")
         stream = b"".join(events)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
@@ -95,7 +102,7 @@ def test_a_monitored_chat_runs_under_the_middlewares_id_with_its_options_as_cust
     assert sent["custom_params"] == {"mine": 1, "probex_recompute": 1}
     assert "vllm_xargs" not in sent and "return_token_ids" not in sent
     payload = json.loads(body)
-    assert payload["choices"][0]["token_ids"] == [0, 0, 0]  # counted by the relay, then removed
+    assert payload["choices"][0]["token_ids"] == [0] * 4  # counted by the relay, then removed
 
 
 def test_a_completions_rid_is_the_choice_key():
@@ -107,12 +114,31 @@ def test_stream_chunks_carry_their_token_counts_and_only_the_usage_asked_for():
     engine = FakeSglang()
     app = sgl_api.SglangOpenAI(engine)
     status, body = call(app, "/v1/chat/completions", {"messages": [], "stream": True}, [PROBEX_ID])
-    assert engine.bodies[0]["stream_options"] == {"include_usage": False, "continuous_usage_stats": True}
+    assert engine.bodies[0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     events = [e for e in body.split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]
-    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [0, 1, 2, 0]
+    # the stop token adds no text: the closing chunk carries it, counted from the usage chunk
+    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [0, 1, 2, 1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert all("usage" not in c for c in chunks)  # neither per chunk nor the closing usage chunk
+
+
+def test_a_stream_without_a_usage_chunk_still_sends_its_closing_chunk():
+    counter = sgl_api.ChunkCounter({"usage": False, "continuous": False})
+    closing = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}\n\n'
+    assert counter.stream(closing, more=True) == b""  # held for the usage chunk
+    out = counter.stream(b"data: [DONE]\n\n", more=False)
+    events = [e for e in out.split(b"\n\n") if e]
+    assert json.loads(events[0][6:])["choices"][0]["token_ids"] == [] and events[1] == b"data: [DONE]"
+
+
+def test_error_and_extension_chunks_without_choices_are_kept():
+    counter = sgl_api.ChunkCounter({"usage": False, "continuous": False})
+    error = b'data: {"error": {"object": "error", "message": "Generation aborted.", "code": 500}}'
+    sglext = b'data: {"id": "x", "choices": [], "sglext": {"cached_tokens_details": {}}}'
+    out = counter.stream(error + b"\n\n" + sglext + b"\n\n", more=False)
+    assert out == error + b"\n\n" + sglext + b"\n\n"
 
 
 def test_a_client_asking_for_usage_keeps_it():
@@ -122,7 +148,9 @@ def test_a_client_asking_for_usage_keeps_it():
                                                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
                    [PROBEX_ID])
     chunks = [json.loads(e[6:]) for e in body.split(b"\n\n") if e and e != b"data: [DONE]"]
-    assert chunks[-1]["choices"] == [] and all("usage" in c for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert [("usage" in c) for c in chunks[:-1]] == [False, True, True, False]  # as SGLang sent them
+    assert [len(c["choices"][0]["token_ids"]) for c in chunks[:-1]] == [0, 1, 2, 1]
 
 
 def test_what_sglang_cannot_serve_monitored_is_refused():

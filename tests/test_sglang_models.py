@@ -111,6 +111,19 @@ def test_rows_per_step_cover_a_prefill_chunk_and_every_running_request():
     assert models.max_rows_for(2048, None, None, None) == 2048 + models.DEFAULT_MAX_RUNNING_REQUESTS
     with pytest.raises(RuntimeError, match="chunked prefill is off"):
         models.max_rows_for(-1, 16384, 64, 64)
+    # a prefill graph captured past the chunk size pads a chunk up to its capture size
+    assert models.max_rows_for(4096, 4096, 8, 256, 32768) == 32768 + 256
+
+
+def test_graph_sizes_come_from_sglangs_cuda_graph_config():
+    """0.5.14's ServerArgs keeps the captured sizes in cuda_graph_config (decode.max_bs,
+    prefill.max_bs) and has no cuda_graph_max_bs attribute."""
+    args = SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(max_bs=512),
+                                                             prefill=SimpleNamespace(max_bs=8192)),
+                           cuda_graph_max_bs_decode=None, cuda_graph_max_bs_prefill=None)
+    assert models.graph_max_sizes(args) == (512, 8192)
+    assert models.graph_max_sizes(SimpleNamespace(cuda_graph_config=None, cuda_graph_max_bs_decode=48,
+                                                  cuda_graph_max_bs_prefill=None)) == (48, None)
 
 
 def test_steering_configuration_is_refused_on_sglang():
@@ -118,3 +131,20 @@ def test_steering_configuration_is_refused_on_sglang():
     models.patch_class(cls, settings((1,), steer_layers=(1,)))
     with pytest.raises(RuntimeError, match="steering is not available on SGLang"):
         cls(CONFIG, layer_id=1)
+
+
+def test_engine_settings_size_the_buffers_from_the_parsed_server_arguments(monkeypatch):
+    import sys
+    import types
+
+    args = SimpleNamespace(chunked_prefill_size=2048, max_prefill_tokens=16384, max_running_requests=None,
+                           cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(max_bs=256),
+                                                             prefill=SimpleNamespace(max_bs=32768)))
+    fake = types.ModuleType("sglang.srt.server_args")
+    fake.get_global_server_args = lambda: args
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.server_args", fake)
+    monkeypatch.setenv(models.TAP_CONFIG, TapConfig(layers=(1,)).to_json())
+    tap_config, rows = models.engine_settings()
+    assert tap_config.layers == (1,) and rows == 32768 + models.DEFAULT_MAX_RUNNING_REQUESTS

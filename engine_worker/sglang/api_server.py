@@ -17,7 +17,10 @@ The engine-agnostic middleware (engine_worker/api_server/middleware.py) with SGL
   writes into each choice; SGLang writes none, but counts a stream's tokens in each chunk's
   `usage` (`stream_options.continuous_usage_stats`) and a whole response's in its `usage`.
   Each choice gets a `token_ids` member of that many zeros, which the relay counts and
-  removes; the usage the client did not ask for is removed too. A client asking for token
+  removes; the usage the client did not ask for is removed too. A chat stream sends no
+  chunk for tokens that add no text (a stop token, a trimmed stop string), and its closing
+  `finish_reason` chunk carries no usage: that chunk is held back until the closing usage
+  chunk (always asked for) says how many tokens it ends with. A client asking for token
   ids (`return_token_ids: true`) is refused: SGLang gives none to return. So is a completion
   of several prompts (one `rid` per prompt, which this worker does not map).
 """
@@ -98,7 +101,8 @@ def rewrite_request(path: str, body: dict, request_id: str | None) -> tuple[dict
     if body.get("stream"):
         options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
         wants = {"usage": bool(options.get("include_usage")), "continuous": bool(options.get("continuous_usage_stats"))}
-        body["stream_options"] = {**options, "include_usage": wants["usage"], "continuous_usage_stats": True}
+        # The closing usage chunk counts the tokens after the last chunk with text (ChunkCounter).
+        body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
     else:
         wants["usage"] = True  # a whole response's usage is SGLang's own answer
     return body, wants
@@ -112,6 +116,7 @@ class ChunkCounter:
         self.wants = wants
         self.seen: dict[int, int] = {}  # choice index -> completion tokens counted so far
         self.pending = b""
+        self.held: list = []  # a closing chunk without usage and what followed it: (chunk or raw event)
 
     def whole(self, body: bytes) -> bytes:
         try:
@@ -126,22 +131,46 @@ class ChunkCounter:
     def stream(self, body: bytes, more: bool) -> bytes:
         events = (self.pending + body).split(b"\n\n")
         self.pending = events.pop() if more else b""
-        out = [self._event(event) for event in events if event]
-        return b"".join(e + b"\n\n" for e in out if e is not None)
+        out: list[bytes] = []
+        for event in events:
+            if event:
+                out += self._event(event)
+        if not more:
+            out += self._release(None)
+        return b"".join(e + b"\n\n" for e in out)
 
-    def _event(self, event: bytes) -> bytes | None:
+    def _event(self, event: bytes) -> list[bytes]:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
-            return event
+            return self._release(None) + [event] if self.held else [event]
         try:
             chunk = json.loads(event[6:])
         except ValueError:
-            return event
-        choices = chunk.get("choices") or []
+            return self._hold_or_pass(event)
+        choices = chunk.get("choices")
         usage = chunk.get("usage")
-        if not choices:  # the closing usage chunk
-            return event if self.wants["usage"] else None
+        if not choices:
+            if usage is None or "choices" not in chunk:  # an error or extension chunk: kept as sent
+                return self._hold_or_pass(event)
+            # the closing usage chunk: its total ends a held closing chunk's count
+            released = self._release(int(usage.get("completion_tokens") or 0))
+            return released + ([event] if self.wants["usage"] else [])
+        if usage is None and not self.held and all(c.get("finish_reason") for c in choices):
+            self.held.append(chunk)  # tokens without text may end here: the usage chunk says
+            return []
+        if self.held:
+            self.held.append(chunk)
+            return []
+        return [self._counted(chunk, usage)]
+
+    def _hold_or_pass(self, event: bytes) -> list[bytes]:
+        if self.held:
+            self.held.append(event)
+            return []
+        return [event]
+
+    def _counted(self, chunk: dict, usage) -> bytes:
         total = int((usage or {}).get("completion_tokens") or 0)
-        for choice in choices:
+        for choice in chunk.get("choices") or []:
             index = int(choice.get("index") or 0)
             counted = self.seen.get(index, 0)
             if usage is not None and total > counted:
@@ -150,6 +179,20 @@ class ChunkCounter:
         if usage is not None and not self.wants["continuous"]:
             chunk.pop("usage", None)
         return b"data: " + json.dumps(chunk).encode()
+
+    def _release(self, total: int | None) -> list[bytes]:
+        """The held events, the first (the closing chunk) given the tokens up to `total` (None:
+        the stream ended without a usage chunk, and it gets none)."""
+        held, self.held = self.held, []
+        out = []
+        for i, item in enumerate(held):
+            if isinstance(item, bytes):
+                out.append(item)
+            elif i == 0 and total is not None:
+                out.append(self._counted(item, {"completion_tokens": total}))
+            else:
+                out.append(self._counted(item, item.get("usage")))
+        return out
 
 
 class SglangOpenAI:

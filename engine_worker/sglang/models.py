@@ -94,18 +94,34 @@ def layer_index(layer_id, prefix: str = "") -> int | None:
 
 
 def max_rows_for(chunked_prefill_size, max_prefill_tokens=None, max_running_requests=None,
-                 cuda_graph_max_bs=None) -> int:
+                 cuda_graph_max_bs=None, prefill_graph_max_tokens=None) -> int:
     """Rows the tap's buffers must hold: a step's tokens (a prefill chunk, with running
-    requests mixed in, or one row per running request; graph padding included).
+    requests mixed in, or one row per running request; graph padding included: a decode
+    batch is padded up to a captured batch size <= `cuda_graph_max_bs`, a prefill up to a
+    captured token count <= `prefill_graph_max_tokens`).
 
     A prefill batch's tokens stay within the chunk size; without chunking one prompt may be
     as long as the context, so chunked prefill must be on."""
     if chunked_prefill_size is None or int(chunked_prefill_size) <= 0:
         raise RuntimeError("probex: SGLang's chunked prefill is off (--chunked-prefill-size <= 0); the tap needs"
                            " a bound on a step's tokens: give --chunked-prefill-size N")
-    prefill = max(int(chunked_prefill_size), int(max_prefill_tokens or 0))
+    prefill = max(int(chunked_prefill_size), int(max_prefill_tokens or 0), int(prefill_graph_max_tokens or 0))
     running = max(int(max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS), int(cuda_graph_max_bs or 0))
     return prefill + running
+
+
+def graph_max_sizes(args) -> tuple[int | None, int | None]:
+    """(decode graphs' largest batch, prefill graphs' largest token count) from SGLang's
+    server arguments: 0.5.14 keeps them in `cuda_graph_config` (`decode.max_bs`,
+    `prefill.max_bs`, filled in by ServerArgs.__post_init__); there is no `cuda_graph_max_bs`."""
+    config = getattr(args, "cuda_graph_config", None)
+    decode = getattr(getattr(config, "decode", None), "max_bs", None)
+    prefill = getattr(getattr(config, "prefill", None), "max_bs", None)
+    if decode is None:
+        decode = getattr(args, "cuda_graph_max_bs_decode", None) or getattr(args, "cuda_graph_max_bs", None)
+    if prefill is None:
+        prefill = getattr(args, "cuda_graph_max_bs_prefill", None)
+    return decode, prefill
 
 
 def engine_settings() -> tuple[TapConfig, int] | None:
@@ -120,8 +136,9 @@ def engine_settings() -> tuple[TapConfig, int] | None:
     from sglang.srt.server_args import get_global_server_args
 
     args = get_global_server_args()
+    decode_graph_bs, prefill_graph_tokens = graph_max_sizes(args)
     return tap_config, max_rows_for(args.chunked_prefill_size, args.max_prefill_tokens, args.max_running_requests,
-                                    getattr(args, "cuda_graph_max_bs", None))
+                                    decode_graph_bs, prefill_graph_tokens)
 
 
 def attach_tap(layer, index: int, tap_config: TapConfig, max_rows: int, config=None) -> LayerTap | None:
