@@ -26,6 +26,15 @@ it. vLLM lists a request there in the step after the one that sampled its last t
 finished request has no rows in its step; an engine that schedules one step ahead (SGLang's
 overlap scheduler) may still compute a row for a request that already ended, and the core
 drops such overshoot rows instead of scoring them.
+
+`dropped` lists requests that go on but whose rows in this step deliver nothing: the engine
+took the request back after the step was launched and throws away what the step computed
+for it (to compute it again later), or the step computes again positions whose scores were
+delivered already and samples no new token for the request. The core drops their rows and
+keeps their books. A request computed again from its start (prompt and the tokens it
+generated, in one step or as the last part of several) needs no entry in its final step: the
+books deliver a prompt's scores once and a generated token's score only from the row that
+samples it, so that step delivers its one new token.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ class StepView:
     num_computed: np.ndarray  # tokens of each request computed before this step (cached prefix included)
     num_prompt: np.ndarray  # each request's prompt length
     finished: tuple[str, ...] = ()  # requests that ended before this step's rows (their rows here are dropped)
+    dropped: tuple[str, ...] = ()  # requests that go on, whose rows here deliver nothing (dropped, books kept)
 
     def __post_init__(self) -> None:
         n = len(self.req_ids)

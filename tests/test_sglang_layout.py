@@ -63,7 +63,7 @@ def booked(reader: StepReader, handover: Handover):
                                        num_computed=np.zeros(0, np.int64), num_prompt=np.zeros(0, np.int64)),
                        handover.finished)
     else:
-        view = view_of(handover.step, handover.finished)
+        view = view_of(handover.step, handover.finished, handover.dropped)
     raw = np.concatenate([1000 * int(r[1:]) + np.arange(c, c + n) for r, c, n in
                           zip(view.req_ids, view.num_computed, view.num_scheduled)] or [np.zeros(0)])
     message = step_message(TABLE, view, raw.astype(np.float32).reshape(-1, 1), list(view.finished))
@@ -168,13 +168,16 @@ def test_overlap_scheduler_overshoot_row_is_dropped_and_the_request_released():
     out.append(seq.launching())  # step 1 goes before step 2's forward overwrites the buffers
     seq.launched(snapshot_step(decode([r1, r2], [4, 4]), 2))
     assert seq.before_result(1) is None  # step 1 already went
-    out.append(seq.after_result(1, ["r1"]))  # r1's first token ended it: step 2 goes, knowing
+    # r1's first token ended it; step 2 waits: the scheduler picks step 3 first (and may
+    # retract requests of step 2 as it does)
+    assert seq.after_result(1, ["r1"]) is None
+    out.append(seq.launching())  # step 2 goes before step 3's forward, knowing r1 ended
     assert out[1].step.forward_iter == 2 and out[1].finished == ("r1",)
     seq.launched(snapshot_step(decode([r2], [5]), 3))
     assert seq.before_result(2) is None
-    out.append(seq.after_result(2, ["r1"]))  # r1 shows finished again in step 2's batch: not again
+    assert seq.after_result(2, ["r1"]) is None  # r1 shows finished again in step 2's batch: not again
+    out.append(seq.before_result(3))  # no step 4: step 3 goes before its own results
     assert out[2].step.forward_iter == 3 and out[2].finished == ()
-    assert seq.before_result(3) is None
     out.append(seq.after_result(3, ["r2"]))
     assert out[3] == Handover(None, ("r2",))
     tokens, ended = [], []
@@ -221,3 +224,32 @@ def test_flush_hands_over_a_waiting_step_and_old_ends_are_forgotten():
     assert seq.flush() is None
     seq.after_result(6, ["x"])
     assert "old" not in seq._ended_at and "x" in seq._ended_at
+
+
+def test_a_chunk_of_a_retracted_request_prefilled_again_short_of_its_end_is_dropped():
+    """A retracted request keeps its `output_ids` and is prefilled again from its prompt and
+    them: a chunk that stops short of that end samples nothing and every row of it was
+    delivered before; the chunk that reaches it samples the next token and goes as it is."""
+    again = req("r1", 4)
+    again.output_ids = [7, 8, 9]
+    assert snapshot_step(extend([again], [0], [5]), 1).dropped == ("r1",)
+    assert snapshot_step(extend([again], [2], [1]), 1).dropped == ("r1",)
+    assert snapshot_step(extend([again], [5], [2]), 2).dropped == ()
+    fresh = req("r2", 6)
+    fresh.output_ids = []
+    assert snapshot_step(extend([fresh], [0], [3]), 3).dropped == ()  # a chunk of a prompt
+    # MIXED: a running request decodes its next token beside a prefill
+    assert snapshot_step(extend([fresh, again], [0, 6], [6, 1], mode="MIXED"), 4).dropped == ()
+
+
+def test_a_request_retracted_after_its_step_was_launched_is_dropped_from_it_not_ended():
+    r1, r2 = req("r1", 3), req("r2", 3)
+    for r in (r1, r2):
+        r.retraction_count, r.is_retracted, r.to_finish = 0, False, None
+    seq = StepSequence()
+    seq.launched(snapshot_step(decode([r1, r2], [4, 4]), 2))
+    r2.retraction_count, r2.is_retracted = 1, True  # retract_decode, while step 2 is in flight
+    handed = seq.launching()
+    assert handed.finished == () and handed.dropped == ("r2",)
+    events = booked(StepReader(), handed)
+    assert [t["req"] for t in events.tokens] == ["r1"] and events.finished == []

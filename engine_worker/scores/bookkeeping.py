@@ -365,6 +365,8 @@ def step_message(table: ProbeTable, layout: StepView, raw: np.ndarray | None, fi
         },
         "finished": finished,
     }
+    if layout.dropped:
+        message["dropped"] = list(layout.dropped)
     if raw is not None:
         message["raw"] = np.ascontiguousarray(raw, dtype=np.float32).tobytes()
     if pause is not None:
@@ -393,8 +395,9 @@ class StepReader:
         )
         raw = np.frombuffer(message["raw"], dtype=np.float32).reshape(layout.num_rows, len(table.slots))
         finished = message.get("finished", ())
-        if finished:
-            layout, raw = _without_rows_of(layout, raw, finished)
+        dropped = message.get("dropped", ())
+        if finished or dropped:
+            layout, raw = _without_rows_of(layout, raw, [*finished, *dropped])
         if owner_marker is not None:
             layout, raw = _owned_rows(layout, raw, owner_marker)
             finished = [req for req in finished if owner_marker in req]
@@ -414,10 +417,11 @@ class StepReader:
 
 
 def _without_rows_of(layout: StepView, raw: np.ndarray, finished) -> tuple[StepView, np.ndarray]:
-    """The step without the rows of requests it lists as finished: an engine that schedules a
-    step ahead (SGLang's overlap scheduler) computes rows for a request that had already
-    ended, and they are no tokens of its (engine_worker/step.py). A request that ends with a
-    step is listed in a later step's `finished`, so its own rows are never dropped here."""
+    """The step without the rows of requests it lists as finished or dropped: an engine that
+    schedules a step ahead (SGLang's overlap scheduler) computes rows for a request that had
+    already ended, and they are no tokens of its; a dropped request's rows deliver nothing
+    (engine_worker/step.py). A request that ends with a step is listed in a later step's
+    `finished`, so its own rows are never dropped here."""
     ended = set(finished)
     if not any(req in ended for req in layout.req_ids):
         return layout, raw

@@ -9,7 +9,7 @@ Rows. A batch's rows follow `batch.reqs` (the forward batch's `rids`):
 - EXTEND: request i owns `extend_lens[i]` consecutive rows at positions `prefix_lens[i] ...`,
   where the prefix is what already has KV: a radix-cache hit and earlier chunks of a chunked
   prefill alike. A retracted request prefilled again is an extend of its prompt and the
-  tokens it generated, its prompt length unchanged.
+  tokens it generated, its prompt length unchanged (Retraction below).
 - MIXED (`--enable-mixed-chunk`): the prefilling requests first, then the running ones with
   extend length 1 and the position of their next token as prefix.
 - DECODE: one row per request at position `seq_lens[i] - 1` (the scheduler counts the token
@@ -25,7 +25,26 @@ each step over after every earlier step's results were processed and before its 
 at hand-over every request that ended before the step is known: such a request is listed in
 the step's `finished` though it has rows there, and the core releases it and drops those rows
 (engine_worker/step.py). Requests that end with a step are learned from its results and go
-out with the next hand-over, or on their own (an idle step) when no step is waiting.
+out with the next hand-over, or on their own (an idle step) when no step is waiting. A step
+launched ahead of the results being processed is handed over at the next launch or before
+its own results, whichever comes first, not earlier: the scheduler picks the next batch in
+between, and that is where it retracts requests.
+
+Retraction. When the KV pool cannot hold the next decode step, the scheduler retracts running
+requests (`ScheduleBatch.retract_decode`, from `update_running_batch` while it picks the next
+batch): their KV is freed, `Req.reset_for_retract` sets `is_retracted` and counts up
+`retraction_count`, and they go back to the waiting queue with their `output_ids` (priority
+preemption and `pause_generation`'s retract mode release requests the same way). Under the
+overlap scheduler the step launched before holds rows of such a request; its results are
+skipped for it (`is_retracted`), so its rows are no tokens: the request is listed in the
+step's `dropped` and goes on. (A request retracted and aborted instead, when even one request
+no longer fits, is listed in `finished`: it gets no further results.) Later the request is
+prefilled again from `origin_input_ids + output_ids`, a radix prefix and chunks as for any
+prompt; only the step that reaches the end of those samples a token, the next one. A chunk
+that stops short of the end delivers nothing (its rows are at positions whose scores went
+out before, and it samples nothing), so its request is listed in `dropped`; the last chunk
+goes to the core as it is, which scores its sampling row as that new token and nothing else
+(engine_worker/step.py).
 """
 
 from __future__ import annotations
@@ -56,6 +75,11 @@ class StepSnapshot:
     num_scheduled: np.ndarray
     num_computed: np.ndarray
     num_prompt: np.ndarray
+    dropped: tuple[str, ...] = ()  # requests computed again whose rows here stop short of their end
+    # The batch's requests and each one's (retraction_count, is_retracted) at launch, read
+    # again at hand-over: what the scheduler retracted since then.
+    reqs: tuple = field(default=(), compare=False, repr=False)
+    marks: tuple[tuple[int, bool], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def rows(self) -> int:
@@ -65,6 +89,16 @@ class StepSnapshot:
     def has_prompt_rows(self) -> bool:
         """Some request is still in its prompt: the step carries a prompt chunk."""
         return bool((self.num_computed < self.num_prompt).any())
+
+    def taken_back(self) -> tuple[list[str], list[str]]:
+        """The requests of this step retracted since it was launched, as (queued again,
+        aborted): the scheduler skips the step's results for both."""
+        queued, aborted = [], []
+        for req_id, req, (count, flag) in zip(self.req_ids, self.reqs, self.marks):
+            now_count, now_flag = _retraction_mark(req)
+            if now_count > count or (now_flag and not flag):
+                (aborted if getattr(req, "to_finish", None) is not None else queued).append(req_id)
+        return queued, aborted
 
 
 def _mode(batch, name: str) -> bool:
@@ -79,6 +113,24 @@ def _ints(values) -> np.ndarray:
     if hasattr(values, "tolist") and not isinstance(values, np.ndarray):
         values = values.tolist()  # a torch tensor (on the host: SGLang keeps *_cpu mirrors)
     return np.array(values, dtype=np.int64, copy=True).reshape(-1)
+
+
+def _retraction_mark(req) -> tuple[int, bool]:
+    count = getattr(req, "retraction_count", 0)
+    return (count if isinstance(count, int) else 0), getattr(req, "is_retracted", False) is True
+
+
+def _computed_again(req_ids, reqs, computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray) -> tuple:
+    """The requests of an extend step that computes tokens they generated before (a retracted
+    request prefilled again: `output_ids` is not empty) and stops short of their end: SGLang
+    samples nothing for such a chunk, and its rows are at positions below the last generated
+    token's, whose scores went out with the prompt's summary and those tokens."""
+    again = []
+    for i, req in enumerate(reqs):
+        generated = len(getattr(req, "output_ids", None) or ())
+        if generated and computed[i] + scheduled[i] < prompt[i] + generated:
+            again.append(req_ids[i])
+    return tuple(again)
 
 
 def _first(batch, *names):
@@ -122,7 +174,8 @@ def snapshot_step(batch, forward_iter: int, prompt_lens=None) -> StepSnapshot | 
     if n == 0:
         return None
     prompt = _prompt_lengths(batch, prompt_lens)
-    if _mode(batch, "is_decode"):
+    extending = not _mode(batch, "is_decode")
+    if not extending:
         computed = _ints(_first(batch, "seq_lens_cpu")) - 1
         scheduled = np.ones(n, dtype=np.int64)
         expected = None  # one row a request (`input_ids` may still be the previous step's placeholder)
@@ -140,21 +193,29 @@ def snapshot_step(batch, forward_iter: int, prompt_lens=None) -> StepSnapshot | 
                                f" {int(scheduled.sum())}")
     if (computed < 0).any() or (scheduled < 0).any():
         raise UnsupportedBatch("negative prefix or extend length in the batch")
-    return StepSnapshot(int(forward_iter), tuple(req_ids), scheduled, computed, prompt)
+    reqs = tuple(getattr(batch, "reqs", None) or ())
+    if len(reqs) != n:  # a ForwardBatch alone: no requests to watch
+        return StepSnapshot(int(forward_iter), tuple(req_ids), scheduled, computed, prompt)
+    again = _computed_again(req_ids, reqs, computed, scheduled, prompt) if extending else ()
+    return StepSnapshot(int(forward_iter), tuple(req_ids), scheduled, computed, prompt, again, reqs,
+                        tuple(_retraction_mark(req) for req in reqs))
 
 
-def view_of(snapshot: StepSnapshot, finished: tuple[str, ...] = ()) -> StepView:
+def view_of(snapshot: StepSnapshot, finished: tuple[str, ...] = (), dropped: tuple[str, ...] = ()) -> StepView:
     return StepView(req_ids=list(snapshot.req_ids), num_scheduled=snapshot.num_scheduled,
-                    num_computed=snapshot.num_computed, num_prompt=snapshot.num_prompt, finished=tuple(finished))
+                    num_computed=snapshot.num_computed, num_prompt=snapshot.num_prompt, finished=tuple(finished),
+                    dropped=tuple(dropped))
 
 
 @dataclass(frozen=True)
 class Handover:
     """What goes to the controller now: a step that ran (`step`, with the requests that ended
-    before it or ran past their end in it) or, `step` None, only requests that ended."""
+    before it or ran past their end in it, and those whose rows in it deliver nothing) or,
+    `step` None, only requests that ended."""
 
     step: StepSnapshot | None
     finished: tuple[str, ...]
+    dropped: tuple[str, ...] = ()
 
 
 @dataclass
@@ -197,8 +258,10 @@ class StepSequence:
                 self._ended_at[req_id] = forward_iter
                 self._ended.append(req_id)
         self._forget_old()
-        if self.pending is not None:  # launched ahead of these results: it goes now, knowing them
-            return self._hand_over()
+        if self.pending is not None:
+            # Launched ahead of these results: it goes at the next launch or before its own
+            # results, with these ends, once the scheduler has retracted what it retracts.
+            return None
         if self._ended:
             finished, self._ended = tuple(self._ended), []
             return Handover(None, finished)
@@ -216,7 +279,13 @@ class StepSequence:
         # Requests that ended before this step and still have rows in it: run past their end.
         listed = set(finished)
         finished += [r for r in step.req_ids if r in self._ended_at and r not in listed]
-        return Handover(step, tuple(finished))
+        # Requests retracted since the step was launched: no tokens of theirs in it.
+        queued, aborted = step.taken_back()
+        listed.update(finished)
+        finished += [r for r in aborted if r not in listed]
+        listed.update(finished)
+        dropped = [r for r in dict.fromkeys((*step.dropped, *queued)) if r not in listed]
+        return Handover(step, tuple(finished), tuple(dropped))
 
     def _forget_old(self) -> None:
         # Entries go in by step, so the oldest are first.

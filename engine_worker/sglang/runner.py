@@ -14,8 +14,9 @@ Where it hooks (class patches made by plugin.py in every SGLang process, before 
   the forward is enqueued, and mid-forward copies are opened for a step carrying a prompt.
 - `Scheduler.process_batch_result`, around: the step is handed to the controller before its
   own results are processed and after every earlier step's (layout.StepSequence says why:
-  SGLang's overlap scheduler runs requests past their end), its copies enqueued on the stream
-  its forward ran on; requests that ended are read from the batch afterwards.
+  SGLang's overlap scheduler runs requests past their end, and retracts requests of a step
+  in flight), its copies enqueued on the stream its forward ran on; requests that ended are
+  read from the batch afterwards.
 - `Scheduler.set_internal_state`, around: ProbeX's engine RPC (api_server.py) rides on
   SGLang's own internal-state request, answered here between steps on the scheduler thread.
 
@@ -174,7 +175,7 @@ def hand_over(state: RunnerState, handover: Handover | None) -> None:
         controller.after_idle_step(list(handover.finished))
         return
     with _on_stream(state.stream):  # behind the step's forward, ahead of the next one
-        controller.after_forward(view_of(handover.step, handover.finished))
+        controller.after_forward(view_of(handover.step, handover.finished, handover.dropped))
 
 
 def _on_stream(stream):
