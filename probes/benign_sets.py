@@ -27,8 +27,6 @@ import io
 from pathlib import Path
 from typing import Callable, Sequence
 
-import yaml
-
 from probes.datasets import (
     BENIGN,
     GARAK,
@@ -49,6 +47,7 @@ from probes.datasets import (
     load_text_lines,
     load_user_file,
     read_text_file,
+    yaml_list,
     split_bucket,
 )
 
@@ -73,15 +72,7 @@ def load_chatterbot() -> list[LabelledPrompt]:
     folder = fetch_wheel_files(CHATTERBOT, [s.member for s in sources])
     examples = []
     for topic, src in zip(CHATTERBOT_TOPICS, sources):
-        path = folder / src.member
-        try:
-            data = yaml.safe_load(read_text_file(path))
-        except yaml.YAMLError as exc:
-            raise DatasetError(f"{path}: not valid YAML ({exc})") from None
-        conversations = data.get("conversations") if isinstance(data, dict) else None
-        if not isinstance(conversations, list):
-            raise DatasetError(f"{path}: expected a mapping with a 'conversations' list")
-        for index, turns in enumerate(conversations, start=1):
+        for index, turns in enumerate(yaml_list(folder / src.member, "conversations"), start=1):
             first = turns[0] if isinstance(turns, list) and turns else None
             if isinstance(first, str) and first.strip():
                 examples.append(LabelledPrompt(first.strip(), BENIGN, f"chatterbot/{topic}", f"{src.file_ref}#{index}"))

@@ -276,17 +276,22 @@ def load_temaq() -> list[LabelledPrompt]:
     return harmful + harmless
 
 
-def load_advbench() -> list[LabelledPrompt]:
-    """AdvBench's 520 harmful behaviours, as PyRIT packages them (YAML, `seeds: [{value: ...}]`)."""
-    folder = fetch_wheel_files(PYRIT, [ADVBENCH.member])
-    path = folder / ADVBENCH.member
+def yaml_list(path: Path, key: str) -> list:
+    """The list under `key` of the YAML mapping in `path`; DatasetError naming the file otherwise."""
     try:
         data = yaml.safe_load(read_text_file(path))
     except yaml.YAMLError as exc:
         raise DatasetError(f"{path}: not valid YAML ({exc})") from None
-    seeds = data.get("seeds") if isinstance(data, dict) else None
-    if not isinstance(seeds, list):
-        raise DatasetError(f"{path}: expected a mapping with a 'seeds' list")
+    items = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        raise DatasetError(f"{path}: expected a mapping with a '{key}' list")
+    return items
+
+
+def load_advbench() -> list[LabelledPrompt]:
+    """AdvBench's 520 harmful behaviours, as PyRIT packages them (YAML, `seeds: [{value: ...}]`)."""
+    folder = fetch_wheel_files(PYRIT, [ADVBENCH.member])
+    seeds = yaml_list(folder / ADVBENCH.member, "seeds")
     examples = []
     for index, seed in enumerate(seeds, start=1):
         text = seed.get("value") if isinstance(seed, dict) else None

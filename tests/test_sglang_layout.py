@@ -11,31 +11,7 @@ import pytest
 
 from engine_worker.scores.bookkeeping import ProbeSlot, ProbeTable, StepReader, step_message
 from engine_worker.sglang.layout import (Handover, StepSequence, UnsupportedBatch, snapshot_step, view_of)
-
-
-class Mode:
-    """ForwardMode's predicates, as SGLang 0.5.14 defines them (MIXED is an extend)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def is_extend(self):
-        return self.name in ("EXTEND", "MIXED", "TARGET_VERIFY")
-
-    def is_decode(self):
-        return self.name == "DECODE"
-
-    def is_mixed(self):
-        return self.name == "MIXED"
-
-    def is_idle(self):
-        return self.name == "IDLE"
-
-    def is_target_verify(self):
-        return self.name == "TARGET_VERIFY"
-
-    def __repr__(self):
-        return f"ForwardMode.{self.name}"
+from tests.fixtures.sglang_standins import Mode
 
 
 def req(rid: str, prompt: int):

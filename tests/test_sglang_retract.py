@@ -27,22 +27,9 @@ import pytest
 from engine_worker.scores.bookkeeping import ProbeSlot, ProbeTable, StepReader, step_message
 from engine_worker.sglang import runner as sgl
 from engine_worker.step import StepView
+from tests.fixtures.sglang_standins import Mode
 
 TABLE = ProbeTable(version=1, slots=(ProbeSlot("p", 3, 0, "last", 1.0, 0.0),))
-
-
-class Mode:
-    def __init__(self, name):
-        self.name = name
-
-    def is_extend(self):
-        return self.name in ("EXTEND", "MIXED")
-
-    def is_decode(self):
-        return self.name == "DECODE"
-
-    def is_idle(self):
-        return self.name == "IDLE"
 
 
 class Req:

@@ -15,20 +15,7 @@ from engine_worker.sglang import runner as sgl
 from engine_worker.sglang.controls import answer
 from engine_worker.tap.config import TapConfig
 from engine_worker.tap.layer import LayerTap
-
-
-class Mode:
-    def __init__(self, name):
-        self.name = name
-
-    def is_extend(self):
-        return self.name in ("EXTEND", "MIXED")
-
-    def is_decode(self):
-        return self.name == "DECODE"
-
-    def is_idle(self):
-        return self.name == "IDLE"
+from tests.fixtures.sglang_standins import Mode
 
 
 class Req:
