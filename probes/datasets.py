@@ -291,7 +291,8 @@ def yaml_list(path: Path, key: str) -> list:
 def load_advbench() -> list[LabelledPrompt]:
     """AdvBench's 520 harmful behaviours, as PyRIT packages them (YAML, `seeds: [{value: ...}]`)."""
     folder = fetch_wheel_files(PYRIT, [ADVBENCH.member])
-    seeds = yaml_list(folder / ADVBENCH.member, "seeds")
+    path = folder / ADVBENCH.member
+    seeds = yaml_list(path, "seeds")
     examples = []
     for index, seed in enumerate(seeds, start=1):
         text = seed.get("value") if isinstance(seed, dict) else None
