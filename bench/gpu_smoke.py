@@ -128,24 +128,34 @@ async def teacher_forced(url: str, model: str) -> dict:
                     "vllm_xargs": {"probex_recompute": True}}
             r = await client.post(url + "/v1/completions", json=body)
             r.raise_for_status()
-            got = r.json()["probex"]["scores"]
-            out = []
-            for name, entry in response["probex"]["scores"].items():
-                scores = entry["generated"]["scores"]
-                want = got[name]["prompt"]["last"]
-                others = [abs(want - scores[k]) for k in (j - 1, j + 1) if 0 <= k < len(scores)]
-                out.append((abs(want - scores[j]), others))
-            return out
+            return forced_pairs(response["probex"]["scores"], r.json()["probex"]["scores"], j)
 
         sampled = await asyncio.gather(*(sample(i, p) for i, p in enumerate(PROMPTS[:4])))
         jobs = [forced(r, j) for r in sampled for j in TEACHER_FORCED_TOKENS if j < len(r["choices"][0]["token_ids"])]
         results = [pair for pairs in await asyncio.gather(*jobs) for pair in pairs]
+    return teacher_forced_summary(results)
+
+
+def forced_pairs(sampled: dict, forced: dict, j: int) -> list[tuple[float, list[float]]]:
+    """Per probe: (|forced last-prompt score - generated score j|, the same against tokens j-1
+    and j+1), from the `probex.scores` of the sampled response and of the forced request."""
+    out = []
+    for name, entry in sampled.items():
+        scores = entry["generated"]["scores"]
+        want = forced[name]["prompt"]["last"]
+        others = [abs(want - scores[k]) for k in (j - 1, j + 1) if 0 <= k < len(scores)]
+        out.append((abs(want - scores[j]), others))
+    return out
+
+
+def teacher_forced_summary(results: list[tuple[float, list[float]]]) -> dict:
     same = [d for d, _ in results]
     shifted = [o for _, others in results for o in others]
     return {"compared": len(same), "max_abs_diff": max(same),
             "median_abs_diff_one_token_off": float(np.median(shifted)) if shifted else None,
             # an off-by-one would make the neighbour the better match
-            "closest_to_own_token": sum(d < min(others) for d, others in results if others)}
+            "closest_to_own_token": sum(d < min(others) for d, others in results if others),
+            "with_neighbours": sum(1 for _, others in results if others)}
 
 
 MODES = {

@@ -111,10 +111,12 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float | None
 
 @contextlib.contextmanager
 def logged_worker(cmd: list[str], env: dict[str, str], log_path: Path, url: str, label: str,
-                  timeout_s: float = 900) -> Iterator[float]:
+                  timeout_s: float = 900, stop_grace_s: float = 60) -> Iterator[float]:
     """Start `cmd` (output to `log_path`), wait until `url` serves, yield the seconds that took; stop it after.
 
-    The process gets its own session so stopping it takes vLLM's engine processes along.
+    The process gets its own session so stopping it takes the engine's processes along: SIGTERM
+    to the group, then SIGKILL to whatever of it is left after `stop_grace_s` (an engine process
+    still holding GPU memory would starve the next worker started on the same card).
     """
     started = time.monotonic()
     with open(log_path, "w") as log:
@@ -130,4 +132,20 @@ def logged_worker(cmd: list[str], env: dict[str, str], log_path: Path, url: str,
             # do; once all are gone there is nothing to signal, and the real error must surface.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
+            _end_group(proc, stop_grace_s)
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """Wait up to `grace_s` for the process and the rest of its group to exit, then kill what is left."""
+    deadline = time.monotonic() + grace_s
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)

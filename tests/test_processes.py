@@ -294,3 +294,29 @@ def test_probex_serve_restarts_a_worker_that_dies_and_says_so(tmp_path):
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+STUBBORN = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+print("child", child.pid, flush=True)
+""" + SERVER
+
+
+def test_logged_worker_kills_what_of_the_group_ignores_sigterm(tmp_path):
+    port = free_port()
+    log = tmp_path / "w.log"
+    with logged_worker([sys.executable, "-c", STUBBORN, str(port)], dict(os.environ), log,
+                       f"http://127.0.0.1:{port}", "toy", timeout_s=30, stop_grace_s=1):
+        pass
+    child = int(next(line for line in log.read_text().splitlines() if line.startswith("child")).split()[1])
+    import time
+
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the child that ignored SIGTERM is still running")

@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine: wait (at most SECONDS) until /root/runs/all.log says "NAME done", then
-# hand back what the runs wrote so far under $OUT/runs: each run's bench_engine.json
-# gzipped, its charts, and the tails of its output and server logs (logs.tar.gz).
+# hand back what the runs wrote so far under $OUT/runs: each run's bench_engine.json and
+# sglang_smoke.json gzipped, its charts, and the tails of its output and server logs (logs.tar.gz).
 #
 #   bash bench/gpu/poll.sh SECONDS NAME
 #
@@ -22,6 +22,7 @@ done
 mkdir -p "$OUT/runs" /tmp/tails
 cd /root/runs
 for f in */bench_engine.json; do [ -f "$f" ] && gzip -c "$f" > "$OUT/runs/$(dirname "$f").json.gz"; done
+for f in */sglang_smoke.json; do [ -f "$f" ] && gzip -c "$f" > "$OUT/runs/$(dirname "$f")-sglang_smoke.json.gz"; done
 cp ./*/*.png "$OUT/runs/" 2>/dev/null
 rm -rf /tmp/tails/*
 for f in *.out */*.log; do
