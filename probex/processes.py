@@ -141,11 +141,30 @@ def _end_group(proc: subprocess.Popen, grace_s: float) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(grace_s)
     while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
+        if not _group_running(proc.pid):
             return
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running. Zombies do not count: where nothing reaps
+    the orphans of a stopped worker (a container whose first process does not), they linger as
+    zombies that a signal still reaches but that hold no memory."""
+    proc_dir = Path("/proc")
+    if not proc_dir.is_dir():  # no procfs: a signal tells whether the group exists at all
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in proc_dir.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":  # after the name: state, ppid, pgrp
+            return True
+    return False

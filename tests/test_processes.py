@@ -3,7 +3,9 @@
 import argparse
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,7 @@ def test_logged_worker_names_a_worker_that_died(tmp_path):
 
 EMBEDDED = """
 import sys
+import time
 from pathlib import Path
 from probex.serve import run_embedded
 port, worker_port, policy = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
@@ -320,3 +323,18 @@ def test_logged_worker_kills_what_of_the_group_ignores_sigterm(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail("the child that ignored SIGTERM is still running")
+
+
+def test_a_group_counts_as_running_only_while_a_live_process_is_in_it():
+    from probex.processes import _group_running
+
+    assert _group_running(os.getpgrp())
+    child = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    child.wait()
+    assert not _group_running(child.pid)  # its own group, now empty
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.05)
+    assert not _group_running(zombie.pid)  # exited, not yet reaped: a zombie holds nothing
+    zombie.wait()
