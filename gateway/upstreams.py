@@ -1,4 +1,11 @@
-"""The workers behind the gateway: least-outstanding choice among healthy upstreams."""
+"""The workers behind the gateway: least-outstanding choice among healthy upstreams.
+
+Health: every few seconds each worker's `/health` and `/v1/models` are asked for. A worker that
+refuses the connection is gone and is taken out of the choice at once. A worker that answers
+late or with an error status may only be busy (a CPU engine under load answers its health
+check after the requests it is computing), so it is taken out after `UNHEALTHY_AFTER_CHECKS`
+such checks in a row; one passing check brings any worker back. A request that cannot reach a
+worker also takes it out at once (gateway/errors.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +18,9 @@ import httpx
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("probex.upstreams")
+
+
+UNHEALTHY_AFTER_CHECKS = 3  # late or failed health checks in a row that take an answering worker out
 
 
 class NoHealthyUpstream(Exception):
@@ -42,6 +52,7 @@ class Upstream:
     outstanding: int = 0
     models: set[str] = field(default_factory=set)
     last_error: str | None = None
+    failed_checks: int = 0  # health checks in a row that failed without a refused connection
 
 
 class UpstreamPool:
@@ -77,11 +88,18 @@ class UpstreamPool:
             upstream.models = {m["id"] for m in listing.json().get("data", [])}
             if not upstream.healthy:
                 log.info("probex: upstream %s is healthy again", upstream.url)
-            upstream.healthy, upstream.last_error = True, None
+            upstream.healthy, upstream.last_error, upstream.failed_checks = True, None, 0
         except (httpx.HTTPError, ValueError) as exc:
-            if upstream.healthy:
-                log.warning("probex: upstream %s failed its health check: %s: %s", upstream.url, type(exc).__name__, exc)
-            upstream.healthy, upstream.last_error = False, f"{type(exc).__name__}: {exc}"
+            upstream.failed_checks += 1
+            upstream.last_error = f"{type(exc).__name__}: {exc}"
+            gone = isinstance(exc, httpx.ConnectError)  # refused or unroutable: nothing listens there
+            if upstream.healthy and (gone or upstream.failed_checks >= UNHEALTHY_AFTER_CHECKS):
+                log.warning("probex: upstream %s failed its health check (%d in a row), taken out: %s",
+                            upstream.url, upstream.failed_checks, upstream.last_error)
+                upstream.healthy = False
+            elif upstream.healthy:
+                log.info("probex: upstream %s was late or failed its health check (%d in a row): %s",
+                         upstream.url, upstream.failed_checks, upstream.last_error)
         self.metrics.upstream_healthy.labels(upstream=upstream.url).set(1 if upstream.healthy else 0)
 
     async def check_all(self) -> None:
