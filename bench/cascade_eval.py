@@ -94,13 +94,18 @@ def band_scores(args: argparse.Namespace) -> tuple[float, float, dict]:
             {"from_fpr": args.band_from_fpr, "to_fpr": args.band_to_fpr})
 
 
+def ask(judge: JudgeClient, settings: JudgeSettings, url: str, model: str, text: str):
+    """The judge's verdict on `text` sent as a one-turn chat request, as the gateway asks it."""
+    return judge.ask(settings, url, model, {"model": model, "messages": [{"role": "user", "content": text}]})
+
+
 async def judge_all(judge: JudgeClient, settings: JudgeSettings, url: str, model: str, texts: list[str],
                     concurrency: int) -> list[JudgeOutcome]:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(text: str) -> JudgeOutcome:
         async with gate:
-            return await judge.ask(settings, url, model, {"model": model, "messages": [{"role": "user", "content": text}]})
+            return await ask(judge, settings, url, model, text)
 
     return list(await asyncio.gather(*(one(t) for t in texts)))
 
@@ -119,25 +124,27 @@ def judge_auroc(outcomes: list[JudgeOutcome], labels: np.ndarray) -> float | Non
 
 
 async def evaluate(args: argparse.Namespace) -> dict:
-    from probex.served_scores import score_prompts
+    from probex.served_scores import score_prompts, worker_model
 
     split, probe_name, source = load_split(args)
     band_from, band_to, band_rates = band_scores(args)
     settings = JudgeSettings.model_validate((yaml.safe_load(Path(args.policy).read_text()) or {}).get("judge") or {}) \
         if args.policy else JudgeSettings()
     texts = [text for text, _ in split]
+    if args.model:
+        model = args.model
+    else:
+        with httpx.Client(timeout=120, trust_env=False) as http:
+            model = worker_model(http, args.worker, "cascade_eval")
     served = score_prompts(args.worker, texts, probe_name, command="cascade_eval", concurrency=args.concurrency,
-                           model=args.model)
+                           model=model)
     score = np.asarray(served.score, dtype=float)
-    async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
-        model = args.model or (await http.get(args.worker + "/v1/models")).json()["data"][0]["id"]
     url, judge_model = settings.url or args.worker, settings.model or model
     in_band = (score >= band_from) & (score < band_to)
     judge = JudgeClient(judge_mark(None))
     try:
         outcomes = await judge_all(judge, settings, url, judge_model, texts, args.concurrency)
-        timed = [await judge.ask(settings, url, judge_model, {"model": model, "messages": [{"role": "user", "content": t}]})
-                 for t in np.asarray(texts, dtype=object)[in_band]]
+        timed = [await ask(judge, settings, url, judge_model, t) for t in np.asarray(texts, dtype=object)[in_band]]
     finally:
         await judge.close()
     labels = np.array([label for _, label in split])
