@@ -113,12 +113,13 @@ def max_rows_for(chunked_prefill_size, max_prefill_tokens=None, max_running_requ
 def graph_max_sizes(args) -> tuple[int | None, int | None]:
     """(decode graphs' largest batch, prefill graphs' largest token count) from SGLang's
     server arguments: 0.5.14 keeps them in `cuda_graph_config` (`decode.max_bs`,
-    `prefill.max_bs`, filled in by ServerArgs.__post_init__); there is no `cuda_graph_max_bs`."""
+    `prefill.max_bs`, filled in by ServerArgs.__post_init__ from `--cuda-graph-max-bs-decode` /
+    `--cuda-graph-max-bs-prefill`, read directly where the config is not filled in yet)."""
     config = getattr(args, "cuda_graph_config", None)
     decode = getattr(getattr(config, "decode", None), "max_bs", None)
     prefill = getattr(getattr(config, "prefill", None), "max_bs", None)
     if decode is None:
-        decode = getattr(args, "cuda_graph_max_bs_decode", None) or getattr(args, "cuda_graph_max_bs", None)
+        decode = getattr(args, "cuda_graph_max_bs_decode", None)
     if prefill is None:
         prefill = getattr(args, "cuda_graph_max_bs_prefill", None)
     return decode, prefill
