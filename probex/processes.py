@@ -161,10 +161,16 @@ def _group_running(pgid: int) -> bool:
             return False
         return True
     for stat in proc_dir.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid and fields[0] != "Z":  # after the name: state, ppid, pgrp
+        found = process_state(stat)
+        if found is not None and found[1] == pgid and found[0] != "Z":
             return True
     return False
+
+
+def process_state(stat: Path) -> tuple[str, int] | None:
+    """(state letter, process group) from a /proc/<pid>/stat file; None once the process is gone."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name: state, ppid, pgrp
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[2])

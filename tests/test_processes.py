@@ -326,7 +326,7 @@ def test_logged_worker_kills_what_of_the_group_ignores_sigterm(tmp_path):
 
 
 def test_a_group_counts_as_running_only_while_a_live_process_is_in_it():
-    from probex.processes import _group_running
+    from probex.processes import _group_running, process_state
 
     assert _group_running(os.getpgrp())
     child = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
@@ -334,7 +334,7 @@ def test_a_group_counts_as_running_only_while_a_live_process_is_in_it():
     assert not _group_running(child.pid)  # its own group, now empty
     zombie = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+    while time.monotonic() < deadline and process_state(Path(f"/proc/{zombie.pid}/stat"))[0] != "Z":
         time.sleep(0.05)
     assert not _group_running(zombie.pid)  # exited, not yet reaped: a zombie holds nothing
     zombie.wait()
