@@ -61,6 +61,17 @@ def retract(req: Req, abort: bool = False) -> None:
     req.reset_for_retract()
 
 
+def retract_then_decode(retracted: Req, *running: Req):
+    """A pick that retracts `retracted` (the scheduler, while it picks the next batch) and then
+    decodes the requests still running."""
+
+    def pick():
+        retract(retracted)
+        return decode(*running)
+
+    return pick
+
+
 def extend(*parts):
     """A prefill batch: (request, radix prefix or earlier chunks, rows)."""
     reqs, prefix, rows = [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts]
@@ -199,14 +210,10 @@ def test_overlap_drops_the_row_of_a_request_retracted_while_its_step_is_in_fligh
     there. The in-flight row is dropped; token 1's score comes from the prefill again."""
     r1, r2 = Req("r1", 3, max_new=4), Req("r2", 4, max_new=4)
 
-    def retract_r2_then_decode_r1():
-        retract(r2)
-        return decode(r1)
-
     controller = run([
         lambda: extend((r1, 0, 3), (r2, 0, 4)),
         lambda: decode(r1, r2),  # step 2: r2's row at position 4 (token 1)
-        retract_r2_then_decode_r1,  # step 3, while step 2 is in flight
+        retract_then_decode(r2, r1),  # step 3, while step 2 is in flight
         lambda: extend((r2, prefix, 5 - prefix)),  # step 4: prompt + token 0 again, samples token 1
         lambda: decode(r1, r2),
         lambda: decode(r1, r2),
@@ -226,13 +233,9 @@ def test_overlap_drops_a_prefill_in_flight_and_the_prompt_goes_out_from_the_pref
     and that one delivers the prompt's scores and token 0."""
     r1, r2 = Req("r1", 3, max_new=2), Req("r2", 6, max_new=2)
 
-    def retract_r2_then_decode_r1():
-        retract(r2)
-        return decode(r1)
-
     controller = run([
         lambda: extend((r1, 0, 3), (r2, 0, 6)),
-        retract_r2_then_decode_r1,
+        retract_then_decode(r2, r1),
         lambda: extend((r2, 0, 6)),
         lambda: decode(r2),
         lambda: None,
@@ -250,15 +253,11 @@ def test_without_overlap_a_chunked_prefill_again_delivers_only_its_new_token():
     the prompt but samples nothing; the second samples token 3."""
     r1, r2 = Req("r1", 3, max_new=5), Req("r2", 4, max_new=5)
 
-    def retract_r2_then_decode_r1():
-        retract(r2)
-        return decode(r1)
-
     controller = run([
         lambda: extend((r1, 0, 3), (r2, 0, 4)),
         lambda: decode(r1, r2),
         lambda: decode(r1, r2),
-        retract_r2_then_decode_r1,
+        retract_then_decode(r2, r1),
         lambda: extend((r2, 0, 5)),  # positions 0-4: the prompt and tokens 0-1, all delivered before
         lambda: extend((r2, 5, 2)),  # positions 5-6: samples token 3
         lambda: decode(r1, r2),
@@ -276,15 +275,11 @@ def test_overlap_chunked_prefill_again_after_a_row_in_flight():
     generated tokens, the third at the end."""
     r1, r2 = Req("r1", 2, max_new=6), Req("r2", 5, max_new=4)
 
-    def retract_r2_then_decode_r1():
-        retract(r2)
-        return decode(r1)
-
     controller = run([
         lambda: extend((r1, 0, 2), (r2, 0, 5)),
         lambda: decode(r1, r2),
         lambda: decode(r1, r2),  # r2's token 2, in flight when it is retracted
-        retract_r2_then_decode_r1,
+        retract_then_decode(r2, r1),
         lambda: extend((r2, 0, 3)),
         lambda: extend((r2, 3, 3)),
         lambda: extend((r2, 6, 1)),  # prompt 5 + tokens 0-1: samples token 2
